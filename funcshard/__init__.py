@@ -1,0 +1,55 @@
+"""funcshard: fully sharded data parallelism for PyTorch, the JAX way.
+
+A model is a pure function over a parameter pytree; :func:`plan` turns
+declarative rules into per-leaf placement specs (JAX ``PartitionSpec``
+semantics); :func:`shard` keeps each rank's shards in one flat buffer per unit.
+"""
+
+from funcshard._src.comm.runtime import init as init
+from funcshard._src.comm.runtime import rank as rank
+from funcshard._src.comm.runtime import world_size as world_size
+from funcshard._src.plan.plan import LeafPlan as LeafPlan
+from funcshard._src.plan.plan import Plan as Plan
+from funcshard._src.plan.plan import plan as plan
+from funcshard._src.plan.strategy import Strategy as Strategy
+from funcshard._src.plan.units import Unit as Unit
+from funcshard._src.shard.shard import shard as shard
+from funcshard._src.shard.shard import unshard as unshard
+from funcshard._src.shard.sharded import ShardedTensor as ShardedTensor
+from funcshard._src.spec.mesh import Mesh as Mesh
+from funcshard._src.spec.named_sharding import NamedSharding as NamedSharding
+from funcshard._src.spec.partition_spec import P as P
+from funcshard._src.spec.partition_spec import SpecError as SpecError
+from funcshard._src.tree import flatten as tree_flatten
+from funcshard._src.tree import leaf_paths as leaf_paths
+from funcshard._src.tree import leaves as tree_leaves
+from funcshard._src.tree import register_dataclass as register_dataclass
+from funcshard._src.tree import tree_map as tree_map
+from funcshard._src.tree import unflatten as tree_unflatten
+
+PartitionSpec = P
+
+__all__ = [
+    "LeafPlan",
+    "Mesh",
+    "NamedSharding",
+    "P",
+    "PartitionSpec",
+    "Plan",
+    "ShardedTensor",
+    "SpecError",
+    "Strategy",
+    "Unit",
+    "init",
+    "leaf_paths",
+    "plan",
+    "rank",
+    "register_dataclass",
+    "shard",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+    "tree_unflatten",
+    "unshard",
+    "world_size",
+]

@@ -1,0 +1,53 @@
+"""The distributed runtime: starting ``torch.distributed`` and asking who we are."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def init(*, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Starts ``torch.distributed`` from torchrun's environment; alone, it does nothing.
+
+    The backend is ``nccl`` where CUDA is available and ``gloo`` otherwise. On
+    the CPU, when several ranks share the machine and ``OMP_NUM_THREADS`` is not
+    set, each rank gets an equal share of the cores. Calling it again is a no-op.
+
+    Args:
+        backend: override the backend (``"gloo"``, ``"nccl"``).
+        timeout_s: how long a collective may wait for its peers before it fails.
+
+    Example:
+        >>> init()  # a single process without torchrun: nothing to start
+        >>> world_size()
+        1
+    """
+    if dist.is_initialized() or "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    elif "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def is_distributed() -> bool:
+    """Whether ``torch.distributed`` is initialized."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's global rank (0 outside a distributed run)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The number of ranks (1 outside a distributed run)."""
+    return dist.get_world_size() if is_distributed() else 1

@@ -1,0 +1,64 @@
+"""Sharding strategies per unit, and the mesh axes each one shards over.
+
+``full_shard`` is ZeRO-3 (free after forward, re-gather for backward),
+``shard_grad_op`` ZeRO-2 (keep gathered from forward to backward), ``no_shard``
+DDP (replicate, all-reduce gradients) and ``hybrid_shard`` shards over the last
+mesh axis and replicates over the others (reduce-scatter inside the shard group,
+all-reduce across replicas).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypeAlias
+
+from funcshard._src.spec.mesh import Mesh
+from funcshard._src.spec.partition_spec import P
+
+Strategy: TypeAlias = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"]
+STRATEGIES: tuple[Strategy, ...] = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+
+
+def check_strategy(strategy: object, /) -> Strategy:
+    """Returns ``strategy`` if it names a strategy.
+
+    Raises:
+        ValueError: anything else, listing the strategies.
+    """
+    for known in STRATEGIES:
+        if strategy == known:
+            return known
+    raise ValueError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
+
+
+def shard_axes(strategy: Strategy, mesh: Mesh, /) -> tuple[str, ...]:
+    """The mesh axes that ``strategy`` may shard a leaf over, major first.
+
+    Example:
+        >>> mesh = Mesh({"dp": 2, "fsdp": 4})
+        >>> shard_axes("full_shard", mesh), shard_axes("hybrid_shard", mesh), shard_axes("no_shard", mesh)
+        (('dp', 'fsdp'), ('fsdp',), ())
+    """
+    if strategy == "no_shard":
+        return ()
+    if strategy == "hybrid_shard":
+        return mesh.axis_names[-1:]
+    return mesh.axis_names
+
+
+def default_spec(shape: tuple[int, ...], strategy: Strategy, mesh: Mesh, /) -> P:
+    """The spec of a leaf no rule matches: its largest dim over the strategy's shard axes.
+
+    Ties go to the first such dim; scalars and ``no_shard`` replicate.
+
+    Example:
+        >>> default_spec((8, 32), "full_shard", Mesh({"dp": 2, "fsdp": 2}))
+        P(None, ('dp', 'fsdp'))
+        >>> default_spec((), "full_shard", Mesh({"fsdp": 2}))
+        P()
+    """
+    axes = shard_axes(strategy, mesh)
+    if not shape or not axes:
+        return P()
+    dim = max(range(len(shape)), key=lambda d: (shape[d], -d))
+    entry = axes[0] if len(axes) == 1 else axes
+    return P(*([None] * dim), entry)

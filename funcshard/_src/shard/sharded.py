@@ -1,0 +1,144 @@
+"""ShardedTensor: one leaf's local shard, a view into its unit's flat buffer.
+
+A sharded pytree (what :func:`funcshard.shard` returns, and gradients and
+optimizer state alike) has a :class:`ShardedTensor` per leaf. Leaves of one unit
+and dtype share one :class:`FlatShard`, so collectives and optimizers work on
+whole flat buffers, never leaf by leaf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from funcshard._src import tree
+from funcshard._src.shard.flat import FlatLayout, Slot, local_view, padded_view
+from funcshard._src.spec.named_sharding import NamedSharding
+from funcshard._src.spec.partition_spec import P
+
+
+@dataclass(frozen=True, eq=False)
+class FlatShard:
+    """One rank's flat buffer (``data``, shape ``(layout.numel,)``) of one unit and dtype."""
+
+    layout: FlatLayout
+    data: torch.Tensor
+    rank: int
+
+    def with_data(self, data: torch.Tensor, /) -> FlatShard:
+        """A flat shard of the same layout and rank holding ``data``."""
+        return FlatShard(self.layout, data, self.rank)
+
+
+class ShardedTensor:
+    """A leaf held as this rank's shard: global ``shape``, ``sharding`` and the ``local`` view.
+
+    ``local`` is a view into the unit's flat buffer, so writing to it (or to the
+    buffer) changes the other. Build sharded trees with :func:`funcshard.shard`.
+    """
+
+    __slots__ = ("flat", "slot")
+
+    def __init__(self, flat: FlatShard, slot: Slot) -> None:
+        self.flat = flat
+        self.slot = slot
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The global shape of the leaf."""
+        return self.slot.shape
+
+    @property
+    def ndim(self) -> int:
+        """Number of dims of the leaf."""
+        return len(self.slot.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The stored dtype."""
+        return self.flat.layout.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the local shard lives."""
+        return self.flat.data.device
+
+    @property
+    def path(self) -> str:
+        """The leaf's path in the params tree."""
+        return self.slot.path
+
+    @property
+    def unit(self) -> str:
+        """The name of the leaf's unit."""
+        return self.flat.layout.unit
+
+    @property
+    def sharding(self) -> NamedSharding:
+        """The leaf's placement."""
+        return self.slot.sharding
+
+    @property
+    def spec(self) -> P:
+        """The leaf's partition spec."""
+        return self.slot.sharding.spec
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's unpadded shard: a view into the flat buffer."""
+        return local_view(self.flat.data, self.slot, self.flat.rank)
+
+    @property
+    def padded(self) -> torch.Tensor:
+        """This rank's shard with its zero padding: a view into the flat buffer."""
+        return padded_view(self.flat.data, self.slot)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedTensor(path={self.path!r}, shape={self.shape}, "
+            f"dtype={str(self.dtype).removeprefix('torch.')}, spec={self.spec!r}, "
+            f"local_shape={tuple(self.local.shape)})"
+        )
+
+
+def is_sharded(x: object, /) -> bool:
+    """Whether ``x`` is a :class:`ShardedTensor`."""
+    return isinstance(x, ShardedTensor)
+
+
+def flats_of(sharded: Any, /) -> list[FlatShard]:
+    """The distinct flat shards behind the sharded leaves of ``sharded``, in leaf order."""
+    seen: dict[int, FlatShard] = {}
+    for leaf in tree.flatten(sharded)[0]:
+        if isinstance(leaf, ShardedTensor):
+            seen.setdefault(id(leaf.flat), leaf.flat)
+    return list(seen.values())
+
+
+def map_flats(fn: Callable[[FlatShard], FlatShard], sharded: Any, /) -> Any:
+    """A tree like ``sharded`` whose sharded leaves view ``fn(flat)`` instead of ``flat``.
+
+    ``fn`` runs once per distinct flat shard; other leaves pass through.
+
+    Example:
+        >>> import funcshard as fs
+        >>> params = {"w": torch.ones(4)}
+        >>> s = fs.shard(params, fs.plan(params, fs.Mesh({"fsdp": 1})))
+        >>> zeros = map_flats(lambda f: f.with_data(torch.zeros_like(f.data)), s)
+        >>> zeros["w"].local
+        tensor([0., 0., 0., 0.])
+    """
+    done: dict[int, FlatShard] = {}
+
+    def leaf_fn(leaf: Any) -> Any:
+        if not isinstance(leaf, ShardedTensor):
+            return leaf
+        new = done.get(id(leaf.flat))
+        if new is None:
+            new = done[id(leaf.flat)] = fn(leaf.flat)
+        return ShardedTensor(new, leaf.slot)
+
+    return tree.tree_map(leaf_fn, sharded)

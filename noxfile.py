@@ -1,0 +1,75 @@
+"""Every check has one entry point: ``nox -s <session>``; each session forwards its arguments.
+
+Sessions install torch from the CPU constraint ``.ci/constraints-cpu.txt``
+(``torch==2.13.0``). GPU users point ``FUNCSHARD_CONSTRAINTS`` at their own file,
+or set it empty to let pip choose (a CUDA build): ``FUNCSHARD_CONSTRAINTS= nox -s tests``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests", "doctest"]
+nox.options.reuse_venv = "yes"
+nox.options.default_venv_backend = "venv"
+
+CONSTRAINTS = os.environ.get("FUNCSHARD_CONSTRAINTS", ".ci/constraints-cpu.txt")
+
+
+def _install(session: nox.Session, *extras: str) -> None:
+    pins = ["-c", CONSTRAINTS] if CONSTRAINTS else []
+    target = f".[{','.join(extras)}]" if extras else "."
+    session.install(*pins, "-e", target)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite (single- and multi-process on CPU gloo); JAX-oracle tests run in `interop`."""
+    _install(session, "test")
+    session.run("pytest", *(session.posargs or ["tests", "--ignore=tests/interop"]))
+
+
+@nox.session
+def interop(session: nox.Session) -> None:
+    """Tests with JAX (CPU, eight host devices) as the oracle."""
+    _install(session, "test", "jax")
+    session.run("pytest", *(session.posargs or ["tests/interop"]))
+
+
+@nox.session
+def doctest(session: nox.Session) -> None:
+    """Runs the examples in every docstring."""
+    _install(session, "test")
+    session.run("pytest", "--doctest-modules", "funcshard", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff: lint and format check."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".", *session.posargs)
+    session.run("ruff", "format", "--check", ".", *session.posargs)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """pyright: strict on spec and plan, basic elsewhere."""
+    _install(session, "test", "dev")
+    session.run("pyright", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: a sharded run on two CPU processes (torchrun, gloo)."""
+    _install(session)
+    session.run(
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "examples/shard_demo.py",
+        *session.posargs,
+        env={"OMP_NUM_THREADS": "1"},
+    )

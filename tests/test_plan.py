@@ -1,0 +1,217 @@
+"""Plans: default and rule specs, units, strategies, JSON round trip, fingerprint, explain, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from funcshard import Mesh, P, Plan, SpecError, plan
+from tests.strategies import Pair, meshes, rules_for, tensor_trees, units_for
+
+
+def gpt_params():
+    def block():
+        return {
+            "attn": {"wq": torch.zeros(8, 8), "wo": torch.zeros(8, 8)},
+            "mlp": {"w1": torch.zeros(8, 32), "b1": torch.zeros(32)},
+        }
+
+    return {
+        "embed": torch.zeros(64, 8),
+        "blocks": [block(), block()],
+        "head": {"w": torch.zeros(8, 64), "scale": torch.tensor(1.0)},
+    }
+
+
+def test_default_shards_the_largest_dim_over_every_axis():
+    p = plan(gpt_params(), Mesh({"dp": 2, "fsdp": 2}))
+    assert p.leaf("embed").spec == P(("dp", "fsdp"))
+    assert p.leaf("blocks/0/mlp/w1").spec == P(None, ("dp", "fsdp"))
+    assert p.leaf("head/scale").spec == P()
+    assert p.leaf("blocks/0/attn/wq").spec == P(("dp", "fsdp"))  # tie: first dim
+
+
+def test_strategies_choose_their_shard_axes():
+    mesh = Mesh({"dp": 2, "fsdp": 2})
+    assert plan(gpt_params(), mesh, strategy="hybrid_shard").leaf("embed").spec == P("fsdp")
+    assert plan(gpt_params(), mesh, strategy="no_shard").leaf("embed").spec == P()
+    assert plan(gpt_params(), mesh, strategy="shard_grad_op").leaf("embed").spec == P(
+        ("dp", "fsdp")
+    )
+
+
+def test_first_matching_rule_wins_and_units_group_subtrees():
+    p = plan(
+        gpt_params(),
+        Mesh({"dp": 1, "fsdp": 2}),
+        rules=[
+            ("**/b1", P("fsdp")),
+            ("blocks/*/mlp/*", P(None, "fsdp")),
+            ("**/bias", P()),
+            ("**/wq", P("dp")),
+            ("head/scale", P()),
+            ("**", P("fsdp")),
+        ],
+        units=["blocks/*"],
+    )
+    assert p.leaf("blocks/1/mlp/b1").spec == P("fsdp")
+    assert p.leaf("blocks/1/mlp/w1").spec == P(None, "fsdp")
+    assert p.leaf("blocks/1/attn/wq").spec == P("dp")
+    assert p.leaf("embed").spec == P("fsdp")
+    assert [u.name for u in p.units] == ["<root>", "blocks/0", "blocks/1"]
+    assert p.unit("blocks/0").paths == (
+        "blocks/0/attn/wo",
+        "blocks/0/attn/wq",
+        "blocks/0/mlp/b1",
+        "blocks/0/mlp/w1",
+    )
+    assert p.leaf("head/w").unit == "<root>"
+    assert p.notes == ("rules[2] ('**/bias', P()) matched no leaf",)
+
+
+def test_specs_tree_has_the_params_structure():
+    params = {"a": (torch.zeros(4), None), "b": Pair(torch.zeros(2, 2), [torch.zeros(())])}
+    p = plan(params, Mesh({"x": 2}))
+    assert p.specs == {"a": (P("x"), None), "b": Pair(P("x"), [P()])}
+
+
+def test_regex_rules():
+    p = plan(gpt_params(), Mesh({"fsdp": 2}), rules=[(re.compile(r"attn/w[qo]$"), P(None, "fsdp"))])
+    assert p.leaf("blocks/0/attn/wo").spec == P(None, "fsdp")
+
+
+def test_plans_need_no_memory():
+    """A 70B-sized leaf on the meta device plans instantly."""
+    p = plan({"w": torch.empty(80 * 8192, 28672, device="meta")}, Mesh({"fsdp": 64}))
+    assert "w" in p.explain()
+
+
+def test_explain_shows_leaves_units_and_totals():
+    text = plan(gpt_params(), Mesh({"fsdp": 3}), units=["blocks/*"]).explain()
+    assert text.startswith("Plan on Mesh({'fsdp': 3}) (3 ranks), strategy full_shard")
+    assert re.search(
+        r"blocks/0/mlp/b1\s+\(32,\)\s+float32\s+P\('fsdp'\)\s+\(11,\)\*\s+blocks/0", text
+    )
+    assert "* uneven: every rank stores the shard padded" in text
+    assert re.search(r"blocks/0\s+full_shard\s+4\s+", text)
+    assert "parameters per rank" in text
+    assert "fingerprint" in text
+
+
+@st.composite
+def planned(draw):
+    params = draw(tensor_trees())
+    mesh = draw(meshes())
+    return plan(params, mesh, rules=draw(rules_for(params, mesh)), units=draw(units_for(params)))
+
+
+@given(planned())
+def test_json_round_trip_is_the_identity(p):
+    text = json.dumps(p.to_json())
+    back = Plan.from_json(text)
+    assert back == p
+    assert back.specs == p.specs
+    assert back.fingerprint() == p.fingerprint()
+
+
+@given(planned())
+def test_fingerprint_follows_the_placement(p):
+    """Rebuilding gives the same fingerprint; changing one leaf's spec changes it."""
+    assert Plan.from_json(p.to_json()).fingerprint() == p.fingerprint()
+    first = p.leaves[0]
+    other = P() if first.spec != P() else P(p.mesh.axis_names[0]) if first.shape else None
+    if other is not None:  # a scalar has no other spec
+        changed = dataclasses.replace(
+            p, leaves=(dataclasses.replace(first, spec=other), *p.leaves[1:])
+        )
+        assert changed.fingerprint() != p.fingerprint()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            {"rules": [("embed", P("tp"))]},
+            SpecError,
+            r"embed: P\('tp'\) names mesh axis 'tp', which is not in the mesh",
+        ),
+        (
+            {"rules": [("embed", P("fsdp", "fsdp"))]},
+            SpecError,
+            r"embed: P\('fsdp', 'fsdp'\) uses mesh axis 'fsdp' twice",
+        ),
+        (
+            {"rules": [("**/b1", P(None, "fsdp"))]},
+            SpecError,
+            r"blocks/0/mlp/b1 \(from rules\[0\] \('\*\*/b1', P\(None, 'fsdp'\)\)\): P\(None, 'fsdp'\) has 2 entries but the leaf has 1 dim; give at most one entry per dim",
+        ),
+        (
+            {"rules": [("embed", P())], "default": None},
+            ValueError,
+            r"blocks/0/attn/wo: no rule matches this leaf and default=None; add a rule for it, e.g. \('blocks/0/attn/wo', P\(...\)\), or a catch-all \('\*\*', P\('fsdp'\)\)",
+        ),
+        ({"units": ["layers/*"]}, ValueError, r"units\[0\] 'layers/\*' matches no subtree"),
+        ({"units": ["blocks/*", "**/mlp"]}, ValueError, r"units overlap: 'blocks/0/mlp'"),
+        (
+            {"units": "blocks/*"},
+            TypeError,
+            r"units must be a list of patterns, e.g. \['blocks/\*'\]",
+        ),
+        (
+            {"strategy": "zero3"},
+            ValueError,
+            r"unknown strategy 'zero3'; choose one of \['full_shard'",
+        ),
+        (
+            {"strategy": "no_shard", "rules": [("embed", P("fsdp"))]},
+            ValueError,
+            r"embed: rules\[0\] \('embed', P\('fsdp'\)\) shards over mesh axis 'fsdp', but strategy 'no_shard' shards only over \[\]",
+        ),
+        ({"default": "first"}, TypeError, r"default must be 'largest_dim', a P or None"),
+        (
+            {"strict": True},
+            SpecError,
+            r"blocks/0/attn/wo: P\('fsdp'\) cuts dim 0 of shape \(8, 8\) into 3 shards, which do not divide 8; pad the dim or pass strict=False",
+        ),
+    ],
+)
+def test_bad_input_names_the_leaf_and_the_fix(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        plan(gpt_params(), Mesh({"fsdp": 3}), **kwargs)
+
+
+def test_non_tensor_leaf():
+    with pytest.raises(
+        TypeError,
+        match=r"head/scale: leaf is a float, not a torch.Tensor; params must be a pytree of tensors",
+    ):
+        plan({"head": {"scale": 1.0}}, Mesh({"fsdp": 2}))
+
+
+def test_mesh_must_be_a_mesh():
+    with pytest.raises(TypeError, match="mesh must be a funcshard Mesh"):
+        plan(gpt_params(), {"fsdp": 2})  # pyright: ignore[reportArgumentType]
+
+
+def test_hybrid_rule_may_not_shard_over_the_replica_axis():
+    with pytest.raises(
+        ValueError,
+        match=r"shards over mesh axis 'dp', but strategy 'hybrid_shard' shards only over \['fsdp'\]",
+    ):
+        plan(
+            gpt_params(),
+            Mesh({"dp": 2, "fsdp": 2}),
+            strategy="hybrid_shard",
+            rules=[("embed", P("dp"))],
+        )
+
+
+def test_from_json_refuses_other_data():
+    with pytest.raises(ValueError, match="not a funcshard plan of version 1"):
+        Plan.from_json({"version": 99})

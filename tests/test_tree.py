@@ -1,0 +1,114 @@
+"""Pytrees: leaf order, paths, dataclasses, structure JSON (reference: jax.tree_util's rules)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict, defaultdict, namedtuple
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from funcshard import leaf_paths, register_dataclass
+from funcshard._src import tree
+from tests.strategies import pytrees
+
+Point = namedtuple("Point", ["y", "x"])
+
+
+@register_dataclass
+@dataclasses.dataclass
+class Linear:
+    w: object
+    b: object
+
+
+@dataclasses.dataclass
+class Tagged:
+    value: object
+    tag: str
+
+
+register_dataclass(Tagged, data_fields=["value"], meta_fields=["tag"])
+
+
+def test_order_and_paths_follow_jax_rules():
+    """Dicts sort, OrderedDict keeps insertion order, defaultdict sorts, None is empty."""
+    t = {
+        "b": [1, (2, None)],
+        "a": Point(y=3, x=4),
+        "c": OrderedDict([("z", 5), ("y", 6)]),
+        "d": defaultdict(list, {"q": 7, "p": 8}),
+        "e": [],
+        "f": {},
+        "g": Linear(w=9, b=10),
+        "h": Tagged(11, "t"),
+    }
+    paths, leaves, _ = tree.flatten_with_paths(t)
+    assert leaves == [3, 4, 1, 2, 5, 6, 8, 7, 9, 10, 11]
+    assert paths == [
+        "a/y",
+        "a/x",
+        "b/0",
+        "b/1/0",
+        "c/z",
+        "c/y",
+        "d/p",
+        "d/q",
+        "g/w",
+        "g/b",
+        "h/value",
+    ]
+
+
+def test_int_keys_and_single_leaf():
+    assert leaf_paths({3: 1, 1: 2}) == ["1", "3"]
+    assert leaf_paths(5) == [""]
+    assert leaf_paths(None) == []
+
+
+def test_key_with_separator_is_refused():
+    with pytest.raises(ValueError, match=r"blocks: key 'a/b' contains '/'.*rename the key"):
+        tree.flatten_with_paths({"blocks": {"a/b": 1}})
+
+
+def test_register_dataclass_checks_fields():
+    @dataclasses.dataclass
+    class Two:
+        a: int
+        b: int
+
+    with pytest.raises(TypeError, match=r"missing \['b'\]"):
+        register_dataclass(Two, data_fields=["a"])
+    with pytest.raises(TypeError, match="not a dataclass"):
+        register_dataclass(int)
+
+
+def test_dataclass_meta_fields_are_structure():
+    one = tree.flatten(Tagged(1, "x"))[1]
+    two = tree.flatten(Tagged(1, "y"))[1]
+    assert one != two
+    assert tree.unflatten(one, [5]) == Tagged(5, "x")
+
+
+@given(pytrees(st.integers()))
+def test_structure_json_round_trip(t):
+    """treedef -> JSON -> treedef is the identity and rebuilds equal trees."""
+    leaves, treedef = tree.flatten(t)
+    back = tree.treedef_from_json(tree.treedef_to_json(treedef))
+    assert back == treedef
+    assert tree.unflatten(back, leaves) == t
+
+
+def test_structure_json_with_dataclasses_and_defaultdict():
+    t = {"g": Linear(w=1, b=Tagged(2, "t")), "d": defaultdict(list, {"k": 3}), 4: None}
+    leaves, treedef = tree.flatten(t)
+    back = tree.treedef_from_json(tree.treedef_to_json(treedef))
+    assert tree.unflatten(back, leaves) == t
+
+
+def test_structure_json_names_unimportable_types():
+    Local = namedtuple("Local", ["a"])
+    data = tree.treedef_to_json(tree.flatten(Local(1))[1])
+    with pytest.raises(ValueError, match=r"cannot import tree node type.*module level"):
+        tree.treedef_from_json(data)
