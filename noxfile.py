@@ -62,14 +62,14 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: a sharded run on two CPU processes (torchrun, gloo)."""
+    """The main job: sharded training of a small GPT on two CPU processes (torchrun, gloo)."""
     _install(session)
     session.run(
         "torchrun",
         "--standalone",
         "--nproc-per-node",
         "2",
-        "examples/shard_demo.py",
+        "examples/train_gpt.py",
         *session.posargs,
         env={"OMP_NUM_THREADS": "1"},
     )

@@ -5,12 +5,19 @@ declarative rules into per-leaf placement specs (JAX ``PartitionSpec``
 semantics); :func:`shard` keeps each rank's shards in one flat buffer per unit.
 """
 
+from funcshard import optim as optim
+from funcshard import testing as testing
 from funcshard._src.comm.runtime import init as init
 from funcshard._src.comm.runtime import rank as rank
 from funcshard._src.comm.runtime import world_size as world_size
+from funcshard._src.execute.call import call as call
+from funcshard._src.execute.value_and_grad import Step as Step
+from funcshard._src.execute.value_and_grad import StepStats as StepStats
+from funcshard._src.execute.value_and_grad import value_and_grad as value_and_grad
 from funcshard._src.plan.plan import LeafPlan as LeafPlan
 from funcshard._src.plan.plan import Plan as Plan
 from funcshard._src.plan.plan import plan as plan
+from funcshard._src.plan.precision import MixedPrecision as MixedPrecision
 from funcshard._src.plan.strategy import Strategy as Strategy
 from funcshard._src.plan.units import Unit as Unit
 from funcshard._src.shard.shard import shard as shard
@@ -32,24 +39,31 @@ PartitionSpec = P
 __all__ = [
     "LeafPlan",
     "Mesh",
+    "MixedPrecision",
     "NamedSharding",
     "P",
     "PartitionSpec",
     "Plan",
     "ShardedTensor",
     "SpecError",
+    "Step",
+    "StepStats",
     "Strategy",
     "Unit",
+    "call",
     "init",
     "leaf_paths",
+    "optim",
     "plan",
     "rank",
     "register_dataclass",
     "shard",
+    "testing",
     "tree_flatten",
     "tree_leaves",
     "tree_map",
     "tree_unflatten",
     "unshard",
+    "value_and_grad",
     "world_size",
 ]

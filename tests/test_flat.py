@@ -63,3 +63,27 @@ def test_padding_is_zero(case):
                 padded = padded_view(flat, slot).clone()
                 padded[tuple(slice(0, n) for n in local)] = 0
                 assert not padded.any()
+
+
+@st.composite
+def hybrid_params(draw):
+    params = draw(tensor_trees())
+    mesh = draw(meshes(max_axes=3).filter(lambda m: len(m.shape) >= 2))
+    strategy = draw(st.sampled_from(["hybrid_shard", "no_shard"]))
+    p = plan(params, mesh, strategy=strategy, units=draw(units_for(params)))
+    return params, p
+
+
+@given(hybrid_params())
+def test_pack_and_unpack_over_a_subset_of_axes(case):
+    """Over the shard group of one replica (hybrid) or no axes at all (no_shard), still inverse."""
+    params, p = case
+    axes = p.mesh.axis_names[-1:] if p.strategy == "hybrid_shard" else ()
+    group = p.mesh.groups(list(axes))[0] if axes else [0]
+    leaves = tree.flatten(params)[0]
+    for layout in layouts(p):
+        members = [leaves[s.index] for s in layout.slots]
+        stacked = torch.stack([pack_local(layout, members, r) for r in group])
+        assert torch.equal(stacked, pack_all(layout, members, axes))
+        for slot, full in zip(layout.slots, unpack_gathered(layout, stacked, axes)):
+            assert torch.equal(full, leaves[slot.index])

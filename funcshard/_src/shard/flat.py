@@ -114,64 +114,127 @@ def local_view(flat: torch.Tensor, slot: Slot, rank: int, /) -> torch.Tensor:
     return padded_view(flat, slot)[tuple(slice(0, n) for n in local)]
 
 
-def unpack_gathered(layout: FlatLayout, gathered: torch.Tensor, /) -> list[torch.Tensor]:
-    """Every full leaf of ``layout``, cut from the rank-major ``(world_size, numel)`` buffer.
+def unpack_gathered(
+    layout: FlatLayout, gathered: torch.Tensor, /, axes: Sequence[str] | None = None
+) -> list[torch.Tensor]:
+    """Every full leaf of ``layout``, cut from a gathered ``(group_size, numel)`` buffer.
 
-    The results are new tensors (one copy each); ``gathered`` is not kept.
+    ``axes`` are the mesh axes the buffer was gathered over (default: all, in mesh
+    order); rows are group ranks, row-major over ``axes``. The results are new
+    contiguous tensors; ``gathered`` is not kept.
     """
-    return [
-        _assemble(slot, layout.mesh, gathered[:, slot.offset : slot.offset + slot.numel])
+    outs = [
+        torch.empty(slot.shape, dtype=gathered.dtype, device=gathered.device)
         for slot in layout.slots
     ]
+    unpack_into(layout, gathered, outs, axes)
+    return outs
 
 
-def pack_all(layout: FlatLayout, leaves: Sequence[torch.Tensor], /) -> torch.Tensor:
-    """Every rank's flat buffer at once, ``(world_size, numel)``: the inverse of :func:`unpack_gathered`.
+def unpack_into(
+    layout: FlatLayout,
+    gathered: torch.Tensor,
+    outs: Sequence[torch.Tensor],
+    /,
+    axes: Sequence[str] | None = None,
+) -> None:
+    """Writes every full leaf of ``layout`` from ``gathered`` into ``outs`` (slot order); mutates ``outs``.
 
-    ``leaves`` are full tensors in slot order (one per slot). A leaf replicated
-    over some mesh axes is written into the rows of every replica, so a
-    reduce-scatter of this buffer over all ranks sums each chunk over all ranks.
+    One copy per leaf when its dims divide evenly, two when they are padded.
     """
-    world = layout.mesh.size
-    out = torch.zeros(world, layout.numel, dtype=layout.dtype, device=leaves[0].device)
-    for slot, leaf in zip(layout.slots, leaves):
-        out[:, slot.offset : slot.offset + slot.numel].copy_(
-            _disassemble(slot, layout.mesh, leaf).reshape(world, -1)
-        )
+    axes = tuple(layout.mesh.axis_names if axes is None else axes)
+    for slot, out in zip(layout.slots, outs):
+        grid = _grid(slot, layout.mesh, axes, gathered[:, slot.offset : slot.offset + slot.numel])
+        grid = grid[(0,) * _replica_count(slot, axes)]  # replicas hold the same chunk
+        split = _split_shape(slot, layout.mesh)
+        if _is_even(slot):
+            out.view(split).copy_(grid)
+        else:
+            padded = [n * c for n, c in zip(slot.sharding.num_shards(slot.shape), slot.shard_shape)]
+            out.copy_(grid.reshape(padded)[tuple(slice(0, n) for n in slot.shape)])
+
+
+def pack_all(
+    layout: FlatLayout, leaves: Sequence[torch.Tensor], /, axes: Sequence[str] | None = None
+) -> torch.Tensor:
+    """Every group rank's flat buffer at once, ``(group_size, numel)``: the inverse of :func:`unpack_gathered`.
+
+    ``leaves`` are full tensors in slot order. A leaf replicated over some of
+    ``axes`` is written into the rows of every replica, so a reduce-scatter of
+    this buffer over the group sums each chunk over every rank of the group.
+    """
+    axes = tuple(layout.mesh.axis_names if axes is None else axes)
+    rows = math.prod(layout.mesh.axis_size(a) for a in axes)
+    out = torch.empty(rows, layout.numel, dtype=layout.dtype, device=leaves[0].device)
+    pack_into(layout, leaves, out, axes)
     return out
 
 
-def _permutation(slot: Slot, mesh: Mesh) -> tuple[list[int], list[int]]:
-    """Dims of ``(*mesh.shape, *shard_shape)`` reordered to (replica axes, then per dim its axes and itself)."""
-    k = len(mesh.shape)
+def pack_into(
+    layout: FlatLayout,
+    leaves: Sequence[torch.Tensor | None],
+    out: torch.Tensor,
+    /,
+    axes: Sequence[str] | None = None,
+) -> None:
+    """Writes :func:`pack_all` of ``leaves`` into ``out`` ``(group_size, numel)``; mutates ``out``.
+
+    A ``None`` leaf packs as zeros; padding is written as zeros.
+    """
+    axes = tuple(layout.mesh.axis_names if axes is None else axes)
+    for slot, leaf in zip(layout.slots, leaves):
+        target = _grid(slot, layout.mesh, axes, out[:, slot.offset : slot.offset + slot.numel])
+        if leaf is None:
+            target.zero_()
+            continue
+        split = _split_shape(slot, layout.mesh)
+        if _is_even(slot):
+            source = leaf.reshape(split)
+        else:
+            padded = leaf.new_zeros(
+                [n * c for n, c in zip(slot.sharding.num_shards(slot.shape), slot.shard_shape)]
+            )
+            padded[tuple(slice(0, n) for n in slot.shape)] = leaf
+            source = padded.view(split)
+        target.copy_(source.expand(target.shape))
+
+
+def _grid(slot: Slot, mesh: Mesh, axes: tuple[str, ...], block: torch.Tensor) -> torch.Tensor:
+    """``block`` ``(group_size, numel)`` seen as (replica axes, then per dim: its axes and its chunk).
+
+    A view: rows split into ``axes`` sizes, columns into the padded chunk shape,
+    then permuted so that each dim's axes (major first) sit just before its chunk.
+    """
+    k = len(axes)
     dim_axes = slot.sharding.dim_axes(len(slot.shape))
-    replica = [mesh.axis_index(a) for a in slot.sharding.replica_axes]
-    order = list(replica)
-    for dim, axes in enumerate(dim_axes):
-        order += [mesh.axis_index(a) for a in axes] + [k + dim]
-    return order, replica
+    used = {a for d in dim_axes for a in d}
+    missing = used - set(axes)
+    if missing:
+        raise ValueError(
+            f"{slot.path}: its spec uses {sorted(missing)}, outside the collective axes {list(axes)}"
+        )
+    order = [i for i, a in enumerate(axes) if a not in used]
+    for dim, names in enumerate(dim_axes):
+        order += [axes.index(a) for a in names] + [k + dim]
+    sizes = [mesh.axis_size(a) for a in axes]
+    return block.view([*sizes, *slot.shard_shape]).permute(order)
 
 
-def _assemble(slot: Slot, mesh: Mesh, block: torch.Tensor) -> torch.Tensor:
-    order, replica = _permutation(slot, mesh)
-    grid = block.reshape(*mesh.shape, *slot.shard_shape).permute(order)
-    grid = grid[(0,) * len(replica)]  # replicas hold the same chunk
-    padded = tuple(n * c for n, c in zip(slot.sharding.num_shards(slot.shape), slot.shard_shape))
-    full = grid.reshape(padded)  # copies unless the layout is already contiguous
-    return full[tuple(slice(0, n) for n in slot.shape)].clone(memory_format=torch.contiguous_format)
+def _replica_count(slot: Slot, axes: tuple[str, ...]) -> int:
+    used = set(slot.sharding.spec.axes)
+    return sum(1 for a in axes if a not in used)
 
 
-def _disassemble(slot: Slot, mesh: Mesh, leaf: torch.Tensor) -> torch.Tensor:
-    """``(*mesh.shape, *shard_shape)``: every rank's padded chunk of the full ``leaf``."""
-    order, replica = _permutation(slot, mesh)
-    num_shards = slot.sharding.num_shards(slot.shape)
-    padded = torch.zeros(
-        [n * c for n, c in zip(num_shards, slot.shard_shape)], dtype=leaf.dtype, device=leaf.device
+def _split_shape(slot: Slot, mesh: Mesh) -> list[int]:
+    """The full (padded) leaf with each dim split into (its axes' sizes..., chunk)."""
+    split: list[int] = []
+    for dim, names in enumerate(slot.sharding.dim_axes(len(slot.shape))):
+        split += [mesh.axis_size(a) for a in names] + [slot.shard_shape[dim]]
+    return split
+
+
+def _is_even(slot: Slot) -> bool:
+    return all(
+        n * c == size
+        for n, c, size in zip(slot.sharding.num_shards(slot.shape), slot.shard_shape, slot.shape)
     )
-    padded[tuple(slice(0, n) for n in slot.shape)] = leaf
-    split: list[int] = [mesh.shape[i] for i in replica]
-    for dim, axes in enumerate(slot.sharding.dim_axes(len(slot.shape))):
-        split += [mesh.axis_size(a) for a in axes] + [slot.shard_shape[dim]]
-    grid = padded.reshape(split[len(replica) :]).expand(split)
-    inverse = [order.index(i) for i in range(len(order))]
-    return grid.permute(inverse)

@@ -103,7 +103,7 @@ def unshard(sparams: Any, /, *, rank0_only: bool = False) -> Any:
         if rank0_only:
             gathered = collectives.gather_to_rank0(flat.data, bound)
         else:
-            gathered = collectives.all_gather(flat.data, bound, bound.mesh.axis_names)
+            gathered = collectives.all_gather(flat.data, bound, bound.mesh.axis_names).wait()
         if gathered is None:
             continue
         for slot, leaf in zip(flat.layout.slots, unpack_gathered(flat.layout, gathered)):

@@ -96,6 +96,25 @@ class ShardedTensor:
         """This rank's shard with its zero padding: a view into the flat buffer."""
         return padded_view(self.flat.data, self.slot)
 
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        found = next(x for x in tree.leaves((args, kwargs or {})) if isinstance(x, ShardedTensor))
+        raise TypeError(found.misuse(getattr(func, "__name__", str(func))))
+
+    def misuse(self, what: str, /) -> str:
+        """The message for using this sharded leaf as if it were a full tensor (``what``)."""
+        return (
+            f"{self.path}: {what} on a sharded leaf of unit {self.unit!r}. Inside loss_fn, use "
+            f"unit leaves through fs.call(fn, <the unit's subtree>, ...), which gathers them "
+            f"(or leave the leaf out of plan(units=...) so that it arrives whole); elsewhere use "
+            f".local for this rank's shard or fs.unshard(...) for the full tensor"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(self.misuse(f".{name}"))
+
     def __repr__(self) -> str:
         return (
             f"ShardedTensor(path={self.path!r}, shape={self.shape}, "
@@ -142,3 +161,18 @@ def map_flats(fn: Callable[[FlatShard], FlatShard], sharded: Any, /) -> Any:
         return ShardedTensor(new, leaf.slot)
 
     return tree.tree_map(leaf_fn, sharded)
+
+
+def _refuse(op: str) -> Callable[..., Any]:
+    def refuse(self: ShardedTensor, *_: Any) -> Any:
+        raise TypeError(self.misuse(op))
+
+    return refuse
+
+
+for _op in (
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__matmul__", "__rmatmul__",
+    "__truediv__", "__rtruediv__", "__pow__", "__neg__", "__getitem__", "__float__", "__int__",
+    "__lt__", "__le__", "__gt__", "__ge__",
+):  # fmt: skip
+    setattr(ShardedTensor, _op, _refuse(_op))

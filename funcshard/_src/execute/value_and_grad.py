@@ -1,0 +1,271 @@
+"""``fs.value_and_grad``: a sharded training step over a pure loss function."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from funcshard._src import tree
+from funcshard._src.comm import groups
+from funcshard._src.comm.ledger import Ledger
+from funcshard._src.execute.run import Run, current_run
+from funcshard._src.execute.unit_state import Memory, UnitRuntime
+from funcshard._src.plan.plan import Plan
+from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
+from funcshard._src.shard.shard import plan_layouts
+from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of, map_flats
+
+Accumulation = Literal["sharded", "unsharded"]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the last call of a step held and moved on this rank."""
+
+    peak_gathered_bytes: int  # gathered parameters (and all-gather buffers) alive at once, at most
+    unit_gathered_bytes: dict[str, int]  # per unit, bytes of its full leaves when gathered
+
+
+class Step:
+    """A sharded ``value_and_grad`` of ``loss_fn``; build it with :func:`value_and_grad`."""
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        plan: Plan,
+        *,
+        has_aux: bool,
+        mixed_precision: MixedPrecision,
+        prefetch: int,
+    ) -> None:
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be at least 0, got {prefetch}")
+        self.loss_fn = loss_fn
+        self.plan = plan
+        self.has_aux = has_aux
+        self.mixed_precision = mixed_precision
+        self.prefetch = prefetch
+        self.ledger = Ledger()
+        self.memory = Memory()
+        self._layouts = plan_layouts(plan)
+        self._units: list[UnitRuntime] | None = None
+        self._order = [u.name for u in plan.units if not u.is_root]
+
+    @property
+    def stats(self) -> StepStats:
+        """Memory figures of the last call on this rank."""
+        units = self._runtimes()
+        return StepStats(self.memory.peak, {u.name: u.gathered_bytes for u in units})
+
+    def __call__(self, sparams: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """``(loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``) for this rank's batch.
+
+        ``loss`` is this rank's loss; ``grads`` are sharded like ``sparams`` and are the
+        mean over every rank of the mesh.
+        """
+        (losses, auxes), grads = self._run(sparams, [(args, kwargs)], "sharded")
+        return ((losses[0], auxes[0]) if self.has_aux else losses[0]), grads
+
+    def accumulate(
+        self, sparams: Any, micro_batches: Sequence[Any], /, *, mode: Accumulation = "sharded"
+    ) -> tuple[Any, Any]:
+        """Gradients over several micro-batches before one optimizer step.
+
+        Each item of ``micro_batches`` is the argument tuple of one ``loss_fn`` call
+        (a non-tuple item is a single argument). Returns ``(loss, grads)``: the mean
+        loss over the micro-batches (with ``has_aux``, ``((loss, [aux, ...]), grads)``)
+        and gradients that are the mean over micro-batches and ranks.
+
+        Args:
+            sparams: the sharded params.
+            micro_batches: one entry per micro-batch.
+            mode: ``"sharded"`` reduce-scatters every micro-batch into the sharded
+                gradients (lowest memory); ``"unsharded"`` keeps each unit's full
+                gradients locally and reduces once after the last micro-batch (least
+                communication, like FSDP's ``no_sync``; a full copy of the gradients
+                per rank).
+        """
+        if mode not in ("sharded", "unsharded"):
+            raise ValueError(f"accumulate: mode must be 'sharded' or 'unsharded', got {mode!r}")
+        if not micro_batches:
+            raise ValueError("accumulate: micro_batches is empty; give at least one")
+        batches = [(b if isinstance(b, tuple) else (b,), {}) for b in micro_batches]
+        (losses, auxes), grads = self._run(sparams, batches, mode)
+        loss = torch.stack(losses).mean()
+        return ((loss, auxes) if self.has_aux else loss), grads
+
+    # -- internals ---------------------------------------------------------------
+
+    def _runtimes(self) -> list[UnitRuntime]:
+        if self._units is None:
+            bound = groups.bind(self.plan.mesh)
+            by_unit: dict[str, list[Any]] = {}
+            for layout in self._layouts:
+                by_unit.setdefault(layout.unit, []).append(layout)
+            self._units = [
+                UnitRuntime(
+                    unit, by_unit[unit.name], bound, self.mixed_precision, self.ledger, self.memory
+                )
+                for unit in self.plan.units
+            ]
+        return self._units
+
+    def _run(
+        self,
+        sparams: Any,
+        batches: list[tuple[tuple[Any, ...], dict[str, Any]]],
+        mode: Accumulation,
+    ) -> tuple[tuple[list[torch.Tensor], list[Any]], Any]:
+        if current_run() is not None:
+            raise RuntimeError(
+                "a step was called inside another step's loss_fn; call steps one after the other"
+            )
+        units = self._runtimes()
+        by_unit, part_of = self._check(sparams)
+        grads = {key: torch.zeros_like(flat.data) for key, flat in part_of.values()}
+        losses: list[torch.Tensor] = []
+        auxes: list[Any] = []
+        for i, (args, kwargs) in enumerate(batches):
+            self.memory.peak = self.memory.current
+            run = Run(
+                units,
+                order_hint=self._order,
+                prefetch=self.prefetch,
+                defer=mode == "unsharded" and i < len(batches) - 1,
+                grads=grads,
+                output_dtype=self.mixed_precision.output_dtype,
+            )
+            try:
+                with torch.enable_grad():
+                    view = run.begin(sparams, by_unit)
+                    out = self.loss_fn(view, *args, **kwargs)
+                    self._order = run.end_forward()
+                    loss, aux = self._split(out)
+                    torch.autograd.backward(loss)
+                run.finish()
+            except BaseException:
+                run.abort()
+                raise
+            losses.append(loss.detach())
+            auxes.append(aux)
+        if len(batches) > 1:
+            floating = [g for g in grads.values() if g.is_floating_point()]
+            torch._foreach_mul_(floating, 1.0 / len(batches))
+        sharded_grads = map_flats(lambda flat: flat.with_data(grads[part_of[id(flat)][0]]), sparams)
+        return (losses, auxes), sharded_grads
+
+    def _check(
+        self, sparams: Any
+    ) -> tuple[dict[str, list[FlatShard]], dict[int, tuple[tuple[str, int], FlatShard]]]:
+        paths, leaves, treedef = tree.flatten_with_paths(sparams)
+        if treedef != self.plan.treedef:
+            raise ValueError(
+                "the params passed to the step do not have the plan's tree structure; pass the tree "
+                "fs.shard(params, plan) returned (or an optimizer's update of it)"
+            )
+        for path, leaf in zip(paths, leaves):
+            if not isinstance(leaf, ShardedTensor):
+                raise TypeError(
+                    f"{path or '<root>'}: the step needs sharded params (from fs.shard), got a "
+                    f"{type(leaf).__name__}"
+                )
+        bound = groups.bind(self.plan.mesh)
+        by_unit: dict[str, list[FlatShard]] = {}
+        part_of: dict[int, tuple[tuple[str, int], FlatShard]] = {}
+        expected = {(layout.unit, layout.dtype): layout for layout in self._layouts}
+        for flat in flats_of(sparams):
+            layout = expected.get((flat.layout.unit, flat.layout.dtype))
+            if (
+                layout is None
+                or (flat.layout is not layout and flat.layout != layout)
+                or flat.rank != bound.rank
+            ):
+                raise ValueError(
+                    f"unit {flat.layout.unit!r}: the params were sharded with another plan or rank than "
+                    f"this step's (plan fingerprint {self.plan.fingerprint()}); shard them with this plan"
+                )
+            parts = by_unit.setdefault(flat.layout.unit, [])
+            part_of[id(flat)] = ((flat.layout.unit, len(parts)), flat)
+            parts.append(flat)
+        return by_unit, part_of
+
+    def _split(self, out: Any) -> tuple[torch.Tensor, Any]:
+        if self.has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(
+                    f"has_aux=True: loss_fn must return (loss, aux), got {type(out).__name__}"
+                )
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            hint = (
+                "; to return (loss, aux), pass has_aux=True"
+                if not self.has_aux and isinstance(loss, tuple)
+                else ""
+            )
+            raise TypeError(
+                f"loss_fn must return a floating-point scalar tensor as the loss, got {_kind(loss)}{hint}"
+            )
+        if not loss.requires_grad:
+            raise ValueError(
+                "the loss does not depend on any parameter (it does not require grad); use the params "
+                "loss_fn receives, through fs.call for unit leaves"
+            )
+        return loss.reshape(()), aux
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Any],
+    plan: Plan,
+    /,
+    *,
+    has_aux: bool = False,
+    mixed_precision: MixedPrecision | None = None,
+    prefetch: int = 1,
+) -> Step:
+    """A training step ``step(sparams, *args) -> (loss, grads)`` for the pure ``loss_fn(params, *args)``.
+
+    Every rank runs ``loss_fn`` on its own batch. Leaves of the root unit arrive as
+    full tensors; each unit's subtree is used through :func:`funcshard.call`, which
+    gathers it just before it runs and frees it after. Backward re-gathers units as
+    it reaches them and reduce-scatters their gradients, so ``grads`` are sharded
+    like ``sparams`` and equal the mean over every rank's batch.
+
+    Args:
+        loss_fn: ``loss_fn(params, *args)`` returning a scalar loss (or ``(loss, aux)``).
+        plan: the plan ``sparams`` were sharded with.
+        has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns ``((loss, aux), grads)``.
+        mixed_precision: compute, gather and reduce dtypes; default: the stored dtypes.
+        prefetch: units whose all-gather starts ahead of use (forward and backward);
+            gathered parameters alive at once are at most the root unit plus
+            ``1 + prefetch`` units.
+
+    Returns:
+        A :class:`Step`; also see :meth:`Step.accumulate` for several micro-batches.
+
+    Example:
+        >>> import torch, funcshard as fs
+        >>> params = {"w": torch.ones(3)}
+        >>> plan = fs.plan(params, fs.Mesh({"fsdp": 1}))
+        >>> step = fs.value_and_grad(lambda p, x: (p["w"] * x).sum(), plan)
+        >>> loss, grads = step(fs.shard(params, plan), torch.arange(3.0))
+        >>> loss, grads["w"].local
+        (tensor(3.), tensor([0., 1., 2.]))
+    """
+    return Step(
+        loss_fn,
+        plan,
+        has_aux=has_aux,
+        mixed_precision=mixed_precision or FULL_PRECISION,
+        prefetch=prefetch,
+    )
+
+
+def _kind(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"

@@ -1,0 +1,86 @@
+"""AdamW with decoupled weight decay, as ``torch.optim.AdamW``."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from funcshard._src.optim.base import (
+    LearningRate,
+    Optimizer,
+    floating_flats,
+    learning_rate,
+    zeros_like_tree,
+)
+
+
+class AdamWState(NamedTuple):
+    """``count`` updates applied so far; first (``mu``) and second (``nu``) moments, sharded like the params."""
+
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+def adamw(
+    lr: LearningRate,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> Optimizer:
+    """AdamW with ``torch.optim.AdamW``'s numerics, one foreach op per step over all flat buffers.
+
+    Args:
+        lr: a learning rate, or a schedule ``lr(count)`` of the number of earlier updates.
+        betas: decay rates of the first and second moments.
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay (``p -= lr * weight_decay * p``).
+
+    Returns:
+        An :class:`Optimizer`; ``update`` donates grads, state and params.
+
+    Example:
+        >>> import funcshard as fs
+        >>> params = {"w": torch.ones(2)}
+        >>> sparams = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
+        >>> opt = adamw(lr=0.1, weight_decay=0.0)
+        >>> sparams, state = opt.update(sparams, opt.init(sparams), sparams)  # grads = params
+        >>> sparams["w"].local
+        tensor([0.9000, 0.9000])
+    """
+    beta1, beta2 = betas
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0) or eps < 0 or weight_decay < 0:
+        raise ValueError(
+            f"adamw: need 0 <= betas < 1, eps >= 0, weight_decay >= 0; got {betas}, {eps}, {weight_decay}"
+        )
+
+    def init(sparams: Any, /) -> AdamWState:
+        return AdamWState(
+            torch.zeros((), dtype=torch.int64), zeros_like_tree(sparams), zeros_like_tree(sparams)
+        )
+
+    def update(grads: Any, state: AdamWState, sparams: Any, /) -> tuple[Any, AdamWState]:
+        count = int(state.count)
+        step_lr = learning_rate(lr, count)
+        params, g, mu, nu = floating_flats(
+            sparams, grads, state.mu, state.nu, names=["params", "grads", "state.mu", "state.nu"]
+        )
+        t = count + 1
+        bias_correction1 = 1 - beta1**t
+        bias_correction2 = 1 - beta2**t
+        with torch.no_grad():
+            # the order of operations of torch.optim.AdamW, for equal numerics
+            if weight_decay:
+                torch._foreach_mul_(params, 1 - step_lr * weight_decay)
+            torch._foreach_lerp_(mu, g, 1 - beta1)
+            torch._foreach_mul_(nu, beta2)
+            torch._foreach_addcmul_(nu, g, g, 1 - beta2)
+            denom = torch._foreach_sqrt(nu)
+            torch._foreach_div_(denom, bias_correction2**0.5)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(params, mu, denom, -(step_lr / bias_correction1))
+        state.count.add_(1)
+        return sparams, state
+
+    return Optimizer(init, update)

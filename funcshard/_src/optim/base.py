@@ -1,0 +1,75 @@
+"""The optimizer contract, like optax: ``init(sparams) -> state``, ``update(grads, state, sparams)``.
+
+Optimizers work on the flat buffers behind sharded trees: one foreach op per
+step over every unit's flat shard, never a Python loop over leaves. ``update``
+donates its inputs: parameters and state are updated in place and returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol, TypeAlias
+
+import torch
+
+from funcshard._src.shard.sharded import FlatShard, flats_of, map_flats
+
+Params: TypeAlias = Any  # a sharded pytree (leaves: ShardedTensor)
+Updates: TypeAlias = Any  # gradients, sharded like the params
+OptState: TypeAlias = Any
+Schedule: TypeAlias = Callable[[int], float]
+LearningRate: TypeAlias = "float | Schedule"
+
+
+class InitFn(Protocol):
+    """Builds the optimizer state for sharded params."""
+
+    def __call__(self, sparams: Params, /) -> OptState: ...
+
+
+class UpdateFn(Protocol):
+    """Applies one update; donates (mutates and returns) ``state`` and ``sparams``."""
+
+    def __call__(
+        self, grads: Updates, state: OptState, sparams: Params, /
+    ) -> tuple[Params, OptState]: ...
+
+
+class Optimizer(NamedTuple):
+    """A functional optimizer: ``init`` and ``update``."""
+
+    init: InitFn
+    update: UpdateFn
+
+
+def learning_rate(lr: LearningRate, count: int, /) -> float:
+    """The learning rate for the update after ``count`` earlier updates."""
+    return float(lr(count)) if callable(lr) else float(lr)
+
+
+def zeros_like_tree(sparams: Params, /) -> Any:
+    """A sharded tree like ``sparams`` whose flat buffers are new zeros (state buffers)."""
+    return map_flats(lambda flat: flat.with_data(torch.zeros_like(flat.data)), sparams)
+
+
+def floating_flats(*trees: Any, names: Sequence[str]) -> list[list[torch.Tensor]]:
+    """For each tree, the data of its floating-point flat buffers, aligned across trees.
+
+    Raises:
+        ValueError: the trees do not hold flat buffers of the same layouts (e.g. grads
+            of another plan); ``names`` name the trees in the message.
+    """
+    per_tree = [flats_of(t) for t in trees]
+    first = per_tree[0]
+    for name, flats in zip(names[1:], per_tree[1:]):
+        if len(flats) != len(first) or any(not _same_layout(a, b) for a, b in zip(first, flats)):
+            raise ValueError(
+                f"{name} is not sharded like {names[0]} (different units, dtypes or plan); pass "
+                f"trees from the same plan, e.g. grads from the step of the plan that sharded the params"
+            )
+    keep = [i for i, flat in enumerate(first) if flat.layout.dtype.is_floating_point]
+    return [[flats[i].data for i in keep] for flats in per_tree]
+
+
+def _same_layout(a: FlatShard, b: FlatShard) -> bool:
+    return a.layout is b.layout or a.layout == b.layout

@@ -1,0 +1,81 @@
+"""SGD with momentum, Nesterov and weight decay, as ``torch.optim.SGD``."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from funcshard._src.optim.base import (
+    LearningRate,
+    Optimizer,
+    floating_flats,
+    learning_rate,
+    zeros_like_tree,
+)
+
+
+class SGDState(NamedTuple):
+    """``count`` updates applied so far; ``momentum`` buffers (``None`` without momentum)."""
+
+    count: torch.Tensor
+    momentum: Any
+
+
+def sgd(
+    lr: LearningRate, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0
+) -> Optimizer:
+    """Stochastic gradient descent with ``torch.optim.SGD``'s numerics (dampening 0).
+
+    Args:
+        lr: a learning rate, or a schedule ``lr(count)`` of the number of earlier updates.
+        momentum: momentum factor (0 for none).
+        nesterov: use Nesterov momentum (needs ``momentum > 0``).
+        weight_decay: L2 penalty added to the gradient, as ``torch.optim.SGD`` does.
+
+    Returns:
+        An :class:`Optimizer`; ``update`` donates grads, state and params.
+
+    Example:
+        >>> import funcshard as fs
+        >>> params = {"w": torch.ones(2)}
+        >>> sparams = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
+        >>> opt = sgd(lr=0.5)
+        >>> sparams, state = opt.update(sparams, opt.init(sparams), sparams)  # grads = params
+        >>> sparams["w"].local
+        tensor([0.5000, 0.5000])
+    """
+    if nesterov and momentum <= 0:
+        raise ValueError("sgd: nesterov=True needs momentum > 0")
+    if momentum < 0 or weight_decay < 0:
+        raise ValueError(
+            f"sgd: momentum and weight_decay must be >= 0, got {momentum}, {weight_decay}"
+        )
+
+    def init(sparams: Any, /) -> SGDState:
+        return SGDState(
+            torch.zeros((), dtype=torch.int64), zeros_like_tree(sparams) if momentum else None
+        )
+
+    def update(grads: Any, state: SGDState, sparams: Any, /) -> tuple[Any, SGDState]:
+        count = int(state.count)
+        step_lr = learning_rate(lr, count)
+        trees = (sparams, grads, state.momentum) if momentum else (sparams, grads)
+        flats = floating_flats(*trees, names=["params", "grads", "state.momentum"])
+        params, g = flats[0], flats[1]
+        with torch.no_grad():
+            if weight_decay:
+                torch._foreach_add_(g, params, alpha=weight_decay)
+            if momentum:
+                buf = flats[2]
+                torch._foreach_mul_(buf, momentum)
+                torch._foreach_add_(buf, g)
+                if nesterov:
+                    torch._foreach_add_(g, buf, alpha=momentum)
+                else:
+                    g = buf
+            torch._foreach_add_(params, g, alpha=-step_lr)
+        state.count.add_(1)
+        return sparams, state
+
+    return Optimizer(init, update)

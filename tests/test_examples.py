@@ -1,0 +1,61 @@
+"""The examples run, at tiny size, on two ranks of the worker pool (what `nox -s demo` runs at full size)."""
+
+from __future__ import annotations
+
+import math
+
+
+def _train_gpt(argv: list[str]) -> list[float]:
+    from examples import train_gpt
+
+    return train_gpt.main(argv)
+
+
+def _shard_demo() -> None:
+    from examples import shard_demo
+
+    shard_demo.main()
+
+
+def test_train_gpt_learns(pools):
+    argv = [
+        "--steps",
+        "12",
+        "--layers",
+        "2",
+        "--width",
+        "32",
+        "--seq",
+        "16",
+        "--batch",
+        "4",
+        "--lr",
+        "1e-2",
+    ]
+    for losses in pools.run(2, _train_gpt, argv):
+        assert len(losses) == 12
+        assert all(math.isfinite(x) for x in losses)
+        assert sum(losses[-3:]) < sum(losses[:3])
+
+
+def test_train_gpt_bf16_hybrid(pools):
+    argv = [
+        "--steps",
+        "3",
+        "--layers",
+        "1",
+        "--width",
+        "16",
+        "--seq",
+        "8",
+        "--batch",
+        "2",
+        "--bf16",
+        "--strategy",
+        "hybrid_shard",
+    ]
+    assert all(len(losses) == 3 for losses in pools.run(2, _train_gpt, argv))
+
+
+def test_shard_demo(pools):
+    pools.run(2, _shard_demo)

@@ -1,0 +1,187 @@
+"""fs.optim: numerics equal torch.optim on the full tensors; flat foreach ops; global-norm clipping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+
+import funcshard as fs
+from funcshard._src.shard.flat import unpack_gathered
+from funcshard._src.shard.shard import shard_for_rank
+from funcshard._src.shard.sharded import flats_of
+from tests.strategies import meshes, tensor_trees, units_for
+
+OPTIMIZERS = {
+    "sgd": (lambda: fs.optim.sgd(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    "sgd_momentum_wd": (
+        lambda: fs.optim.sgd(lr=0.05, momentum=0.9, weight_decay=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.1),
+    ),
+    "sgd_nesterov": (
+        lambda: fs.optim.sgd(lr=0.05, momentum=0.8, nesterov=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.8, nesterov=True),
+    ),
+    "adamw": (
+        lambda: fs.optim.adamw(lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05),
+        lambda ps: torch.optim.AdamW(ps, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05),
+    ),
+}
+
+
+def _full(sharded_per_rank: list[Any]) -> list[torch.Tensor]:
+    """Reassembles every leaf from every rank's flat buffers (one process)."""
+    per_rank = [flats_of(s) for s in sharded_per_rank]
+    leaves: dict[int, torch.Tensor] = {}
+    for i, flat in enumerate(per_rank[0]):
+        gathered = torch.stack([flats[i].data for flats in per_rank])
+        for slot, leaf in zip(flat.layout.slots, unpack_gathered(flat.layout, gathered)):
+            leaves[slot.index] = leaf
+    return [leaves[i] for i in sorted(leaves)]
+
+
+@st.composite
+def float_cases(draw):
+    params = draw(tensor_trees(dtypes=(torch.float32, torch.float64)))
+    mesh = draw(meshes(max_size=4))
+    return (
+        params,
+        fs.plan(params, mesh, units=draw(units_for(params))),
+        draw(st.sampled_from(sorted(OPTIMIZERS))),
+    )
+
+
+@settings(max_examples=30)
+@given(float_cases())
+def test_updates_equal_torch_optim_on_full_tensors(case):
+    """Three updates on every rank's shards (one process), reassembled == torch.optim on full tensors."""
+    params, plan, name = case
+    make, make_torch = OPTIMIZERS[name]
+    opt = make()
+    ranks = range(plan.mesh.size)
+    sparams = [shard_for_rank(params, plan, r) for r in ranks]
+    states = [opt.init(s) for s in sparams]
+    leaves = [leaf.clone().requires_grad_() for leaf in fs.tree_leaves(params)]
+    reference = make_torch(leaves)
+    for step in range(3):
+        grads_full = fs.tree_map(lambda t, step=step: torch.sin(t * (step + 1)) + 0.1, params)
+        grads = [shard_for_rank(grads_full, plan, r) for r in ranks]
+        for r in ranks:
+            sparams[r], states[r] = opt.update(grads[r], states[r], sparams[r])
+        for leaf, g in zip(leaves, fs.tree_leaves(grads_full)):
+            leaf.grad = g.clone()
+        reference.step()
+    for ours, ref in zip(_full(sparams), leaves):
+        torch.testing.assert_close(ours, ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_schedules_count_earlier_updates():
+    seen = []
+    opt = fs.optim.sgd(lr=lambda n: seen.append(n) or 0.1)
+    params = {"w": torch.ones(3)}
+    sparams = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
+    state = opt.init(sparams)
+    for _ in range(3):
+        sparams, state = opt.update(sparams, state, sparams)
+    assert seen == [0, 1, 2]
+    assert int(state.count) == 3
+
+
+def test_update_donates_its_inputs():
+    params = {"w": torch.ones(3), "b": torch.ones(2)}
+    sparams = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
+    opt = fs.optim.adamw(lr=0.1)
+    state = opt.init(sparams)
+    before = (sparams["w"].flat.data.data_ptr(), state.mu["w"].flat.data.data_ptr())
+    new_params, new_state = opt.update(sparams, state, sparams)
+    assert (new_params["w"].flat.data.data_ptr(), new_state.mu["w"].flat.data.data_ptr()) == before
+
+
+class _CountOps(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_update_does_not_loop_over_leaves(name):
+    """The number of torch ops per update is the same for 2 leaves and 60 leaves in one unit."""
+
+    def ops(n_leaves: int) -> int:
+        params = {f"w{i}": torch.ones(3) for i in range(n_leaves)}
+        sparams = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
+        opt = OPTIMIZERS[name][0]()
+        state = opt.init(sparams)
+        with _CountOps() as mode:
+            opt.update(sparams, state, sparams)
+        return mode.calls
+
+    assert ops(2) == ops(60)
+
+
+def test_grads_of_another_plan_are_refused():
+    params = {"w": torch.ones(4), "b": torch.ones(2)}
+    sparams = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
+    other = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1}), units=["w"]))
+    opt = fs.optim.sgd(lr=0.1)
+    with pytest.raises(
+        ValueError, match=r"grads is not sharded like params \(different units, dtypes or plan\)"
+    ):
+        opt.update(other, opt.init(sparams), sparams)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: fs.optim.sgd(lr=0.1, nesterov=True), "nesterov=True needs momentum > 0"),
+        (lambda: fs.optim.adamw(lr=0.1, betas=(1.0, 0.9)), "need 0 <= betas < 1"),
+        (lambda: fs.optim.sgd(lr=0.1, weight_decay=-1), "must be >= 0"),
+    ],
+)
+def test_bad_hyperparameters(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def _clip(mesh: dict[str, int], max_norm: float) -> tuple[torch.Tensor, Any]:
+    gen = torch.Generator().manual_seed(0)
+    grads = {
+        "w": torch.randn(6, 5, generator=gen),
+        "b": torch.randn(3, generator=gen),
+        "s": torch.tensor(2.0),
+    }
+    rules = [("s", fs.P()), ("b", fs.P())]  # replicated leaves count once
+    plan = fs.plan(
+        grads,
+        fs.Mesh(mesh),
+        rules=rules,
+        strategy="hybrid_shard" if len(mesh) > 1 else "full_shard",
+    )
+    clipped, norm = fs.optim.clip_by_global_norm(fs.shard(grads, plan), max_norm)
+    return norm, fs.unshard(clipped)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "mesh"), [(1, {"fsdp": 1}), (2, {"fsdp": 2}), (4, {"dp": 2, "fsdp": 2})]
+)
+def test_clip_by_global_norm_equals_clip_grad_norm(pools, world_size, mesh):
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(6, 5, generator=gen), torch.randn(3, generator=gen), torch.tensor(2.0)]
+    for max_norm in (1.0, 100.0):
+        params = [torch.nn.Parameter(t.clone()) for t in full]
+        for p, t in zip(params, full):
+            p.grad = t.clone()
+        expected_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        for norm, clipped in pools.run(world_size, _clip, mesh, max_norm):
+            torch.testing.assert_close(norm, expected_norm)
+            torch.testing.assert_close(clipped["w"], params[0].grad)
+            torch.testing.assert_close(clipped["b"], params[1].grad)
+            torch.testing.assert_close(clipped["s"], params[2].grad)

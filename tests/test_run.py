@@ -1,0 +1,200 @@
+"""Memory and communication of a step, measured on the ranks and compared with what is promised.
+
+Memory: the peak of gathered parameters alive stays within the prefetch bound,
+and the sharded parameters, gradients and optimizer state a rank holds are
+(total bytes) / W up to padding. Communication: the ledger of every rank equals
+the cost model's bytes exactly, which for ``full_shard`` is 3 (W - 1) / W of the
+parameter bytes per step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import funcshard as fs
+from funcshard._src.plan.cost import comm_bytes_per_step, param_bytes_per_rank
+from funcshard._src.shard.sharded import flats_of
+from tests.models import Model
+
+EVEN = Model(
+    kind="transformer", vocab=16, width=8, hidden=16, layers=4, heads=2
+)  # every dim divides by 4
+UNEVEN = Model(kind="mlp", vocab=11, width=6, layers=4)
+
+
+def _held_and_peak(
+    model: Model, mesh: dict[str, int], strategy: Any, prefetch: int
+) -> dict[str, Any]:
+    params = model.init(0)
+    plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy=strategy)
+    sparams = fs.shard(params, plan)
+    opt = fs.optim.adamw(lr=1e-3)
+    state = opt.init(sparams)
+    step = fs.value_and_grad(model.loss_fn, plan, prefetch=prefetch)
+    _, grads = step(sparams, *model.batch_for(fs.rank()))
+
+    def nbytes(tree: Any) -> int:
+        return sum(f.data.numel() * f.data.element_size() for f in flats_of(tree))
+
+    units = step._runtimes()
+    cost = {
+        u.name: u.gathered_bytes
+        + u.group_size * sum(p.layout.nbytes for p in u.parts if not p.aliased)
+        for u in units
+    }
+    root = sum(u.gathered_bytes for u in units if u.unit.is_root)
+    return {
+        "params": nbytes(sparams),
+        "grads": nbytes(grads),
+        "state": nbytes(state.mu) + nbytes(state.nu),
+        "peak": step.stats.peak_gathered_bytes,
+        "root": root,
+        "max_unit": max(c for name, c in cost.items() if name != "<root>"),
+        "all_units": sum(u.gathered_bytes for u in units),
+        "expected_params": param_bytes_per_rank(plan),
+    }
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_gathered_parameters_stay_within_the_prefetch_bound(pools, prefetch):
+    """full_shard, W=2: peak <= root + (1 + prefetch) units (each its full leaves plus its all-gather buffer)."""
+    for r in pools.run(2, _held_and_peak, EVEN, {"fsdp": 2}, "full_shard", prefetch):
+        assert r["peak"] <= r["root"] + (1 + prefetch) * r["max_unit"]
+        assert r["peak"] < r["all_units"]  # memory really drops: not every unit is alive at once
+
+
+@pytest.mark.parametrize(
+    ("world_size", "mesh"),
+    [(1, {"fsdp": 1}), (2, {"fsdp": 2}), (4, {"fsdp": 4}), (4, {"dp": 2, "fsdp": 2})],
+)
+def test_sharded_state_is_a_wth_of_the_total(pools, world_size, mesh):
+    """Parameters, gradients and AdamW state per rank: total/W plus padding (and replicated scalars)."""
+    for model in (EVEN, UNEVEN):
+        params = model.init(0)
+        total = sum(t.numel() * t.element_size() for t in fs.tree_leaves(params))
+        plan = fs.plan(params, fs.Mesh(mesh), units=model.units)
+        padding = sum(
+            (math.prod(leaf.sharding(plan.mesh).shard_shape(leaf.shape)) * world_size - leaf.numel)
+            * leaf.itemsize
+            for leaf in plan.leaves
+        )
+        for r in pools.run(world_size, _held_and_peak, model, mesh, "full_shard", 1):
+            assert r["params"] == r["grads"] == r["state"] // 2 == r["expected_params"]
+            assert r["params"] * world_size == total + padding
+            if model is EVEN:  # no padding; only the replicated scalar head/temp is held W times
+                assert padding == (world_size - 1) * 4
+
+
+def _ledger_after_one_step(
+    model: Model, mesh: dict[str, int], strategy: Any, bf16: bool
+) -> tuple[dict, dict]:
+    params = model.init(0)
+    plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy=strategy)
+    mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    step = fs.value_and_grad(model.loss_fn, plan, mixed_precision=mp)
+    step(fs.shard(params, plan), *model.batch_for(fs.rank()))
+    return dict(step.ledger.bytes_by_key), dict(comm_bytes_per_step(plan, mp))
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"])
+@pytest.mark.parametrize(
+    ("world_size", "mesh"), [(2, {"fsdp": 2}), (4, {"fsdp": 4}), (4, {"dp": 2, "fsdp": 2})]
+)
+def test_ledger_equals_the_cost_model(pools, strategy, world_size, mesh):
+    for bf16 in (False, True):
+        for model in (EVEN, UNEVEN):
+            for ledger, expected in pools.run(
+                world_size, _ledger_after_one_step, model, mesh, strategy, bf16
+            ):
+                assert ledger == expected
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_full_shard_moves_three_times_w_minus_1_over_w_of_the_parameters(pools, world_size):
+    """No root unit: 3 (W-1)/W x parameter bytes per rank and step; shard_grad_op 2 (W-1)/W; DDP 2 (W-1)/W.
+
+    Sharded strategies move the parameters as stored across the ranks, W x the
+    per-rank bytes: here the model's bytes plus W - 1 more copies of the
+    replicated scalar ``head/temp`` (every other dim divides evenly). DDP
+    all-reduces the model's bytes.
+    """
+    model = Model(
+        kind="transformer", vocab=16, width=8, hidden=16, layers=2, embed_unit=True, head_unit=True
+    )
+    params = model.init(0)
+    plan = fs.plan(params, fs.Mesh({"fsdp": world_size}), units=model.units)
+    param_bytes = sum(t.numel() * t.element_size() for t in fs.tree_leaves(params))
+    stored = world_size * param_bytes_per_rank(plan)
+    assert stored == param_bytes + (world_size - 1) * 4
+    for strategy, factor, moved in [
+        ("full_shard", 3, stored),
+        ("shard_grad_op", 2, stored),
+        ("no_shard", 2, param_bytes),
+    ]:
+        for ledger, _ in pools.run(
+            world_size, _ledger_after_one_step, model, {"fsdp": world_size}, strategy, False
+        ):
+            assert sum(ledger.values()) * world_size == factor * (world_size - 1) * moved
+
+
+def _accumulate_ledger(mode: Any) -> dict:
+    model = UNEVEN
+    params = model.init(0)
+    plan = fs.plan(params, fs.Mesh({"fsdp": fs.world_size()}), units=model.units)
+    step = fs.value_and_grad(model.loss_fn, plan)
+    batches = [model.batch_for(10 * fs.rank() + m) for m in range(3)]
+    step.accumulate(fs.shard(params, plan), batches, mode=mode)
+    return dict(step.ledger.bytes_by_key)
+
+
+def test_accumulation_modes_trade_memory_for_communication(pools):
+    """3 micro-batches: 'sharded' reduce-scatters 3 times, 'unsharded' once; both gather 3 times."""
+    one_step = comm_bytes_per_step(
+        fs.plan(UNEVEN.init(0), fs.Mesh({"fsdp": 2}), units=UNEVEN.units)
+    )
+    gather, reduce = ("all_gather", ("fsdp",)), ("reduce_scatter", ("fsdp",))
+    sharded = pools.run(2, _accumulate_ledger, "sharded")[0]
+    unsharded = pools.run(2, _accumulate_ledger, "unsharded")[0]
+    assert sharded[gather] == unsharded[gather] == 3 * one_step[gather]
+    assert sharded[reduce] == 3 * one_step[reduce]
+    assert unsharded[reduce] == one_step[reduce]
+
+
+def _states_seen_in_forward() -> list[list[str]]:
+    from funcshard._src.execute.run import current_run
+
+    model = Model(kind="mlp", layers=3)
+    seen: list[list[str]] = []
+
+    def loss_fn(params: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = params["embed"]["tokens"][tokens]
+        for blk in params["blocks"]:
+
+            def block(p: Any, h: torch.Tensor) -> torch.Tensor:
+                run = current_run()
+                assert run is not None
+                seen.append([run.units[f"blocks/{i}"].state.value for i in range(3)])
+                return torch.tanh(h @ p["w"] + p["b"])
+
+            h = fs.call(block, blk, h)
+        return (h @ params["head"]["w"]).logsumexp(-1).mean()
+
+    params = model.init(0)
+    plan = fs.plan(params, fs.Mesh({"fsdp": 2}), units=["blocks/*"])
+    step = fs.value_and_grad(loss_fn, plan)
+    step(fs.shard(params, plan), *model.batch_for(0))
+    return seen
+
+
+def test_forward_prefetches_the_next_unit(pools):
+    """While block i computes, block i+1's all-gather is in flight and blocks before i are freed."""
+    seen = pools.run(2, _states_seen_in_forward)[0]
+    assert seen == [
+        ["gathered", "gathering", "sharded"],
+        ["sharded", "gathered", "gathering"],
+        ["sharded", "sharded", "gathered"],
+    ]
