@@ -198,3 +198,34 @@ def test_forward_prefetches_the_next_unit(pools):
         ["sharded", "gathered", "gathering"],
         ["sharded", "sharded", "gathered"],
     ]
+
+
+def _trace_one_step() -> list[tuple[str, str]]:
+    model = Model(kind="mlp", layers=3)
+    params = model.init(0)
+    plan = fs.plan(params, fs.Mesh({"fsdp": 2}), units=["blocks/*"])
+    step = fs.value_and_grad(model.loss_fn, plan)
+    sparams = fs.shard(params, plan)
+    step(sparams, *model.batch_for(0))
+    step.memory.events = []
+    step(sparams, *model.batch_for(1))
+    return step.memory.events
+
+
+def test_backward_regathers_each_unit_and_prefetches_the_one_before(pools):
+    """The order of gathers, frees and reductions of a whole step (3 block units and the root)."""
+    events = pools.run(2, _trace_one_step)[0]
+    b = [f"blocks/{i}" for i in range(3)]
+    forward = [
+        ("start", "<root>"), ("finish", "<root>"), ("start", b[0]),
+        ("finish", b[0]), ("start", b[1]), ("free", b[0]),
+        ("finish", b[1]), ("start", b[2]), ("free", b[1]),
+        ("finish", b[2]), ("free", b[2]),
+    ]  # fmt: skip
+    backward = [
+        ("start", b[2]), ("finish", b[2]), ("start", b[1]), ("reduce", b[2]), ("free", b[2]),
+        ("finish", b[1]), ("start", b[0]), ("reduce", b[1]), ("free", b[1]),
+        ("finish", b[0]), ("reduce", b[0]), ("free", b[0]),
+        ("reduce", "<root>"), ("free", "<root>"),
+    ]  # fmt: skip
+    assert events == forward + backward

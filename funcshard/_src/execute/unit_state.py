@@ -53,10 +53,20 @@ class UnitState(enum.Enum):
 
 @dataclass
 class Memory:
-    """Bytes of gathered parameters alive on this rank, and their peak."""
+    """Bytes of gathered parameters alive on this rank, and their peak; optionally a trace.
+
+    With ``events`` a list, every unit transition appends ``(event, unit name)``:
+    ``start`` (all-gather issued), ``finish`` (gathered), ``free`` and ``reduce``.
+    """
 
     current: int = 0
     peak: int = 0
+    events: list[tuple[str, str]] | None = None
+
+    def log(self, event: str, unit: str) -> None:
+        """Appends to ``events`` when tracing; mutates."""
+        if self.events is not None:
+            self.events.append((event, unit))
 
     def add(self, nbytes: int) -> None:
         """Counts ``nbytes`` more; mutates."""
@@ -186,6 +196,7 @@ class UnitRuntime:
             part.inflight = collectives.all_gather(
                 local, self.bound, self.axes, out=out, ledger=self.ledger, async_op=True
             )
+        self.memory.log("start", self.name)
         self.state = UnitState.GATHERING
 
     def finish_gather(self) -> None:
@@ -203,6 +214,7 @@ class UnitRuntime:
                 unpack_into(part.layout, gathered, part.views, self.axes)
             self.memory.sub(gathered.numel() * gathered.element_size())
             del gathered
+        self.memory.log("finish", self.name)
         self.state = UnitState.GATHERED
 
     def gather(self) -> None:
@@ -222,6 +234,7 @@ class UnitRuntime:
             if not part.aliased and part.full is not None:
                 part.full.untyped_storage().resize_(0)
                 self.memory.sub(part.full_numel * part.compute_dtype.itemsize)
+        self.memory.log("free", self.name)
         self.state = UnitState.SHARDED
 
     def full_leaves(self) -> list[torch.Tensor]:
@@ -274,6 +287,7 @@ class UnitRuntime:
             stage = collectives.reduce_scatter(
                 rows, self.bound, self.axes, ledger=self.ledger, async_op=True
             )
+            self.memory.log("reduce", self.name)
             out.append(Reduction(k, stage, replica, self.bound, self.ledger))
         return out
 
