@@ -94,8 +94,7 @@ def _bound_layout(shape: dict[str, int]):
         for a in mesh.axis_names
         if mesh.axis_size(a) > 1
     }
-    assert bound.device_mesh is not None
-    return bound.device_mesh.mesh.tolist(), groups, bound.coords
+    return bound.layout, groups, bound.coords
 
 
 @pytest.mark.parametrize("shape", [{"dp": 2, "fsdp": 2}, {"fsdp": 4}, {"a": 1, "b": 4}])
@@ -121,3 +120,31 @@ def test_bind_refuses_a_mesh_that_is_not_the_world(pools):
         AssertionError, match=r"has 4 ranks but the world size is 2; make the product"
     ):
         pools.run(2, _bind_wrong_size)
+
+
+def _groups_die_with_the_process_group() -> bool:
+    """funcshard keeps no process group alive past destroy_process_group (see [Note: weak process groups])."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from funcshard._src.comm.groups import bind
+
+    bound = bind(Mesh({"dp": 2, "fsdp": 2}))
+    group = weakref.ref(bound.group(("fsdp",)))
+    world = weakref.ref(bound.group(("dp", "fsdp")))
+    store = dist.distributed_c10d._get_default_store()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    gc.collect()
+    dead = group() is None and world() is None
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("again", store), rank=rank, world_size=size
+    )
+    rebound = bind(Mesh({"dp": 2, "fsdp": 2}))  # a new world binds anew
+    return dead and rebound is not bound and rebound.group(("fsdp",)) is not None
+
+
+def test_process_groups_are_not_kept_alive(pools):
+    assert pools.run(4, _groups_die_with_the_process_group) == [True] * 4

@@ -136,7 +136,7 @@ def gather_to_rank0(
     flat: torch.Tensor, bound: BoundMesh, /, *, ledger: Ledger | None = None
 ) -> torch.Tensor | None:
     """Every rank's ``flat`` stacked into ``(world_size, numel)`` on global rank 0, ``None`` elsewhere."""
-    if bound.device_mesh is None:
+    if not bound.distributed:
         return flat.view(1, -1)
     world = bound.mesh.size
     rows = [torch.empty_like(flat) for _ in range(world)] if bound.rank == 0 else None

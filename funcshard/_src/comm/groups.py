@@ -1,17 +1,27 @@
-"""Binding a :class:`Mesh` to process groups: one per mesh axis, via torch's ``DeviceMesh``.
+"""Binding a :class:`Mesh` to process groups: one per mesh axis, made by torch's ``DeviceMesh``.
 
 Binding is collective: every rank binds the same meshes in the same order (as
 ``init_device_mesh`` and ``new_group`` require). Bound meshes are cached, so
 later binds of an equal mesh are free and issue no collective.
+
+[Note: weak process groups]
+``torch.distributed`` owns its process groups; funcshard holds them, and the
+``DeviceMesh`` that made them, by weak reference only. A ``DeviceMesh`` keeps
+its groups alive, so a strong reference from a cache (or from a step a user
+still holds) would keep a gloo group's worker threads running past
+``destroy_process_group`` into interpreter shutdown, where a thread releasing
+the last tensor of a finished collective needs the GIL and aborts the process
+("terminate called without an active exception").
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import cast
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 
 from funcshard._src.comm import runtime
 from funcshard._src.spec.mesh import Mesh
@@ -21,13 +31,17 @@ from funcshard._src.spec.mesh import Mesh
 class BoundMesh:
     """A mesh tied to this process: its rank, and process groups over any set of axes.
 
-    ``device_mesh`` is ``None`` outside a distributed run (a mesh of size 1).
+    ``distributed`` is false outside a distributed run (a mesh of size 1).
+    ``layout`` is the rank grid of the ``DeviceMesh`` that made the axis groups.
     """
 
     mesh: Mesh
     rank: int
-    device_mesh: DeviceMesh | None
-    _groups: dict[tuple[str, ...], dist.ProcessGroup | None] = field(default_factory=dict)
+    distributed: bool
+    layout: list[object] = field(default_factory=list)
+    _groups: dict[tuple[str, ...], weakref.ref[dist.ProcessGroup] | None] = field(
+        default_factory=dict
+    )
 
     @property
     def coords(self) -> dict[str, int]:
@@ -39,31 +53,36 @@ class BoundMesh:
 
         Returns ``None`` when the group has one rank: nothing to communicate.
         Collective the first time a multi-axis subset is asked for.
+
+        Raises:
+            RuntimeError: the group was destroyed (``destroy_process_group``).
         """
-        if axes in self._groups:
-            return self._groups[axes]
+        if axes not in self._groups:
+            self._groups[axes] = self._make_group(axes)
+        ref = self._groups[axes]
+        if ref is None:
+            return None
+        group = ref()
+        if group is None:
+            raise RuntimeError(
+                f"the process group of mesh axes {list(axes)} was destroyed "
+                f"(torch.distributed.destroy_process_group); initialize again and bind anew"
+            )
+        return group
+
+    def _make_group(self, axes: tuple[str, ...]) -> weakref.ref[dist.ProcessGroup] | None:
         size = 1
         for a in axes:
             size *= self.mesh.axis_size(a)
-        group: dist.ProcessGroup | None
-        if size == 1 or self.device_mesh is None:
-            group = None
-        elif len(axes) == len(self.mesh.axis_names) and axes == self.mesh.axis_names:
-            group = (
-                dist.distributed_c10d._get_default_group()
-            )  # the world: mesh order is rank order
-        elif len(axes) == 1:
-            group = self.device_mesh.get_group(axes[0])
-        else:
-            group = cast(
-                "dist.ProcessGroup",
-                dist.new_subgroups_by_enumeration(self.mesh.groups(list(axes)))[0],
-            )
-        self._groups[axes] = group
-        return group
+        if size == 1 or not self.distributed:
+            return None
+        if axes == self.mesh.axis_names:  # the world: mesh order is rank order
+            return weakref.ref(dist.distributed_c10d._get_default_group())
+        group = dist.new_subgroups_by_enumeration(self.mesh.groups(list(axes)))[0]
+        return weakref.ref(cast("dist.ProcessGroup", group))
 
 
-_BOUND: dict[tuple[Mesh, int], BoundMesh] = {}
+_BOUND: dict[Mesh, tuple[weakref.ref[dist.ProcessGroup], BoundMesh]] = {}
 
 
 def bind(mesh: Mesh, /) -> BoundMesh:
@@ -72,20 +91,28 @@ def bind(mesh: Mesh, /) -> BoundMesh:
     Raises:
         ValueError: the mesh's size is not the world size; the message says how to fix it.
     """
-    world = runtime.world_size()
-    if mesh.size != world:
+    world_size = runtime.world_size()
+    if mesh.size != world_size:
         hint = (
             "run under torchrun and call funcshard.init() first, or plan for a mesh of size 1"
             if not runtime.is_distributed()
-            else f"make the product of the axis sizes {world}"
+            else f"make the product of the axis sizes {world_size}"
         )
-        raise ValueError(f"{mesh!r} has {mesh.size} ranks but the world size is {world}; {hint}")
+        raise ValueError(
+            f"{mesh!r} has {mesh.size} ranks but the world size is {world_size}; {hint}"
+        )
     if not runtime.is_distributed():
-        return BoundMesh(mesh, 0, None)
-    key = (mesh, id(dist.group.WORLD))
-    bound = _BOUND.get(key)
-    if bound is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        device_mesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
-        bound = _BOUND[key] = BoundMesh(mesh, runtime.rank(), device_mesh)
+        return BoundMesh(mesh, 0, distributed=False)
+    world = dist.distributed_c10d._get_default_group()
+    cached = _BOUND.get(mesh)
+    if cached is not None and cached[0]() is world:
+        return cached[1]
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    # the DeviceMesh makes one group per axis; see [Note: weak process groups]
+    device_mesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
+    bound = BoundMesh(mesh, runtime.rank(), distributed=True, layout=device_mesh.mesh.tolist())
+    for axis in mesh.axis_names:
+        if mesh.axis_size(axis) > 1 and (axis,) != mesh.axis_names:
+            bound._groups[(axis,)] = weakref.ref(device_mesh.get_group(axis))
+    _BOUND[mesh] = (weakref.ref(world), bound)  # a new default group (re-initialized) binds anew
     return bound
