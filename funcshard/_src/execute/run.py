@@ -78,7 +78,7 @@ class Run:
         order_hint: Sequence[str],
         prefetch: int,
         defer: bool,
-        grads: dict[tuple[str, int], torch.Tensor],
+        grads: dict[tuple[str, int], torch.Tensor],  # filled by reductions: (unit, part) -> flat
         output_dtype: torch.dtype | None = None,
     ) -> None:
         self.units = {u.name: u for u in units}
@@ -226,4 +226,6 @@ class Run:
 
     def _finish_oldest(self) -> None:
         name, reduction = self.pending.pop(0)
-        reduction.finish(self.grads[(name, reduction.part)])
+        reduction.finish(
+            self.grads, (name, reduction.part), self.units[name].parts[reduction.part].layout.dtype
+        )

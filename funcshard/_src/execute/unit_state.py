@@ -107,14 +107,23 @@ class Reduction:
     bound: BoundMesh
     ledger: Ledger | None
 
-    def finish(self, grad: torch.Tensor) -> None:
-        """Waits and adds the reduced gradient into ``grad`` (a flat shard); mutates ``grad``."""
+    def finish(
+        self, grads: dict[tuple[str, int], torch.Tensor], key: tuple[str, int], dtype: torch.dtype
+    ) -> None:
+        """Waits, then adds the reduced gradient to ``grads[key]``; mutates ``grads``.
+
+        The first reduction of a key becomes its gradient buffer as it is (cast to
+        the stored ``dtype`` if need be): no zero-filled buffer and no extra pass.
+        """
         out = self.stage.wait()
         if self.then_all_reduce:
             out = collectives.all_reduce(
                 out, self.bound, self.then_all_reduce, ledger=self.ledger
             ).wait()
-        grad.add_(out if out.dtype == grad.dtype else out.to(grad.dtype))
+        if key not in grads:
+            grads[key] = out if out.dtype == dtype else out.to(dtype)
+        else:
+            grads[key].add_(out if out.dtype == dtype else out.to(dtype))
 
 
 class UnitRuntime:
@@ -284,11 +293,18 @@ class UnitRuntime:
                 part.deferred = rows
                 continue
             rows.div_(world)  # mean over every data-parallel rank
-            stage = collectives.reduce_scatter(
-                rows, self.bound, self.axes, ledger=self.ledger, async_op=True
-            )
+            if self.group_size == 1 and replica:  # no_shard: start the all-reduce now, overlapped
+                stage = collectives.all_reduce(
+                    rows.view(-1), self.bound, replica, ledger=self.ledger, async_op=True
+                )
+                then: tuple[str, ...] = ()
+            else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter
+                stage = collectives.reduce_scatter(
+                    rows, self.bound, self.axes, ledger=self.ledger, async_op=True
+                )
+                then = replica
             self.memory.log("reduce", self.name)
-            out.append(Reduction(k, stage, replica, self.bound, self.ledger))
+            out.append(Reduction(k, stage, then, self.bound, self.ledger))
         return out
 
     def _materialize(self, part: Part) -> None:

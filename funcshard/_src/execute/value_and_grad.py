@@ -125,7 +125,7 @@ class Step:
             )
         units = self._runtimes()
         by_unit, part_of = self._check(sparams)
-        grads = {key: torch.zeros_like(flat.data) for key, flat in part_of.values()}
+        grads: dict[tuple[str, int], torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         auxes: list[Any] = []
         for i, (args, kwargs) in enumerate(batches):
@@ -151,6 +151,9 @@ class Step:
                 raise
             losses.append(loss.detach())
             auxes.append(aux)
+        for key, flat in part_of.values():  # parts no reduction reached: integer leaves
+            if key not in grads:
+                grads[key] = torch.zeros_like(flat.data)
         if len(batches) > 1:
             floating = [g for g in grads.values() if g.is_floating_point()]
             torch._foreach_mul_(floating, 1.0 / len(batches))
