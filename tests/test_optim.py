@@ -28,6 +28,14 @@ OPTIMIZERS = {
     ),
     "adamw": (
         lambda: fs.optim.adamw(lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05),
+        lambda ps: torch.optim.AdamW(
+            ps, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05, fused=True
+        ),
+    ),
+    "adamw_foreach": (
+        lambda: fs.optim.adamw(
+            lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05, fused=False
+        ),
         lambda ps: torch.optim.AdamW(ps, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05),
     ),
 }

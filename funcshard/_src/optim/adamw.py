@@ -28,14 +28,19 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.01,
+    *,
+    fused: bool = True,
 ) -> Optimizer:
-    """AdamW with ``torch.optim.AdamW``'s numerics, one foreach op per step over all flat buffers.
+    """AdamW with ``torch.optim.AdamW``'s numerics, on all flat buffers at once.
 
     Args:
         lr: a learning rate, or a schedule ``lr(count)`` of the number of earlier updates.
         betas: decay rates of the first and second moments.
         eps: added to the denominator.
         weight_decay: decoupled weight decay (``p -= lr * weight_decay * p``).
+        fused: one fused kernel per dtype (``torch.optim.AdamW(fused=True)``'s numerics:
+            one pass over memory, no temporaries); ``False`` runs foreach ops with the
+            numerics of ``torch.optim.AdamW``'s default implementation.
 
     Returns:
         An :class:`Optimizer`; ``update`` donates grads, state and params.
@@ -67,6 +72,12 @@ def adamw(
             sparams, grads, state.mu, state.nu, names=["params", "grads", "state.mu", "state.nu"]
         )
         t = count + 1
+        if fused:
+            _fused_update(
+                params, g, mu, nu, t, lr=step_lr, betas=betas, eps=eps, weight_decay=weight_decay
+            )
+            state.count.add_(1)
+            return sparams, state
         bias_correction1 = 1 - beta1**t
         bias_correction2 = 1 - beta2**t
         with torch.no_grad():
@@ -84,3 +95,41 @@ def adamw(
         return sparams, state
 
     return Optimizer(init, update)
+
+
+def _fused_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    mu: list[torch.Tensor],
+    nu: list[torch.Tensor],
+    step: int,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """``torch._fused_adamw_`` over the flat buffers, one call per (device, dtype) group; mutates them."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    for (device, _), members in groups.items():
+        steps = [torch.tensor(float(step), device=device)] * len(members)
+        with torch.no_grad():
+            torch._fused_adamw_(
+                [params[i] for i in members],
+                [grads[i] for i in members],
+                [mu[i] for i in members],
+                [nu[i] for i in members],
+                [],
+                steps,
+                amsgrad=False,
+                lr=lr,
+                beta1=betas[0],
+                beta2=betas[1],
+                weight_decay=weight_decay,
+                eps=eps,
+                maximize=False,
+                grad_scale=None,
+                found_inf=None,
+            )
