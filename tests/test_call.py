@@ -271,3 +271,31 @@ def test_output_dtype_casts_call_outputs():
         TypeError, match=r"MixedPrecision.param_dtype must be a floating torch.dtype or None"
     ):
         fs.MixedPrecision(param_dtype=torch.int32)
+
+
+def _grad_buffers_recycle(strategy: Any) -> tuple[bool, bool, bool]:
+    params = params_()
+    plan = fs.plan(
+        params, fs.Mesh({"fsdp": fs.world_size()}), units=["blocks/*"], strategy=strategy
+    )
+    step = fs.value_and_grad(lambda p, x: fs.call(layer, p["blocks"][0], p["embed"][x]).sum(), plan)
+    sparams = fs.shard(params, plan)
+    opt = fs.optim.sgd(lr=0.1)
+    state = opt.init(sparams)
+    _, kept = step(sparams, X)
+    kept_values = kept["blocks"][0]["w"].local.clone()
+    _, grads = step(sparams, X)  # `kept` was not donated: new buffers, `kept` untouched
+    fresh = (
+        grads["blocks"][0]["w"].flat.data.data_ptr() != kept["blocks"][0]["w"].flat.data.data_ptr()
+    )
+    untouched = torch.equal(kept["blocks"][0]["w"].local, kept_values)
+    before = grads["blocks"][0]["w"].flat.data.data_ptr()
+    sparams, state = opt.update(grads, state, sparams)  # donates grads
+    _, again = step(sparams, X)
+    return fresh, untouched, again["blocks"][0]["w"].flat.data.data_ptr() == before
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+def test_donated_gradients_are_reused_by_the_next_step(pools, strategy):
+    """An optimizer update donates the gradients; the next step writes into those buffers, never into kept ones."""
+    assert pools.run(2, _grad_buffers_recycle, strategy) == [(True, True, True)] * 2

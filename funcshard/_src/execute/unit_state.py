@@ -90,6 +90,7 @@ class Part:
     views: list[torch.Tensor] = field(default_factory=list)
     inflight: Pending | None = None
     deferred: torch.Tensor | None = None  # packed gradients kept locally, (group_size, numel)
+    spare: torch.Tensor | None = None  # a donated gradient buffer, (numel,), for the next reduction
 
     @property
     def full_numel(self) -> int:
@@ -277,22 +278,32 @@ class UnitRuntime:
             if not part.layout.dtype.is_floating_point:
                 continue
             device = self.flats[k].data.device
-            rows = torch.empty(
-                self.group_size, part.layout.numel, dtype=part.grad_dtype, device=device
+            # a donated buffer of the last step's gradient takes this one's result; see donation.py
+            spare, part.spare = (
+                (part.spare, None) if part.spare is not None and not defer else (None, part.spare)
             )
-            pack_into(
-                part.layout,
-                [None if g is None else g.to(part.grad_dtype) for g in mine],
-                rows,
-                self.axes,
-            )
+            if spare is not None and spare.dtype != part.grad_dtype:
+                spare = None
+            if spare is not None and self.group_size == 1:
+                rows = spare.view(1, -1)  # no_shard: reduced in place, this becomes the gradient
+                spare = None
+            else:
+                rows = torch.empty(
+                    self.group_size, part.layout.numel, dtype=part.grad_dtype, device=device
+                )
+            # the mean over every data-parallel rank: divide while packing, unless gradients
+            # kept from earlier micro-batches are still to be added
+            direct = part.deferred is None and not defer
+            leaves = [None if g is None else g.to(part.grad_dtype) for g in mine]
+            pack_into(part.layout, leaves, rows, self.axes, scale=1.0 / world if direct else 1.0)
             if part.deferred is not None:
                 rows.add_(part.deferred)
                 part.deferred = None
             if defer:
                 part.deferred = rows
                 continue
-            rows.div_(world)  # mean over every data-parallel rank
+            if not direct:
+                rows.div_(world)
             if self.group_size == 1 and replica:  # no_shard: start the all-reduce now, overlapped
                 stage = collectives.all_reduce(
                     rows.view(-1), self.bound, replica, ledger=self.ledger, async_op=True
@@ -300,7 +311,7 @@ class UnitRuntime:
                 then: tuple[str, ...] = ()
             else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter
                 stage = collectives.reduce_scatter(
-                    rows, self.bound, self.axes, ledger=self.ledger, async_op=True
+                    rows, self.bound, self.axes, out=spare, ledger=self.ledger, async_op=True
                 )
                 then = replica
             self.memory.log("reduce", self.name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -15,6 +16,7 @@ from funcshard._src.execute.run import Run, current_run
 from funcshard._src.execute.unit_state import Memory, UnitRuntime
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
+from funcshard._src.shard.donation import take_donated
 from funcshard._src.shard.shard import plan_layouts
 from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of, map_flats
 
@@ -52,6 +54,9 @@ class Step:
         self.memory = Memory()
         self._layouts = plan_layouts(plan)
         self._units: list[UnitRuntime] | None = None
+        self._returned: dict[
+            tuple[str, int], weakref.ref[torch.Tensor]
+        ] = {}  # last call's gradient buffers
         self._order = [u.name for u in plan.units if not u.is_root]
 
     @property
@@ -125,6 +130,7 @@ class Step:
             )
         units = self._runtimes()
         by_unit, part_of = self._check(sparams)
+        self._reuse_donated(units)
         grads: dict[tuple[str, int], torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         auxes: list[Any] = []
@@ -157,8 +163,19 @@ class Step:
         if len(batches) > 1:
             floating = [g for g in grads.values() if g.is_floating_point()]
             torch._foreach_mul_(floating, 1.0 / len(batches))
+        self._returned = {key: weakref.ref(buf) for key, buf in grads.items()}
         sharded_grads = map_flats(lambda flat: flat.with_data(grads[part_of[id(flat)][0]]), sparams)
         return (losses, auxes), sharded_grads
+
+    def _reuse_donated(self, units: list[UnitRuntime]) -> None:
+        """Hands the gradient buffers the last call returned, if since donated, back to their parts."""
+        for unit in units:
+            for k, part in enumerate(unit.parts):
+                buffer = self._returned.get((unit.name, k))
+                tensor = buffer() if buffer is not None else None
+                if tensor is not None and take_donated(tensor):
+                    part.spare = tensor
+        self._returned = {}
 
     def _check(
         self, sparams: Any

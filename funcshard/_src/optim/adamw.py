@@ -13,6 +13,7 @@ from funcshard._src.optim.base import (
     learning_rate,
     zeros_like_tree,
 )
+from funcshard._src.shard.donation import donate
 
 
 class AdamWState(NamedTuple):
@@ -76,6 +77,7 @@ def adamw(
             _fused_update(
                 params, g, mu, nu, t, lr=step_lr, betas=betas, eps=eps, weight_decay=weight_decay
             )
+            donate(grads)
             state.count.add_(1)
             return sparams, state
         bias_correction1 = 1 - beta1**t
@@ -91,6 +93,7 @@ def adamw(
             torch._foreach_div_(denom, bias_correction2**0.5)
             torch._foreach_add_(denom, eps)
             torch._foreach_addcdiv_(params, mu, denom, -(step_lr / bias_correction1))
+        donate(grads)
         state.count.add_(1)
         return sparams, state
 

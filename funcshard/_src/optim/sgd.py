@@ -13,6 +13,7 @@ from funcshard._src.optim.base import (
     learning_rate,
     zeros_like_tree,
 )
+from funcshard._src.shard.donation import donate
 
 
 class SGDState(NamedTuple):
@@ -75,6 +76,7 @@ def sgd(
                 else:
                     g = buf
             torch._foreach_add_(params, g, alpha=-step_lr)
+        donate(grads)
         state.count.add_(1)
         return sparams, state
 

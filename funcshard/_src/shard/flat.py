@@ -176,10 +176,13 @@ def pack_into(
     out: torch.Tensor,
     /,
     axes: Sequence[str] | None = None,
+    *,
+    scale: float = 1.0,
 ) -> None:
-    """Writes :func:`pack_all` of ``leaves`` into ``out`` ``(group_size, numel)``; mutates ``out``.
+    """Writes :func:`pack_all` of ``leaves`` times ``scale`` into ``out`` ``(group_size, numel)``; mutates ``out``.
 
-    A ``None`` leaf packs as zeros; padding is written as zeros.
+    A ``None`` leaf packs as zeros; padding is written as zeros. Scaling while
+    copying saves a pass over ``out``.
     """
     axes = tuple(layout.mesh.axis_names if axes is None else axes)
     for slot, leaf in zip(layout.slots, leaves):
@@ -196,7 +199,10 @@ def pack_into(
             )
             padded[tuple(slice(0, n) for n in slot.shape)] = leaf
             source = padded.view(split)
-        target.copy_(source.expand(target.shape))
+        if scale == 1.0:
+            target.copy_(source.expand(target.shape))
+        else:
+            torch.mul(source.expand(target.shape), scale, out=target)
 
 
 def _grid(slot: Slot, mesh: Mesh, axes: tuple[str, ...], block: torch.Tensor) -> torch.Tensor:
