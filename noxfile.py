@@ -61,6 +61,13 @@ def typecheck(session: nox.Session) -> None:
 
 
 @nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmark against PyTorch FSDP2, FSDP1 and DDP; writes bench/results/ (a quick run: -- --tiny)."""
+    _install(session, "bench")
+    session.run("python", "-m", "bench", *session.posargs)
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """The main job: sharded training of a small GPT on two CPU processes (torchrun, gloo)."""
     _install(session)
