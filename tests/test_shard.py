@@ -170,3 +170,13 @@ def test_unshard_passes_plain_leaves_through():
     out = fs.unshard({"params": sharded, "step": torch.tensor(3)})
     assert torch.equal(out["params"]["w"], params["w"])
     assert out["step"] == 3
+
+
+def test_unshard_keeps_trees_that_share_a_layout_apart():
+    """Params and optimizer state share slots; each leaf comes back from its own buffer."""
+    params = {"w": torch.arange(4.0)}
+    sparams = fs.shard(params, plan(params, Mesh({"x": 1})))
+    doubled = map_flats(lambda f: f.with_data(f.data * 2), sparams)
+    out = fs.unshard({"a": sparams, "b": doubled})
+    assert torch.equal(out["a"]["w"], params["w"])
+    assert torch.equal(out["b"]["w"], params["w"] * 2)

@@ -98,7 +98,8 @@ def unshard(sparams: Any, /, *, rank0_only: bool = False) -> Any:
             f"unshard: the sharded leaves come from different meshes {sorted(map(repr, meshes))}"
         )
     bound = groups.bind(flats[0].layout.mesh)
-    full: dict[int, torch.Tensor] = {}
+    # keyed by flat buffer and leaf: trees like {"params", "opt"} share slots across buffers
+    full: dict[tuple[int, int], torch.Tensor] = {}
     for flat in flats:
         if rank0_only:
             gathered = collectives.gather_to_rank0(flat.data, bound)
@@ -107,10 +108,12 @@ def unshard(sparams: Any, /, *, rank0_only: bool = False) -> Any:
         if gathered is None:
             continue
         for slot, leaf in zip(flat.layout.slots, unpack_gathered(flat.layout, gathered)):
-            full[id(slot)] = leaf
+            full[(id(flat), slot.index)] = leaf
     if rank0_only and bound.rank != 0:
         return None
-    return tree.tree_map(lambda x: full[id(x.slot)] if isinstance(x, ShardedTensor) else x, sparams)
+    return tree.tree_map(
+        lambda x: full[(id(x.flat), x.slot.index)] if isinstance(x, ShardedTensor) else x, sparams
+    )
 
 
 @functools.lru_cache(maxsize=64)
