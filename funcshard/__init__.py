@@ -5,6 +5,7 @@ declarative rules into per-leaf placement specs (JAX ``PartitionSpec``
 semantics); :func:`shard` keeps each rank's shards in one flat buffer per unit.
 """
 
+from funcshard import checkpoint as checkpoint
 from funcshard import optim as optim
 from funcshard import testing as testing
 from funcshard._src.comm.runtime import init as init
@@ -51,6 +52,7 @@ __all__ = [
     "Strategy",
     "Unit",
     "call",
+    "checkpoint",
     "init",
     "leaf_paths",
     "optim",

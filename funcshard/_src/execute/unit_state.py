@@ -279,11 +279,11 @@ class UnitRuntime:
                 continue
             device = self.flats[k].data.device
             # a donated buffer of the last step's gradient takes this one's result; see donation.py
-            spare, part.spare = (
-                (part.spare, None) if part.spare is not None and not defer else (None, part.spare)
-            )
-            if spare is not None and spare.dtype != part.grad_dtype:
-                spare = None
+            spare = None
+            if part.spare is not None and not defer:
+                spare, part.spare = part.spare, None
+                if spare.dtype != part.grad_dtype:
+                    spare = None
             if spare is not None and self.group_size == 1:
                 rows = spare.view(1, -1)  # no_shard: reduced in place, this becomes the gradient
                 spare = None

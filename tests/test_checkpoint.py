@@ -1,0 +1,258 @@
+"""Checkpoints: save on W ranks, load on any W' or in one process; atomic commits; bad files refused.
+
+References: the unsharded tree (``fs.unshard``) and an uninterrupted training run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import funcshard as fs
+from funcshard.checkpoint import CheckpointError, UnsafeCheckpointError
+from funcshard.testing import assert_trees_close
+from tests.models import Model
+
+MODEL = Model(kind="transformer", width=6, hidden=10, layers=2)
+
+
+def _plan(world: int, variant: int) -> fs.Plan:
+    """Different plans of the same params: units and specs differ, so loading must reshard."""
+    params = MODEL.init(0)
+    mesh = fs.Mesh({"fsdp": world})
+    if variant == 0:
+        return fs.plan(params, mesh, units=MODEL.units)
+    return fs.plan(
+        params,
+        mesh,
+        rules=[("**/w*", fs.P(None, "fsdp"))],
+        units=["blocks"],
+        strategy="shard_grad_op",
+    )
+
+
+def _save(directory: str, variant: int) -> Any:
+    plan = _plan(fs.world_size(), variant)
+    sparams = fs.shard(MODEL.init(0), plan)
+    opt = fs.optim.adamw(lr=0.1)
+    state = opt.init(sparams)
+    step = fs.value_and_grad(MODEL.loss_fn, plan)
+    _, grads = step(sparams, *MODEL.batch_for(fs.rank()))
+    sparams, state = opt.update(grads, state, sparams)
+    fs.checkpoint.save(
+        directory,
+        {"params": sparams, "opt": state, "step": 1, "rng": fs.checkpoint.rng_states()},
+        step=1,
+    )
+    return fs.unshard({"params": sparams, "opt": state})
+
+
+def _load(directory: str, variant: int) -> Any:
+    plan = _plan(fs.world_size(), variant)
+    sparams = fs.shard(MODEL.init(1), plan)  # other values: all must come from the checkpoint
+    opt = fs.optim.adamw(lr=0.1)
+    like = {"params": sparams, "opt": opt.init(sparams), "step": 0, "rng": fs.checkpoint.SAVED}
+    loaded = fs.checkpoint.load(directory, like=like)
+    before = fs.unshard(like["params"])
+    return fs.unshard({"params": loaded["params"], "opt": loaded["opt"]}), loaded["step"], before
+
+
+@pytest.mark.parametrize(
+    ("save_world", "load_world", "variant"), [(2, 2, 0), (2, 4, 1), (2, 1, 1), (4, 2, 0), (1, 4, 0)]
+)
+def test_checkpoints_load_on_any_world_size_and_plan(
+    pools, tmp_path, save_world, load_world, variant
+):
+    directory = str(tmp_path / "ckpt")
+    saved = pools.run(save_world, _save, directory, 0)[0]
+    for loaded, step, untouched in pools.run(load_world, _load, directory, variant):
+        assert step == 1
+        assert_trees_close(loaded, saved, rtol=0, atol=0)
+        assert_trees_close(
+            untouched, fs.unshard(fs.shard(MODEL.init(1), _plan(1, 0))), rtol=0, atol=0
+        )
+    full = fs.checkpoint.load_full(directory)  # one process, no torch.distributed
+    assert_trees_close({"params": full["params"], "opt": full["opt"]}, saved, rtol=0, atol=0)
+    assert full["step"] == 1
+    assert full["rng"].shape[0] == save_world
+
+
+def _train(directory: str, steps: range, resume: bool) -> Any:
+    """Trains MODEL; with ``resume``, starts from the checkpoint in ``directory``."""
+    plan = _plan(fs.world_size(), 0)
+    sparams = fs.shard(MODEL.init(0), plan)
+    opt = fs.optim.adamw(lr=0.05)
+    state = opt.init(sparams)
+    if resume:
+        found = fs.checkpoint.latest(directory)
+        assert found is not None
+        loaded = fs.checkpoint.load(found, like={"params": sparams, "opt": state, "step": 0})
+        sparams, state = loaded["params"], loaded["opt"]
+        assert loaded["step"] == steps.start
+    step = fs.value_and_grad(MODEL.loss_fn, plan)
+    for t in steps:
+        per_rank = (
+            4 // fs.world_size()
+        )  # global batch: micro-batches 0..3 of step t, split over the ranks
+        batches = [MODEL.batch_for(100 * t + fs.rank() * per_rank + m) for m in range(per_rank)]
+        _, grads = step.accumulate(sparams, batches)  # the same global batch at every world size
+        sparams, state = opt.update(grads, state, sparams)
+        if not resume and t + 1 == 3:
+            fs.checkpoint.save(
+                os.path.join(directory, f"step{t + 1}"),
+                {"params": sparams, "opt": state, "step": t + 1},
+                step=t + 1,
+            )
+    return fs.unshard(sparams)
+
+
+@pytest.mark.parametrize(("world", "exact"), [(2, True), (4, False), (1, False)])
+def test_resume_loses_nothing(pools, tmp_path, world, exact):
+    """Train 3 steps on W=2, save, stop; resume on W for 3 more == 6 uninterrupted steps on W=2."""
+    directory = str(tmp_path)
+    uninterrupted = pools.run(2, _train, directory, range(6), False)[0]
+    resumed = pools.run(world, _train, directory, range(3, 6), True)[0]
+    if exact:
+        assert_trees_close(resumed, uninterrupted, rtol=0, atol=0)
+    else:
+        assert_trees_close(resumed, uninterrupted, rtol=1e-5, atol=1e-6)
+
+
+def _small(tmp: Path, name: str = "ckpt", step: int | None = None) -> tuple[Path, Any]:
+    params = {"w": torch.arange(12.0).reshape(4, 3), "b": torch.ones(2)}
+    sparams = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
+    return fs.checkpoint.save(tmp / name, {"params": sparams, "n": 3}, step=step), sparams
+
+
+def test_an_interrupted_save_leaves_no_checkpoint(tmp_path, monkeypatch):
+    _small(tmp_path, "step1", step=1)
+    import funcshard._src.checkpoint.dcp as ckpt
+
+    def crash(*_: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "write_manifest", crash)
+    with pytest.raises(
+        CheckpointError, match=r"saving .*step2 failed on rank 0: OSError: disk full"
+    ):
+        _small(tmp_path, "step2", step=2)
+    assert not (tmp_path / "step2").exists()
+    assert fs.checkpoint.latest(tmp_path) == tmp_path / "step1"
+    staging = next(p for p in tmp_path.iterdir() if ".tmp-" in p.name)
+    with pytest.raises(
+        CheckpointError, match=r"no manifest.json; its save was interrupted before it committed"
+    ):
+        fs.checkpoint.load_full(staging)
+
+
+def test_latest_and_rotation(tmp_path):
+    assert fs.checkpoint.latest(tmp_path) is None
+    for step in (1, 2, 3):
+        _small(tmp_path, f"step{step}", step=step)
+    assert fs.checkpoint.latest(tmp_path) == tmp_path / "step3"
+    (tmp_path / "notes").mkdir()
+    fs.checkpoint.save(tmp_path / "step4", {"n": 1}, step=4, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step3", "step4"]
+    with pytest.raises(FileExistsError, match="step4 exists"):
+        fs.checkpoint.save(tmp_path / "step4", {"n": 1})
+
+
+def test_another_model_is_refused_with_the_differences(tmp_path):
+    directory, _ = _small(tmp_path)
+    other = {"w": torch.zeros(4, 2), "c": torch.zeros(1)}
+    like = {"params": fs.shard(other, fs.plan(other, fs.Mesh({"x": 1}))), "n": 0}
+    with pytest.raises(CheckpointError) as info:
+        fs.checkpoint.load(directory, like=like)
+    message = str(info.value)
+    assert "missing from the checkpoint: ['params/c']" in message
+    assert "in the checkpoint but not asked for: ['params/b']" in message
+    assert "params/w: saved (4, 3) float32, asked for (4, 2) float32" in message
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+        fs.checkpoint.load_full(tmp_path / "nothing")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(
+        CheckpointError, match=r"no manifest\.json; it is not a funcshard checkpoint"
+    ):
+        fs.checkpoint.load_full(tmp_path / "plain")
+    (tmp_path / "plain" / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="unreadable manifest"):
+        fs.checkpoint.load_full(tmp_path / "plain")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_data_files_are_refused(tmp_path, damage):
+    directory, sparams = _small(tmp_path)
+    data = directory / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    if damage == "truncate":
+        data.write_bytes(raw[: len(raw) // 2])
+        expected = "the file is truncated"
+    elif damage == "flip":
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(raw)
+        expected = "contents differ from what was saved"
+    else:
+        data.unlink()
+        expected = "is missing; the checkpoint is incomplete"
+    with pytest.raises(CheckpointError, match=expected):
+        fs.checkpoint.load(directory, like={"params": sparams, "n": 0})
+    with pytest.raises(CheckpointError, match=expected):
+        fs.checkpoint.load_full(directory)
+
+
+class _Payload:
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {_Payload.marker}",))
+
+    marker = ""
+
+
+def test_a_malicious_pickle_is_refused_without_running_it(tmp_path):
+    directory, sparams = _small(tmp_path)
+    marker = tmp_path / "pwned"
+    _Payload.marker = str(marker)
+    (directory / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["files"][".metadata"] = {
+        "size": -1,
+        "sha256": "x",
+    }  # even before checksums are compared
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    for load in (
+        lambda: fs.checkpoint.load(directory, like={"params": sparams, "n": 0}),
+        lambda: fs.checkpoint.load_full(directory),
+    ):
+        with pytest.raises(
+            UnsafeCheckpointError,
+            match=r"refers to posix.system, which checkpoint metadata never contains; refusing",
+        ):
+            load()
+    assert not marker.exists()
+
+
+def test_export_safetensors(tmp_path):
+    safetensors = pytest.importorskip(
+        "safetensors.torch", reason="safetensors is an optional extra"
+    )
+    directory, _ = _small(tmp_path)
+    out = fs.checkpoint.export_safetensors(directory, tmp_path / "model.safetensors")
+    tensors = safetensors.load_file(str(out))
+    assert torch.equal(tensors["params.w"], torch.arange(12.0).reshape(4, 3))
+    assert set(tensors) == {"params.w", "params.b"}
+
+
+def test_leaves_a_checkpoint_cannot_hold(tmp_path):
+    with pytest.raises(
+        TypeError,
+        match=r"opt: a checkpoint holds tensors, sharded leaves and JSON scalars; got a object",
+    ):
+        fs.checkpoint.save(tmp_path / "x", {"opt": object()})
