@@ -8,8 +8,11 @@ semantics); :func:`shard` keeps each rank's shards in one flat buffer per unit.
 from funcshard import checkpoint as checkpoint
 from funcshard import optim as optim
 from funcshard import testing as testing
+from funcshard._src.comm.runtime import CollectiveError as CollectiveError
+from funcshard._src.comm.runtime import DesyncError as DesyncError
 from funcshard._src.comm.runtime import init as init
 from funcshard._src.comm.runtime import rank as rank
+from funcshard._src.comm.runtime import set_collective_timeout as set_collective_timeout
 from funcshard._src.comm.runtime import world_size as world_size
 from funcshard._src.execute.call import call as call
 from funcshard._src.execute.value_and_grad import Step as Step
@@ -38,6 +41,8 @@ from funcshard._src.tree import unflatten as tree_unflatten
 PartitionSpec = P
 
 __all__ = [
+    "CollectiveError",
+    "DesyncError",
     "LeafPlan",
     "Mesh",
     "MixedPrecision",
@@ -59,6 +64,7 @@ __all__ = [
     "plan",
     "rank",
     "register_dataclass",
+    "set_collective_timeout",
     "shard",
     "testing",
     "tree_flatten",

@@ -123,27 +123,34 @@ def test_bind_refuses_a_mesh_that_is_not_the_world(pools):
 
 
 def _groups_die_with_the_process_group() -> bool:
-    """funcshard keeps no process group alive past destroy_process_group (see [Note: weak process groups])."""
+    """funcshard holds no process group or DeviceMesh strongly (see [Note: weak process groups])."""
     import gc
-    import weakref
 
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
-    from funcshard._src.comm.groups import bind
+    from funcshard._src.comm import groups
 
-    bound = bind(Mesh({"dp": 2, "fsdp": 2}))
-    group = weakref.ref(bound.group(("fsdp",)))
-    world = weakref.ref(bound.group(("dp", "fsdp")))
+    bound = groups.bind(Mesh({"dp": 2, "fsdp": 2}))
+    assert bound.group(("fsdp",)) is not None
+    assert bound.group(("dp", "fsdp")) is not None
+    reachable, stack = set(), [groups._BOUND]
+    while stack:  # everything funcshard's cache holds strongly
+        obj = stack.pop()
+        if id(obj) in reachable or isinstance(obj, type):
+            continue
+        reachable.add(id(obj))
+        if isinstance(obj, (dist.ProcessGroup, DeviceMesh)):
+            return False
+        stack.extend(gc.get_referents(obj))
     store = dist.distributed_c10d._get_default_store()
     rank, size = dist.get_rank(), dist.get_world_size()
     dist.destroy_process_group()
-    gc.collect()
-    dead = group() is None and world() is None
     dist.init_process_group(
         "gloo", store=dist.PrefixStore("again", store), rank=rank, world_size=size
     )
-    rebound = bind(Mesh({"dp": 2, "fsdp": 2}))  # a new world binds anew
-    return dead and rebound is not bound and rebound.group(("fsdp",)) is not None
+    rebound = groups.bind(Mesh({"dp": 2, "fsdp": 2}))  # a new world binds anew
+    return rebound is not bound and rebound.group(("fsdp",)) is not None
 
 
 def test_process_groups_are_not_kept_alive(pools):

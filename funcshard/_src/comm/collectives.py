@@ -2,19 +2,27 @@
 
 Every collective can run asynchronously: it returns a :class:`Pending` whose
 ``wait()`` yields the result, so callers overlap communication with compute and
-wait only when they need the data.
+wait only when they need the data. A collective that fails or outlives
+:func:`runtime.collective_timeout` raises :class:`CollectiveError` naming the
+operation, its ``tag`` (the unit), the mesh axes and the rank. With
+``FUNCSHARD_DEBUG=1`` every collective first checks, with one small all-gather,
+that every rank of its group issues the same one (op, tag, shape, dtype).
 """
 
 from __future__ import annotations
 
+import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from funcshard._src.comm import runtime
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
+from funcshard._src.comm.runtime import CollectiveError, DesyncError
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and
 # deprecated the old names; older releases only have the old ones.
@@ -28,11 +36,23 @@ class Pending:
 
     result: torch.Tensor
     work: Any = None  # a torch.distributed Work handle, or None when already done
+    what: str = ""  # "all_gather of unit 'blocks/0' over ('fsdp',) on rank 1", for errors
 
     def wait(self) -> torch.Tensor:
-        """Blocks until the collective is done and returns its result."""
+        """Blocks until the collective is done and returns its result.
+
+        Raises:
+            CollectiveError: the collective failed or timed out.
+        """
         if self.work is not None:
-            self.work.wait()
+            timeout = runtime.collective_timeout()
+            try:
+                if timeout is None:
+                    self.work.wait()
+                else:
+                    self.work.wait(timeout=datetime.timedelta(seconds=timeout))
+            except Exception as e:
+                raise _failure(self.what, e) from e
             self.work = None
         return self.result
 
@@ -59,6 +79,7 @@ def all_gather(
     out: torch.Tensor | None = None,
     ledger: Ledger | None = None,
     async_op: bool = False,
+    tag: str = "",
 ) -> Pending:
     """Gathers every group member's ``flat`` into ``(group_size, numel)``, row = group rank.
 
@@ -73,12 +94,17 @@ def all_gather(
         return Pending(result)
     if out is None:
         out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
-    work = _all_gather_single(out.view(-1), flat, group=group, async_op=async_op)
+    target = out
+    pending = _issue(
+        "all_gather", tag, axes, bound, group, flat,
+        lambda: _all_gather_single(target.view(-1), flat, group=group, async_op=async_op),
+    )  # fmt: skip
     if ledger is not None:
         ledger.record(
             "all_gather", axes, group_size=size, full_bytes=out.numel() * out.element_size()
         )
-    return Pending(out.view(size, -1), work)
+    pending.result = out.view(size, -1)
+    return pending
 
 
 def reduce_scatter(
@@ -90,6 +116,7 @@ def reduce_scatter(
     out: torch.Tensor | None = None,
     ledger: Ledger | None = None,
     async_op: bool = False,
+    tag: str = "",
 ) -> Pending:
     """Sums ``rows`` ``(group_size, numel)`` over the group; group rank ``i`` gets row ``i``'s sum.
 
@@ -102,12 +129,17 @@ def reduce_scatter(
         return Pending(result)
     if out is None:
         out = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
-    work = _reduce_scatter_single(out, rows.view(-1), group=group, async_op=async_op)
+    target = out
+    pending = _issue(
+        "reduce_scatter", tag, axes, bound, group, rows,
+        lambda: _reduce_scatter_single(target, rows.view(-1), group=group, async_op=async_op),
+    )  # fmt: skip
     if ledger is not None:
         ledger.record(
             "reduce_scatter", axes, group_size=size, full_bytes=rows.numel() * rows.element_size()
         )
-    return Pending(out, work)
+    pending.result = out
+    return pending
 
 
 def all_reduce(
@@ -118,18 +150,28 @@ def all_reduce(
     *,
     ledger: Ledger | None = None,
     async_op: bool = False,
+    tag: str = "",
 ) -> Pending:
     """Sums ``buf`` over the group over ``axes``, in place; mutates ``buf``."""
     size = group_size(bound, axes)
     group = bound.group(axes)
     if group is None:
         return Pending(buf)
-    work = dist.all_reduce(buf, group=group, async_op=async_op)
+    pending = _issue(
+        "all_reduce",
+        tag,
+        axes,
+        bound,
+        group,
+        buf,
+        lambda: dist.all_reduce(buf, group=group, async_op=async_op),
+    )
     if ledger is not None:
         ledger.record(
             "all_reduce", axes, group_size=size, full_bytes=buf.numel() * buf.element_size()
         )
-    return Pending(buf, work)
+    pending.result = buf
+    return pending
 
 
 def gather_to_rank0(
@@ -140,7 +182,11 @@ def gather_to_rank0(
         return flat.view(1, -1)
     world = bound.mesh.size
     rows = [torch.empty_like(flat) for _ in range(world)] if bound.rank == 0 else None
-    dist.gather(flat, rows, dst=0)
+    what = f"gather to rank 0 on rank {bound.rank}"
+    try:
+        dist.gather(flat, rows, dst=0)
+    except Exception as e:
+        raise _failure(what, e) from e
     if ledger is not None:
         ledger.record(
             "gather",
@@ -149,3 +195,52 @@ def gather_to_rank0(
             full_bytes=world * flat.numel() * flat.element_size(),
         )
     return None if rows is None else torch.stack(rows)
+
+
+def _issue(
+    op: str,
+    tag: str,
+    axes: tuple[str, ...],
+    bound: BoundMesh,
+    group: dist.ProcessGroup,
+    tensor: torch.Tensor,
+    call: Callable[[], Any],
+) -> Pending:
+    what = (
+        f"{op}{f' of unit {tag!r}' if tag else ''} over mesh axes {list(axes)} on rank {bound.rank}"
+    )
+    if runtime.debug_collectives():
+        _check_same_everywhere(op, tag, axes, tensor, group, what)
+    try:
+        work = call()  # None when the call was synchronous
+    except Exception as e:
+        raise _failure(what, e) from e
+    return Pending(tensor, work, what)
+
+
+def _check_same_everywhere(
+    op: str,
+    tag: str,
+    axes: tuple[str, ...],
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    what: str,
+) -> None:
+    """FUNCSHARD_DEBUG: one all-gather of (op, tag, shape, dtype) over the group, compared."""
+    mine = (op, tag, tuple(tensor.shape), str(tensor.dtype))
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if any(other != mine for other in everyone):
+        ranks = dist.get_process_group_ranks(group)
+        listing = "; ".join(f"rank {r}: {sig}" for r, sig in zip(ranks, everyone))
+        raise DesyncError(
+            f"ranks issue different collectives at {what} (axes {list(axes)}): {listing}. "
+            f"Every rank must call the same units in the same order"
+        )
+
+
+def _failure(what: str, error: Exception) -> CollectiveError:
+    return CollectiveError(
+        f"{what} failed: {error}. A peer rank died or is running other collectives (ranks out of "
+        f"step); check the other ranks' logs, and FUNCSHARD_DEBUG=1 to compare the collectives"
+    )

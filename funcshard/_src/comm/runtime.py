@@ -9,6 +9,43 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 600.0
+_collective_timeout_s: float | None = (
+    float(os.environ["FUNCSHARD_COLLECTIVE_TIMEOUT_S"])
+    if "FUNCSHARD_COLLECTIVE_TIMEOUT_S" in os.environ
+    else None
+)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a peer died, or the ranks are out of step."""
+
+
+class DesyncError(RuntimeError):
+    """Ranks disagree about what they run: another plan, tree, or sequence of collectives."""
+
+
+def collective_timeout() -> float | None:
+    """Seconds funcshard waits for a collective before it fails (``None``: the process group's timeout)."""
+    return _collective_timeout_s
+
+
+def set_collective_timeout(seconds: float | None, /) -> None:
+    """Sets :func:`collective_timeout`; mutates process-wide state.
+
+    Example:
+        >>> set_collective_timeout(30.0); collective_timeout()
+        30.0
+        >>> set_collective_timeout(None)
+    """
+    global _collective_timeout_s
+    if seconds is not None and seconds <= 0:
+        raise ValueError(f"a collective timeout must be positive, got {seconds}")
+    _collective_timeout_s = seconds
+
+
+def debug_collectives() -> bool:
+    """Whether ``FUNCSHARD_DEBUG=1``: every collective first checks that all ranks issue the same one."""
+    return os.environ.get("FUNCSHARD_DEBUG", "") not in ("", "0")
 
 
 def init(*, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -20,7 +57,8 @@ def init(*, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) ->
 
     Args:
         backend: override the backend (``"gloo"``, ``"nccl"``).
-        timeout_s: how long a collective may wait for its peers before it fails.
+        timeout_s: how long a collective may wait for its peers before it fails
+            (the process group's timeout, and :func:`collective_timeout`).
 
     Example:
         >>> init()  # a single process without torchrun: nothing to start
@@ -29,6 +67,7 @@ def init(*, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) ->
     """
     if dist.is_initialized() or "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         return
+    set_collective_timeout(timeout_s)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -107,6 +107,7 @@ class Reduction:
     then_all_reduce: tuple[str, ...]
     bound: BoundMesh
     ledger: Ledger | None
+    unit: str = ""
 
     def finish(
         self, grads: dict[tuple[str, int], torch.Tensor], key: tuple[str, int], dtype: torch.dtype
@@ -119,7 +120,7 @@ class Reduction:
         out = self.stage.wait()
         if self.then_all_reduce:
             out = collectives.all_reduce(
-                out, self.bound, self.then_all_reduce, ledger=self.ledger
+                out, self.bound, self.then_all_reduce, ledger=self.ledger, tag=self.unit
             ).wait()
         if key not in grads:
             grads[key] = out if out.dtype == dtype else out.to(dtype)
@@ -204,7 +205,13 @@ class UnitRuntime:
             )
             self.memory.add(out.numel() * out.element_size())
             part.inflight = collectives.all_gather(
-                local, self.bound, self.axes, out=out, ledger=self.ledger, async_op=True
+                local,
+                self.bound,
+                self.axes,
+                out=out,
+                ledger=self.ledger,
+                async_op=True,
+                tag=self.name,
             )
         self.memory.log("start", self.name)
         self.state = UnitState.GATHERING
@@ -306,16 +313,27 @@ class UnitRuntime:
                 rows.div_(world)
             if self.group_size == 1 and replica:  # no_shard: start the all-reduce now, overlapped
                 stage = collectives.all_reduce(
-                    rows.view(-1), self.bound, replica, ledger=self.ledger, async_op=True
+                    rows.view(-1),
+                    self.bound,
+                    replica,
+                    ledger=self.ledger,
+                    async_op=True,
+                    tag=self.name,
                 )
                 then: tuple[str, ...] = ()
             else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter
                 stage = collectives.reduce_scatter(
-                    rows, self.bound, self.axes, out=spare, ledger=self.ledger, async_op=True
+                    rows,
+                    self.bound,
+                    self.axes,
+                    out=spare,
+                    ledger=self.ledger,
+                    async_op=True,
+                    tag=self.name,
                 )
                 then = replica
             self.memory.log("reduce", self.name)
-            out.append(Reduction(k, stage, then, self.bound, self.ledger))
+            out.append(Reduction(k, stage, then, self.bound, self.ledger, self.name))
         return out
 
     def _materialize(self, part: Part) -> None:

@@ -46,7 +46,7 @@ def clip_by_global_norm(grads: Any, max_norm: float, /) -> tuple[Any, torch.Tens
         norms = torch._foreach_norm(pieces)
         local = torch.stack([n.double() for n in norms]).pow(2).sum()
     bound = groups.bind(flats[0].layout.mesh)
-    total = collectives.all_reduce(local, bound, bound.mesh.axis_names).wait()
+    total = collectives.all_reduce(local, bound, bound.mesh.axis_names, tag="global norm").wait()
     norm = total.sqrt().to(flats[0].data.dtype)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     torch._foreach_mul_([f.data for f in flats], coef)
