@@ -96,8 +96,7 @@ class WorkerPool:
                 f"the pool was restarted"
             )
         if errors:
-            if missing or len(errors) < self.world_size:
-                self.close()  # ranks stopped at different points: their groups are out of step
+            self.close()  # a rank stopped mid-body: its process groups may be out of step
             report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
             stuck = (
                 f"; rank(s) {missing} were still running and the pool was restarted"

@@ -199,16 +199,17 @@ class Run:
             unit.free()
 
     def abort(self) -> None:
-        """After an error: leaves the forward context and frees everything (no collective is issued)."""
+        """After an error: leaves the forward context and drops everything, waiting for nothing.
+
+        A collective in flight may never complete (the error may be a dead peer),
+        so none is waited for; its work handle keeps its buffers alive until it ends.
+        """
         if self._token is not None:
             _CURRENT.reset(self._token)
             self._token = None
-        for _, reduction in self.pending:
-            reduction.stage.wait()
         self.pending.clear()
         for unit in self.units.values():
-            unit.refs = 0
-            unit.free()
+            unit.discard()
 
     # -- helpers -----------------------------------------------------------------
 

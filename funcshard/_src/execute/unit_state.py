@@ -223,8 +223,8 @@ class UnitRuntime:
             if part.aliased:
                 continue
             assert part.inflight is not None
-            gathered = part.inflight.wait()
-            part.inflight = None
+            inflight, part.inflight = part.inflight, None  # a failed wait is not waited for again
+            gathered = inflight.wait()
             self._materialize(part)
             assert part.full is not None
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(part.full):
@@ -252,6 +252,23 @@ class UnitRuntime:
                 part.full.untyped_storage().resize_(0)
                 self.memory.sub(part.full_numel * part.compute_dtype.itemsize)
         self.memory.log("free", self.name)
+        self.state = UnitState.SHARDED
+
+    def discard(self) -> None:
+        """After an error: drops gathers in flight without waiting, frees storage, forgets references."""
+        for part in self.parts:
+            if part.inflight is not None:
+                self.memory.sub(part.inflight.result.numel() * part.inflight.result.element_size())
+                part.inflight = None
+            part.deferred = None
+            if (
+                not part.aliased
+                and part.full is not None
+                and part.full.untyped_storage().size() > 0
+            ):
+                part.full.untyped_storage().resize_(0)
+                self.memory.sub(part.full_numel * part.compute_dtype.itemsize)
+        self.refs = 0
         self.state = UnitState.SHARDED
 
     def full_leaves(self) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ import torch
 from funcshard._src import tree
 from funcshard._src.comm import groups
 from funcshard._src.comm.ledger import Ledger
+from funcshard._src.execute.desync import check_peers
 from funcshard._src.execute.run import Run, current_run
 from funcshard._src.execute.unit_state import Memory, UnitRuntime
 from funcshard._src.plan.plan import Plan
@@ -54,6 +55,7 @@ class Step:
         self.memory = Memory()
         self._layouts = plan_layouts(plan)
         self._units: list[UnitRuntime] | None = None
+        self._peers_checked = False
         self._returned: dict[
             tuple[str, int], weakref.ref[torch.Tensor]
         ] = {}  # last call's gradient buffers
@@ -130,6 +132,9 @@ class Step:
             )
         units = self._runtimes()
         by_unit, part_of = self._check(sparams)
+        if not self._peers_checked:
+            check_peers(self.plan, sparams)
+            self._peers_checked = True
         self._reuse_donated(units)
         grads: dict[tuple[str, int], torch.Tensor] = {}
         losses: list[torch.Tensor] = []
