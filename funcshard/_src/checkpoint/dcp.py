@@ -70,6 +70,14 @@ def save(
     Raises:
         FileExistsError: ``path`` exists.
         TypeError: a leaf that is neither a tensor nor a JSON scalar.
+
+    Example:
+        >>> import tempfile, funcshard as fs
+        >>> p = {"w": torch.arange(6.0).reshape(2, 3)}
+        >>> sp = fs.shard(p, fs.plan(p, fs.Mesh({"fsdp": 1})))
+        >>> root = tempfile.mkdtemp()
+        >>> save(f"{root}/step-7", {"params": sp, "step": 7}, step=7).name
+        'step-7'
     """
     target = Path(path)
     rank = runtime.rank()
@@ -136,6 +144,16 @@ def load(path: str | os.PathLike[str], /, like: Any, *, verify: bool = True) -> 
         CheckpointError: not a checkpoint, an interrupted save, corrupted or truncated
             files, or a checkpoint of another tree (the message lists missing and
             unexpected paths and shape or dtype mismatches).
+
+    Example:
+        >>> import tempfile, funcshard as fs
+        >>> p = {"w": torch.arange(6.0).reshape(2, 3)}
+        >>> sp = fs.shard(p, fs.plan(p, fs.Mesh({"fsdp": 1})))
+        >>> ckpt = save(f"{tempfile.mkdtemp()}/step-7", {"params": sp, "step": 7}, step=7)
+        >>> back = load(ckpt, like={"params": sp, "step": 0})
+        >>> back["step"], back["params"]["w"].local
+        (7, tensor([[0., 1., 2.],
+                [3., 4., 5.]]))
     """
     directory = Path(path)
     manifest = read_manifest(directory)
@@ -181,6 +199,13 @@ def load_full(path: str | os.PathLike[str], /, *, verify: bool = True) -> Any:
 
     Raises:
         CheckpointError: see :func:`load`.
+
+    Example:
+        >>> import tempfile, funcshard as fs
+        >>> p = {"w": torch.ones(2)}
+        >>> ckpt = save(f"{tempfile.mkdtemp()}/c", {"params": fs.shard(p, fs.plan(p, fs.Mesh({"x": 1})))})
+        >>> load_full(ckpt)
+        {'params': {'w': tensor([1., 1.])}}
     """
     directory = Path(path)
     manifest = read_manifest(directory)
@@ -213,6 +238,14 @@ def latest(directory: str | os.PathLike[str], /) -> Path | None:
     """The newest complete checkpoint in ``directory`` (highest step, then newest), or ``None``.
 
     Interrupted saves and directories that are not checkpoints are skipped.
+
+    Example:
+        >>> import tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> for step in (1, 2):
+        ...     _ = save(f"{root}/step-{step}", {"step": step}, step=step)
+        >>> latest(root).name
+        'step-2'
     """
     root = Path(directory)
     if not root.is_dir():
@@ -238,6 +271,14 @@ def export_safetensors(path: str | os.PathLike[str], out: str | os.PathLike[str]
 
     Raises:
         ImportError: the ``safetensors`` package is missing (``pip install safetensors``).
+
+    Example:
+        >>> import tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> ckpt = save(f"{root}/c", {"blocks": [{"w": torch.ones(2)}]})
+        >>> from safetensors.torch import load_file
+        >>> load_file(export_safetensors(ckpt, f"{root}/full.safetensors"))
+        {'blocks.0.w': tensor([1., 1.])}
     """
     try:
         from safetensors.torch import save_file  # pyright: ignore[reportMissingImports]
