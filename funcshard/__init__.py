@@ -18,10 +18,22 @@ from funcshard._src.execute.call import call as call
 from funcshard._src.execute.value_and_grad import Step as Step
 from funcshard._src.execute.value_and_grad import StepStats as StepStats
 from funcshard._src.execute.value_and_grad import value_and_grad as value_and_grad
+from funcshard._src.plan.activations import Workload as Workload
+from funcshard._src.plan.auto import BudgetError as BudgetError
+from funcshard._src.plan.cost import CostModel as CostModel
+from funcshard._src.plan.cost import Estimate as Estimate
+from funcshard._src.plan.cost import Memory as Memory
+from funcshard._src.plan.cost import estimate as estimate
+from funcshard._src.plan.hardware import Hardware as Hardware
+from funcshard._src.plan.hardware import get_hardware as hardware
 from funcshard._src.plan.plan import LeafPlan as LeafPlan
 from funcshard._src.plan.plan import Plan as Plan
-from funcshard._src.plan.plan import plan as plan
+from funcshard._src.plan.planner import plan as plan
 from funcshard._src.plan.precision import MixedPrecision as MixedPrecision
+from funcshard._src.plan.presets import ModelConfig as ModelConfig
+from funcshard._src.plan.presets import Preset as Preset
+from funcshard._src.plan.presets import get_preset as preset
+from funcshard._src.plan.step_time import StepTime as StepTime
 from funcshard._src.plan.strategy import Strategy as Strategy
 from funcshard._src.plan.units import Unit as Unit
 from funcshard._src.shard.shard import shard as shard
@@ -41,27 +53,39 @@ from funcshard._src.tree import unflatten as tree_unflatten
 PartitionSpec = P
 
 __all__ = [
+    "BudgetError",
     "CollectiveError",
+    "CostModel",
     "DesyncError",
+    "Estimate",
+    "Hardware",
     "LeafPlan",
+    "Memory",
     "Mesh",
     "MixedPrecision",
+    "ModelConfig",
     "NamedSharding",
     "P",
     "PartitionSpec",
     "Plan",
+    "Preset",
     "ShardedTensor",
     "SpecError",
     "Step",
     "StepStats",
+    "StepTime",
     "Strategy",
     "Unit",
+    "Workload",
     "call",
     "checkpoint",
+    "estimate",
+    "hardware",
     "init",
     "leaf_paths",
     "optim",
     "plan",
+    "preset",
     "rank",
     "register_dataclass",
     "set_collective_timeout",

@@ -46,6 +46,7 @@ class Case:
     clip: float | None = None
     rule: bool = False
     steps: int = 3
+    budget: int | None = None  # with strategy="auto"
 
     @property
     def world_size(self) -> int:
@@ -91,6 +92,7 @@ class Case:
             rules=rules,
             units=self.model.units,
             strategy=self.strategy,
+            memory_budget=self.budget,
         )
 
 
@@ -221,3 +223,18 @@ def test_every_strategy_on_every_mesh(pools):
                 pools,
                 Case(Model(), mesh, strategy, mixed_precision=False, optimizer="adamw", steps=2),
             )
+
+
+def test_an_automatic_plan_that_mixes_strategies_trains_like_one_device(pools):
+    """strategy="auto" under a budget between all-no_shard and all-full_shard: units differ."""
+    for mesh in [(("fsdp", 2),), (("dp", 2), ("fsdp", 2))]:
+        model = Model(layers=3)
+        params = model.init(0)
+        totals = [
+            fs.estimate(fs.plan(params, fs.Mesh(dict(mesh)), units=model.units, strategy=s))
+            for s in ("full_shard", "no_shard")
+        ]
+        budget = (totals[0].memory.total + totals[1].memory.total) // 2
+        case = Case(model, mesh, "auto", mixed_precision=False, optimizer="adamw", budget=budget)
+        assert len({u.strategy for u in case.plan(params).units}) > 1
+        check(pools, case)

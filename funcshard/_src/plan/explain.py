@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 from funcshard._src.spec.named_sharding import NamedSharding
 
 if TYPE_CHECKING:
+    from funcshard._src.plan.cost import CostModel
     from funcshard._src.plan.plan import Plan
 
 
-def explain(plan: Plan, /) -> str:
-    """Renders ``plan``: header, per-leaf table, per-unit table, totals and notes."""
+def explain(plan: Plan, cost: CostModel | None = None, /) -> str:
+    """Renders ``plan``: header, per-leaf table, per-unit table with reasons, per-rank costs, notes."""
     mesh = plan.mesh
     leaf_rows: list[list[str]] = []
     unit_bytes: dict[str, int] = {}
@@ -36,6 +37,7 @@ def explain(plan: Plan, /) -> str:
         )
         unit_bytes[leaf.unit] = unit_bytes.get(leaf.unit, 0) + math.prod(shard) * leaf.itemsize
         unit_full[leaf.unit] = unit_full.get(leaf.unit, 0) + leaf.numel * leaf.itemsize
+    reasons = dict(plan.reasons)
     unit_rows = [
         [
             u.name,
@@ -43,6 +45,7 @@ def explain(plan: Plan, /) -> str:
             str(len(u.paths)),
             format_bytes(unit_full[u.name]),
             format_bytes(unit_bytes[u.name]),
+            reasons.get(u.name, "requested" if plan.strategy != "auto" else ""),
         ]
         for u in plan.units
     ]
@@ -60,13 +63,51 @@ def explain(plan: Plan, /) -> str:
         )
     lines += [
         "",
-        table(["unit", "strategy", "leaves", "params", "params/rank"], unit_rows),
+        table(["unit", "strategy", "leaves", "params", "params/rank", "why"], unit_rows),
         "",
         f"{n_params:,} parameters, {format_bytes(total)}; {format_bytes(per_rank)} of parameters per rank",
         f"fingerprint {plan.fingerprint()}",
+        "",
+        *costs(plan, cost),
     ]
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def costs(plan: Plan, cost: CostModel | None = None, /) -> list[str]:
+    """The per-rank section of :func:`explain`: memory by category, communication, time, assumptions."""
+    from funcshard._src.plan.cost import CostModel, estimate  # cost builds on the plan
+
+    model = cost or plan.cost or CostModel()
+    est = estimate(plan, model)
+    mem = est.memory
+    rows = [[name, format_bytes(n), f"{n:,}"] for name, n in mem.rows()]
+    rows.append(["total", format_bytes(mem.total), f"{mem.total:,}"])
+    lines = ["Per rank, per step:", table(["memory", "", "bytes"], rows)]
+    if plan.memory_budget is not None:
+        lines.append(
+            f"budget {format_bytes(plan.memory_budget)}: "
+            f"{format_bytes(plan.memory_budget - mem.total)} to spare"
+        )
+    comm_rows = [
+        [op, "+".join(axes), format_bytes(n), f"{n:,}"]
+        for (op, axes), n in sorted(est.comm.items())
+    ]
+    lines += [
+        "",
+        table(["sent", "mesh axes", "", "bytes"], comm_rows) if comm_rows else "no communication",
+    ]
+    if est.time is not None:
+        t = est.time
+        lines += [
+            "",
+            f"estimated step {t.step_s * 1e3:.1f} ms: compute {t.compute_s * 1e3:.1f} ms, "
+            f"communication {t.comm_s * 1e3:.1f} ms ({t.exposed_comm_s * 1e3:.1f} ms not hidden), "
+            f"optimizer {t.optimizer_s * 1e3:.1f} ms; {t.tokens_per_s:,.0f} tokens/s over "
+            f"{plan.mesh.size} ranks",
+        ]
+    lines += ["", "Assumptions:"] + [f"- {a}" for a in est.assumptions]
+    return lines
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], /) -> str:

@@ -11,22 +11,25 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from funcshard._src import tree
 from funcshard._src.plan import explain as _explain
-from funcshard._src.plan.rules import Rule, check_pattern, check_rules, first_match
-from funcshard._src.plan.strategy import Strategy, check_strategy, default_spec, shard_axes
-from funcshard._src.plan.units import ROOT, Unit, resolve_units
+from funcshard._src.plan.strategy import Strategy, check_strategy
+from funcshard._src.plan.units import Unit
 from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.named_sharding import NamedSharding
 from funcshard._src.spec.partition_spec import P
 
+if TYPE_CHECKING:
+    from funcshard._src.plan.cost import CostModel
+
 Default = Literal["largest_dim"] | P | None
+Requested = Strategy | Literal["auto"]
 _JSON_VERSION = 1
 
 
@@ -67,16 +70,22 @@ class Plan:
         treedef: the params' tree structure.
         leaves: one :class:`LeafPlan` per leaf, in leaf order.
         units: the units, root unit (if any) first, then in tree order.
-        strategy: the strategy requested for the plan.
+        strategy: the strategy requested for the plan (``"auto"``: chosen per unit).
         notes: remarks made while planning (rules that matched no leaf, ...).
+        reasons: per unit, why it has its strategy (``(unit name, reason)``).
+        cost: the cost model the plan was made with, used by :meth:`explain`.
+        memory_budget: the bytes per rank the plan was asked to fit, if any.
     """
 
     mesh: Mesh
     treedef: tree.TreeDef
     leaves: tuple[LeafPlan, ...]
     units: tuple[Unit, ...]
-    strategy: Strategy
+    strategy: Requested
     notes: tuple[str, ...] = ()
+    reasons: tuple[tuple[str, str], ...] = ()
+    cost: CostModel | None = None
+    memory_budget: int | None = None
 
     @property
     def specs(self) -> Any:
@@ -118,16 +127,21 @@ class Plan:
         except KeyError:
             raise KeyError(f"no unit {name!r}; units are {[u.name for u in self.units]}") from None
 
-    def explain(self) -> str:
-        """A readable report: per leaf its spec, shard shape and unit; per unit its strategy and bytes.
+    def explain(self, cost: CostModel | None = None, /) -> str:
+        """A readable report: per leaf its spec and shard; per unit its strategy and why; per rank memory and communication.
+
+        Args:
+            cost: the cost model for the memory and communication section; default
+                the one the plan was made with, else AdamW in the stored dtypes.
 
         Example:
+            >>> from funcshard._src.plan.planner import plan
             >>> params = {"w": torch.zeros(8, 4), "b": torch.zeros(4)}
             >>> print(plan(params, Mesh({"fsdp": 2})).explain())  # doctest: +ELLIPSIS
             Plan on Mesh({'fsdp': 2}) (2 ranks), strategy full_shard
             ...
         """
-        return _explain.explain(self)
+        return _explain.explain(self, cost)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as JSON-ready data; :meth:`from_json` inverts it."""
@@ -150,6 +164,8 @@ class Plan:
                 {"name": u.name, "strategy": u.strategy, "paths": list(u.paths)} for u in self.units
             ],
             "notes": list(self.notes),
+            "reasons": [list(r) for r in self.reasons],
+            "memory_budget": self.memory_budget,
         }
 
     @classmethod
@@ -183,8 +199,10 @@ class Plan:
             treedef=tree.treedef_from_json(d["treedef"]),
             leaves=leaves,
             units=units,
-            strategy=check_strategy(d["strategy"]),
+            strategy="auto" if d["strategy"] == "auto" else check_strategy(d["strategy"]),
             notes=tuple(str(n) for n in d.get("notes", ())),
+            reasons=tuple((str(u), str(r)) for u, r in d.get("reasons", ())),
+            memory_budget=d.get("memory_budget"),
         )
 
     def fingerprint(self) -> str:
@@ -193,139 +211,15 @@ class Plan:
         Equal plans have equal fingerprints in every process; ranks compare them
         to catch diverged configurations before the first collective.
         """
-        payload = {**self.to_json(), "treedef": repr(self.treedef), "notes": None}
+        payload = {
+            **self.to_json(),
+            "treedef": repr(self.treedef),
+            "notes": None,
+            "reasons": None,
+            "memory_budget": None,
+        }
         text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def plan(
-    params: Any,
-    mesh: Mesh,
-    /,
-    *,
-    rules: Sequence[tuple[Any, P]] = (),
-    units: Sequence[Any] = (),
-    strategy: Strategy = "full_shard",
-    default: Default = "largest_dim",
-    strict: bool = False,
-) -> Plan:
-    """Plans where every leaf of ``params`` lives on ``mesh``.
-
-    Args:
-        params: a pytree of tensors (real or on the ``meta`` device: only shapes and
-            dtypes are read).
-        mesh: the mesh to shard over.
-        rules: ``[(pattern, P), ...]`` over leaf paths; the first match wins. A
-            pattern is a glob (``*`` one segment, ``**`` any number) or a ``re.Pattern``
-            matched with ``re.search``.
-        units: patterns naming subtrees; each matched subtree is one unit. Leaves
-            under no unit form the root unit.
-        strategy: ``"full_shard"``, ``"shard_grad_op"``, ``"no_shard"`` or ``"hybrid_shard"``.
-        default: the spec of a leaf no rule matches: ``"largest_dim"`` (its largest
-            dim over the strategy's shard axes; scalars replicate), a fixed ``P``,
-            or ``None`` to require a rule for every leaf.
-        strict: refuse dims that do not divide by their shard count, as JAX does.
-
-    Returns:
-        The :class:`Plan`.
-
-    Raises:
-        TypeError: a leaf that is not a tensor, or malformed rules or units.
-        ValueError: a spec that does not fit its leaf or the strategy, an unmatched
-            leaf with ``default=None``, a unit pattern matching nothing, overlapping
-            units. Each message names the leaf path or pattern and the fix.
-
-    Example:
-        >>> params = {"embed": torch.zeros(16, 8), "blocks": [{"w": torch.zeros(8, 8)}] * 2}
-        >>> p = plan(params, Mesh({"fsdp": 2}), rules=[("embed", P(None, "fsdp"))], units=["blocks/*"])
-        >>> p.specs
-        {'embed': P(None, 'fsdp'), 'blocks': [{'w': P('fsdp')}, {'w': P('fsdp')}]}
-        >>> [u.name for u in p.units]
-        ['<root>', 'blocks/0', 'blocks/1']
-    """
-    if not isinstance(mesh, Mesh):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise TypeError(f"plan: mesh must be a funcshard Mesh, got {type(mesh).__name__}")
-    strategy = check_strategy(strategy)
-    checked_rules = check_rules(rules)
-    if isinstance(units, (str, bytes)) or not isinstance(units, Sequence):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise TypeError(f"units must be a list of patterns, e.g. [{units!r}]; got {units!r}")
-    patterns = [check_pattern(u, what=f"units[{i}]") for i, u in enumerate(units)]
-    if not (default is None or default == "largest_dim" or isinstance(default, P)):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise TypeError(f"default must be 'largest_dim', a P or None; got {default!r}")
-
-    paths, leaves, treedef = tree.flatten_with_paths(params)
-    for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"{path or '<root>'}: leaf is a {type(leaf).__name__}, not a torch.Tensor; "
-                f"params must be a pytree of tensors (wrap constants with torch.tensor, or "
-                f"keep them outside params)"
-            )
-    unit_of = {p: name for name, ps in resolve_units(paths, patterns) for p in ps}
-    used = [False] * len(checked_rules)
-    planned: list[LeafPlan] = []
-    for path, leaf in zip(paths, leaves):
-        shape = tuple(leaf.shape)
-        spec = _resolve_spec(path, shape, checked_rules, used, strategy, mesh, default)
-        NamedSharding(mesh, spec).validate(shape, path=path or "<root>", strict=strict)
-        planned.append(LeafPlan(path, shape, leaf.dtype, spec, unit_of[path]))
-
-    unit_paths: dict[str, list[str]] = {}
-    for leaf in planned:
-        unit_paths.setdefault(leaf.unit, []).append(leaf.path)
-    ordered = sorted(
-        unit_paths, key=lambda name: name != ROOT
-    )  # stable: root first, then tree order
-    notes = tuple(
-        f"rules[{i}] {rule!r} matched no leaf"
-        for i, (rule, hit) in enumerate(zip(checked_rules, used))
-        if not hit
-    )
-    return Plan(
-        mesh=mesh,
-        treedef=treedef,
-        leaves=tuple(planned),
-        units=tuple(Unit(name, tuple(unit_paths[name]), strategy) for name in ordered),
-        strategy=strategy,
-        notes=notes,
-    )
-
-
-def _resolve_spec(
-    path: str,
-    shape: tuple[int, ...],
-    rules: Sequence[Rule],
-    used: list[bool],
-    strategy: Strategy,
-    mesh: Mesh,
-    default: Default,
-) -> P:
-    where = path or "<root>"
-    i = first_match(rules, path)
-    if i is not None:
-        used[i] = True
-        spec, origin = rules[i].spec, f"rules[{i}] {rules[i]!r}"
-    elif default is None:
-        raise ValueError(
-            f"{where}: no rule matches this leaf and default=None; add a rule for it, "
-            f"e.g. ({where!r}, P(...)), or a catch-all ('**', P('{mesh.axis_names[-1]}'))"
-        )
-    elif isinstance(default, P):
-        spec, origin = default, f"default {default!r}"
-    else:
-        return default_spec(shape, strategy, mesh)
-    allowed = shard_axes(strategy, mesh)
-    outside = [a for a in spec.axes if a in mesh.axis_names and a not in allowed]
-    if outside:
-        raise ValueError(
-            f"{where}: {origin} shards over mesh axis {outside[0]!r}, but strategy {strategy!r} "
-            f"shards only over {list(allowed)} (the other axes replicate); drop {outside[0]!r} "
-            f"from the spec or choose another strategy"
-        )
-    if len(spec) > len(shape):
-        # name the rule as well as the leaf: the usual cause is a rule meant for bigger leaves
-        spec.validate(mesh, len(shape), path=f"{where} (from {origin})")
-    return spec
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -64,7 +64,7 @@ def layouts(plan: Plan, /) -> tuple[FlatLayout, ...]:
     """The flat layouts of ``plan``: per unit in unit order, per dtype in leaf order.
 
     Example:
-        >>> from funcshard._src.plan.plan import plan as make_plan
+        >>> from funcshard._src.plan.planner import plan as make_plan
         >>> from funcshard._src.spec.mesh import Mesh
         >>> p = make_plan({"w": torch.zeros(10, 2), "b": torch.zeros(3)}, Mesh({"fsdp": 4}))
         >>> [(s.path, s.shard_shape, s.offset) for s in layouts(p)[0].slots]

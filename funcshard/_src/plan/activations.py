@@ -1,0 +1,133 @@
+"""Activation memory of a transformer per rank, from its shape (Korthikanti et al. 2022), and the workload it depends on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
+from funcshard._src.plan.presets import ModelConfig
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What each rank computes per step: enough to estimate activations and FLOPs.
+
+    Attributes:
+        model: the model's shape (a preset's ``config``, or your own).
+        batch_size: sequences per rank per step (the micro-batch).
+        seq_len: tokens per sequence; default ``model.seq_len``.
+        remat: recompute each unit's activations in backward (``fs.call(remat=True)``).
+    """
+
+    model: ModelConfig
+    batch_size: int = 1
+    seq_len: int | None = None
+    remat: bool = False
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or (self.seq_len is not None and self.seq_len < 1):
+            raise ValueError(
+                f"Workload: batch_size and seq_len must be positive, got {self.batch_size}, {self.seq_len}"
+            )
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per rank per step."""
+        return self.batch_size * (self.seq_len or self.model.seq_len)
+
+
+def activations_of(
+    workload: Workload | None, mixed_precision: MixedPrecision | None, stored: torch.dtype, /
+) -> int:
+    """Activation bytes per rank for ``workload``, in the compute dtype (0 without a workload)."""
+    if workload is None:
+        return 0
+    compute = (mixed_precision or FULL_PRECISION).compute_dtype(stored)
+    return activation_bytes(
+        workload.model,
+        batch=workload.batch_size,
+        seq_len=workload.seq_len or workload.model.seq_len,
+        dtype_bytes=compute.itemsize,
+        remat=workload.remat,
+    )
+
+
+def activation_bytes(
+    config: ModelConfig,
+    /,
+    batch: int,
+    seq_len: int | None = None,
+    *,
+    dtype_bytes: int = 2,
+    remat: bool = False,
+) -> int:
+    """Bytes of activations one rank keeps for backward, over all transformer layers.
+
+    Follows Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models" (arXiv:2205.05198), Sec. 4.1: with 16-bit activations,
+    1-byte dropout masks and no tensor or sequence parallelism, one layer keeps
+    ``s*b*h*(34 + 5*a*s/h)`` bytes (``s`` sequence, ``b`` micro-batch, ``h`` hidden,
+    ``a`` heads): attention ``11sbh + 5as^2b``, MLP ``19sbh``, two norms ``4sbh``.
+    For a ``gpt``-style config (``ffn_hidden = 4h``, ``n_heads * head_dim = h``,
+    no GQA) and ``dtype_bytes=2`` the result is exactly ``n_layers`` times that.
+    Otherwise each term uses the model's real widths, with ``p = dtype_bytes``:
+
+    - attention: ``p*sb*(h + 2*attn_dim + 2*kv_dim) + 2p*a*s^2b`` (norm output, Q,
+      K, V, projection input, softmax and its dropout) plus masks ``sbh + a*s^2b``;
+    - MLP: ``p*sb*(h + 2F)`` plus mask ``sbh``; gated (SwiGLU) ``p*sb*(h + 4F)``
+      (gate, its activation, up, product);
+    - each norm keeps its input, ``p*sbh``.
+
+    With full recomputation (``remat``) a layer keeps only its input, ``p*sbh``
+    (``2sbh`` in the paper), and backward rebuilds one layer at a time, so the
+    largest layer's full activations are added once.
+
+    Encoder-decoder models (T5) use ``seq_len`` for both stacks. An encoder layer
+    is counted like a decoder-only layer; a decoder layer adds cross-attention
+    (the attention terms with keys and values over the encoder's ``seq_len``) and
+    a third norm; the encoder output, read by every decoder layer, is added once.
+
+    Not counted: embeddings, the final norm, logits and loss (large for big
+    vocabularies), temporary buffers. FlashAttention keeps no ``a*s^2`` terms; this does.
+
+    Args:
+        config: the model.
+        batch: sequences per rank (the micro-batch).
+        seq_len: tokens per sequence; ``config.seq_len`` when ``None``.
+        dtype_bytes: bytes per activation element (2 for bf16/fp16, 4 for fp32).
+        remat: whether every layer is recomputed in backward (activation checkpointing).
+
+    Returns:
+        The estimate, in bytes.
+
+    Raises:
+        ValueError: a batch, sequence length or dtype size below 1.
+
+    Example:
+        >>> from funcshard._src.plan.presets import get_preset
+        >>> cfg = get_preset("gpt-175b").config  # s*b*h*(34 + 5*a*s/h) per layer
+        >>> activation_bytes(cfg, 1) == 96 * 2048 * 12288 * (34 + 5 * 96 * 2048 // 12288)
+        True
+        >>> activation_bytes(cfg, 1, remat=True) == 96 * 2 * 2048 * 12288 + 2048 * 12288 * 114
+        True
+    """
+    s = config.seq_len if seq_len is None else seq_len
+    if min(batch, s, dtype_bytes) < 1:
+        raise ValueError(
+            f"activation_bytes: batch={batch}, seq_len={s} and dtype_bytes={dtype_bytes} "
+            f"must be >= 1"
+        )
+    p, h, tokens = dtype_bytes, config.hidden, batch * s
+    scores = config.n_heads * batch * s * s  # one (s, s) matrix per head and sequence
+    width = h + 2 * config.attn_dim + 2 * config.kv_dim  # norm output, Q, K, V, projection input
+    attn = p * (tokens * width + 2 * scores) + (tokens * h + scores)  # + dropout masks
+    mlp = p * tokens * (h + (4 if config.gated_mlp else 2) * config.ffn_hidden) + tokens * h
+    layer = attn + mlp + 2 * p * tokens * h  # + the inputs of two norms
+    # An encoder-decoder keeps the encoder output for every decoder layer's cross-attention,
+    # which costs a decoder layer one more attention block and norm.
+    kept, cross = (p * tokens * h, attn + p * tokens * h) if config.encoder_decoder else (0, 0)
+    if remat:
+        return config.n_layers * p * tokens * h + layer + cross + kept
+    return config.n_encoder_layers * layer + config.n_decoder_layers * (layer + cross) + kept
