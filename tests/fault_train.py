@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("steps", type=int)
     parser.add_argument("--kill-at", type=int, default=None)
     args = parser.parse_args()
-    fs.init(timeout_s=30)
+    fs.init(timeout_s=120)  # restarted ranks import torch again; allow for a loaded machine
     plan = fs.plan(MODEL.init(0), fs.Mesh({"fsdp": fs.world_size()}), units=MODEL.units)
     sparams = fs.shard(MODEL.init(0), plan)
     opt = fs.optim.adamw(lr=0.05)
