@@ -33,8 +33,10 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def interop(session: nox.Session) -> None:
-    """Tests with JAX (CPU, eight host devices) as the oracle."""
-    _install(session, "test", "jax")
+    """Tests with JAX (CPU, eight host devices), Hugging Face and Orbax as oracles."""
+    _install(session, "test", "jax", "hf", "orbax")
+    # orbax-checkpoint writes the test checkpoints; funcshard reads them without it
+    session.install("orbax-checkpoint")
     session.run("pytest", *(session.posargs or ["tests/interop"]))
 
 

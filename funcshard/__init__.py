@@ -6,6 +6,7 @@ semantics); :func:`shard` keeps each rank's shards in one flat buffer per unit.
 """
 
 from funcshard import checkpoint as checkpoint
+from funcshard import interop as interop
 from funcshard import optim as optim
 from funcshard import testing as testing
 from funcshard._src.comm.runtime import CollectiveError as CollectiveError
@@ -82,6 +83,7 @@ __all__ = [
     "estimate",
     "hardware",
     "init",
+    "interop",
     "leaf_paths",
     "optim",
     "plan",

@@ -97,6 +97,53 @@ class Plan:
         """A pytree of :class:`NamedSharding` with the params' structure."""
         return tree.unflatten(self.treedef, [leaf.sharding(self.mesh) for leaf in self.leaves])
 
+    def to_jax_shardings(self, jax_mesh: Any, /) -> Any:
+        """A pytree of ``jax.sharding.NamedSharding`` with the params' structure, for ``jax.jit``.
+
+        Each leaf's spec on ``jax_mesh``; with device id = rank, every device holds the
+        slices its rank holds here (``NamedSharding.indices``). JAX refuses dims that do
+        not divide evenly, so plan with ``strict=True`` to use the shardings on arrays.
+
+        Args:
+            jax_mesh: a ``jax.sharding.Mesh`` with this plan's axis names and sizes, in order.
+
+        Raises:
+            ValueError: the JAX mesh's axes differ from the plan's.
+            ImportError: JAX is not installed.
+
+        Example:
+            >>> import jax, numpy as np  # doctest: +SKIP
+            >>> from funcshard._src.plan.planner import plan  # doctest: +SKIP
+            >>> p = plan({"w": torch.zeros(4, 2)}, Mesh({"fsdp": 2}))  # doctest: +SKIP
+            >>> jmesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("fsdp",))  # doctest: +SKIP
+            >>> p.to_jax_shardings(jmesh)["w"].spec  # doctest: +SKIP
+            P('fsdp',)
+        """
+        # JAX is optional: imported here, typed Any, so that the plan layer needs it only now
+        import importlib
+
+        try:
+            jax_sharding: Any = importlib.import_module("jax.sharding")
+        except ImportError as e:
+            raise ImportError(
+                f"Plan.to_jax_shardings needs JAX ({e}); pip install 'funcshard[jax]'"
+            ) from None
+        axes = {str(name): int(size) for name, size in dict(jax_mesh.shape).items()}
+        if tuple(axes) != self.mesh.axis_names or tuple(axes.values()) != self.mesh.shape:
+            raise ValueError(
+                f"the JAX mesh has axes {axes}, the plan's mesh {self.mesh.axes}; build the JAX "
+                f"mesh with the same axis names and sizes in the same order, e.g. "
+                f"jax.sharding.Mesh(np.array(jax.devices()[:{self.mesh.size}])"
+                f".reshape{self.mesh.shape}, {self.mesh.axis_names})"
+            )
+        return tree.unflatten(
+            self.treedef,
+            [
+                jax_sharding.NamedSharding(jax_mesh, jax_sharding.PartitionSpec(*leaf.spec))
+                for leaf in self.leaves
+            ],
+        )
+
     @functools.cached_property
     def _by_path(self) -> dict[str, LeafPlan]:
         return {leaf.path: leaf for leaf in self.leaves}

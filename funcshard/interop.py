@@ -1,0 +1,13 @@
+"""Interop: any ``nn.Module`` as a pure function over its params, and params and specs with JAX.
+
+``functionalize`` needs only torch; ``to_jax`` / ``from_jax`` import JAX when called
+(``pip install 'funcshard[jax]'``) and ``load_orbax`` TensorStore (``'funcshard[orbax]'``).
+"""
+
+from funcshard._src.interop.jax import from_jax as from_jax
+from funcshard._src.interop.jax import to_jax as to_jax
+from funcshard._src.interop.module import Apply as Apply
+from funcshard._src.interop.module import functionalize as functionalize
+from funcshard._src.interop.orbax import load_orbax as load_orbax
+
+__all__ = ["Apply", "from_jax", "functionalize", "load_orbax", "to_jax"]

@@ -1,0 +1,134 @@
+"""A Hugging Face LlamaForCausalLM, functionalized and trained sharded, equals the model trained in one process.
+
+The model is built from a tiny ``LlamaConfig`` (nothing is downloaded), with tied
+embeddings and one frozen norm inside a decoder layer. The reference trains the
+``nn.Module`` itself with ``torch.optim`` on every rank's batch; a failure names the
+step whose mean loss differs or the first parameter path that differs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import funcshard as fs
+from funcshard.interop import functionalize
+from funcshard.testing import assert_trees_close
+
+transformers = pytest.importorskip("transformers", reason="Hugging Face is the `hf` extra")
+
+pytestmark = pytest.mark.interop
+
+FP32_TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}
+VOCAB, SEQ, BATCH, STEPS, WORLD = 64, 8, 2, 3, 2
+
+
+def llama(seed: int = 0, *, frozen: bool = True) -> Any:
+    """A 2-layer LlamaForCausalLM of hidden size 32, weights drawn from ``seed``."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    if frozen:
+        model.model.layers[0].post_attention_layernorm.weight.requires_grad_(False)
+    return model
+
+
+def tokens(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def test_paths_units_and_state_of_a_llama():
+    params, apply = functionalize(llama(), units=["LlamaDecoderLayer"])
+    paths = fs.leaf_paths(params)
+    assert "model/layers/1/self_attn/q_proj/weight" in paths
+    assert isinstance(params["model"]["layers"], list)
+    assert "lm_head/weight" not in paths  # tied to model/embed_tokens/weight: one leaf
+    assert "model/layers/0/post_attention_layernorm/weight" not in paths  # frozen
+    assert apply.units == ("model/layers/*",)
+    assert fs.leaf_paths(apply.state) == [
+        "model/layers/0/post_attention_layernorm/weight",
+        "model/rotary_emb/inv_freq",
+        "model/rotary_emb/original_inv_freq",
+    ]
+
+
+def test_a_unit_class_a_llama_lacks_is_an_error_listing_its_classes():
+    with pytest.raises(
+        ValueError, match=r"'GPT2Block' names no submodule of LlamaForCausalLM"
+    ) as e:
+        functionalize(llama(), units=["GPT2Block"])
+    assert "LlamaDecoderLayer" in str(e.value)
+
+
+def test_apply_equals_the_model_and_its_gradients():
+    """The model's own loss (labels=...) and autograd gradients, through apply and torch.func."""
+    model = llama()
+    params, apply = functionalize(model, units=["LlamaDecoderLayer"])
+    ids = tokens(0)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads, loss = torch.func.grad_and_value(lambda p: apply(p, input_ids=ids, labels=ids).loss)(
+        params
+    )
+    torch.testing.assert_close(loss, out.loss.detach(), **FP32_TOL)
+    by_name = {n.replace(".", "/"): p.grad for n, p in model.named_parameters()}
+    for path, grad in zip(fs.leaf_paths(grads), fs.tree_leaves(grads)):
+        torch.testing.assert_close(grad, by_name[path], **FP32_TOL, msg=path)
+
+
+def _train_sharded(strategy: Any) -> tuple[list[torch.Tensor], Any]:
+    params, apply = functionalize(llama(), units=["LlamaDecoderLayer"])
+    plan = fs.plan(params, fs.Mesh({"fsdp": fs.world_size()}), units=apply.units, strategy=strategy)
+    sparams = fs.shard(params, plan)
+    opt = fs.optim.adamw(lr=1e-2, weight_decay=0.1)
+    state = opt.init(sparams)
+
+    def loss_fn(p: Any, ids: torch.Tensor) -> torch.Tensor:
+        return apply(p, input_ids=ids, labels=ids).loss
+
+    step = fs.value_and_grad(loss_fn, plan)
+    losses = []
+    for t in range(STEPS):
+        loss, grads = step(sparams, tokens(100 * t + fs.rank()))
+        sparams, state = opt.update(grads, state, sparams)
+        losses.append(loss)
+    return losses, fs.unshard(sparams)
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+def test_sharded_llama_trains_like_the_model_in_one_process(pools, strategy):
+    """W=2, one unit per decoder layer: per-step mean loss and final params equal torch.optim.AdamW."""
+    results = pools.run(WORLD, _train_sharded, strategy)
+    model = llama()
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1
+    )
+    frozen = model.model.layers[0].post_attention_layernorm.weight.detach().clone()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker rank
+    try:
+        for t in range(STEPS):
+            batches = [tokens(100 * t + r) for r in range(WORLD)]
+            loss = torch.stack([model(input_ids=b, labels=b).loss for b in batches]).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mean = torch.stack([losses[t] for losses, _ in results]).mean()
+            torch.testing.assert_close(mean, loss.detach(), **FP32_TOL, msg=f"step {t}")
+    finally:
+        torch.set_num_threads(threads)
+    reference, _ = functionalize(model)
+    for _, final in results:
+        assert_trees_close(final, reference, **FP32_TOL)
+    assert torch.equal(model.model.layers[0].post_attention_layernorm.weight, frozen)
