@@ -74,7 +74,36 @@ def init(*, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) ->
     elif "OMP_NUM_THREADS" not in os.environ:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = _attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """After a torchrun restart, a store whose keys are this attempt's alone (else ``None``).
+
+    torchrun keeps its rendezvous store across restarts, and torch 2.13 no longer
+    prefixes worker keys by attempt, so restarted ranks could read the addresses
+    their dead predecessors published and fail to connect ("Connection refused").
+    Keys under ``funcshard/attempt_<n>/`` cannot be stale.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=not agent_hosts and os.environ["RANK"] == "0",
+        timeout=timeout,
+        multi_tenant=not agent_hosts,
+    )
+    return dist.PrefixStore(f"funcshard/attempt_{attempt}/", store)
 
 
 def is_distributed() -> bool:
