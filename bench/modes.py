@@ -20,8 +20,6 @@ from torch import nn
 import funcshard as fs
 from bench.comm import Counter
 from bench.model import GPT, Block, Config, loss_fn
-from funcshard._src.plan.cost import comm_bytes_per_step
-from funcshard._src.shard.sharded import flats_of
 
 LR, WEIGHT_DECAY = 1e-3, 0.1
 
@@ -90,7 +88,7 @@ def _funcshard(strategy: Any, cfg: Config, params: Any, device: torch.device) ->
         }
 
     return Trainer(
-        run, state_bytes, lambda: step.ledger.total(), sum(comm_bytes_per_step(plan).values())
+        run, state_bytes, lambda: step.ledger.total(), sum(fs.estimate(plan).comm.values())
     )
 
 
@@ -161,8 +159,4 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 def _flat_bytes(tree: Any) -> int:
-    return (
-        sum(f.data.numel() * f.data.element_size() for f in flats_of(tree))
-        if tree is not None
-        else 0
-    )
+    return fs.testing.held_bytes(tree) if tree is not None else 0

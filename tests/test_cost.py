@@ -19,23 +19,13 @@ from hypothesis import strategies as st
 import funcshard as fs
 from funcshard._src.plan.cost import CostModel, estimate
 from funcshard._src.plan.presets import get_preset
-from funcshard._src.shard.sharded import ShardedTensor, flats_of
+from funcshard.testing import held_bytes
 from tests.models import Model
 
 EVEN = Model(kind="transformer", vocab=16, width=8, hidden=16, layers=2, heads=2)
 UNEVEN = Model(kind="mlp", vocab=11, width=6, layers=3)
 BF16 = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 BF16_ONLY = fs.MixedPrecision(param_dtype=torch.bfloat16)  # gradients kept in bf16
-
-
-def _held(tree: Any) -> int:
-    """Bytes of every sharded flat buffer and plain tensor in ``tree``."""
-    plain = sum(
-        t.numel() * t.element_size()
-        for t in fs.tree_leaves(tree)
-        if isinstance(t, torch.Tensor) and not isinstance(t, ShardedTensor)
-    )
-    return plain + sum(f.data.numel() * f.data.element_size() for f in flats_of(tree))
 
 
 def _optimizer(name: str) -> fs.optim.Optimizer:
@@ -62,7 +52,7 @@ def _measure(mesh: dict[str, int], strategies: list[Any]) -> list[dict[str, Any]
                     out.append(
                         {
                             "case": (model.kind, strategy, mp, name),
-                            "held": (_held(sparams), _held(grads), _held(state)),
+                            "held": (held_bytes(sparams), held_bytes(grads), held_bytes(state)),
                             "predicted": (
                                 predicted.memory.params,
                                 predicted.memory.grads,
@@ -107,7 +97,7 @@ def _auto_plan_measure(budget: int) -> dict[str, Any]:
     predicted = estimate(plan)
     return {
         "strategies": sorted({u.strategy for u in plan.units}),
-        "held": (_held(sparams), _held(grads), _held(state)),
+        "held": (held_bytes(sparams), held_bytes(grads), held_bytes(state)),
         "predicted": (predicted.memory.params, predicted.memory.grads, predicted.memory.optimizer),
         "ledger": dict(step.ledger.bytes_by_key),
         "comm": dict(predicted.comm),
