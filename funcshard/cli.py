@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
     p.add_argument("--remat", action="store_true", help="recompute activations in backward")
+    p.add_argument(
+        "--flash-attention",
+        action="store_true",
+        help="attention keeps no (seq x seq) scores (FlashAttention, fused SDPA)",
+    )
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--json", type=Path, help="also write the numbers to this JSON file")
     p.add_argument("--plot", type=Path, help="also draw memory per strategy to this image")
@@ -154,7 +159,9 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
         mixed_precision=mp,
         master_weights=args.master_weights,
         prefetch=args.prefetch,
-        workload=Workload(preset.config, args.batch_size, args.seq_len, args.remat),
+        workload=Workload(
+            preset.config, args.batch_size, args.seq_len, args.remat, args.flash_attention
+        ),
         hardware=hardware,
     )
     params = preset.params(dtype=_DTYPES[args.param_dtype])
@@ -174,6 +181,7 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
             "batch_size": args.batch_size,
             "seq_len": args.seq_len or preset.config.seq_len,
             "remat": args.remat,
+            "flash_attention": args.flash_attention,
             "prefetch": args.prefetch,
             "hardware": None if hardware is None else hardware.__dict__,
         },

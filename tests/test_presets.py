@@ -312,3 +312,16 @@ def test_activations_of_the_presets():
 def test_activations_refuse_empty_shapes(batch: int, seq_len: int, dtype_bytes: int):
     with pytest.raises(ValueError, match="must be >= 1"):
         activation_bytes(_config(), batch, seq_len, dtype_bytes=dtype_bytes)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_flash_attention_makes_activations_linear_in_the_sequence(name):
+    """Without (s, s) scores every term is per token: twice the tokens, twice the bytes."""
+    config = get_preset(name).config
+    flash = [activation_bytes(config, 2, s, flash_attention=True) for s in (512, 1024)]
+    eager = [activation_bytes(config, 2, s) for s in (512, 1024)]
+    assert flash[1] == 2 * flash[0]
+    assert eager[1] > 2 * eager[0]
+    assert flash[0] < eager[0]
+    per_token_lse = 4 * config.n_heads * config.n_layers  # the fp32 log-sum-exp of each head
+    assert flash[0] >= per_token_lse * 2 * 512

@@ -19,12 +19,15 @@ class Workload:
         batch_size: sequences per rank per step (the micro-batch).
         seq_len: tokens per sequence; default ``model.seq_len``.
         remat: recompute each unit's activations in backward (``fs.call(remat=True)``).
+        flash_attention: attention that keeps no ``(s, s)`` score matrices
+            (FlashAttention, ``scaled_dot_product_attention``'s fused kernels).
     """
 
     model: ModelConfig
     batch_size: int = 1
     seq_len: int | None = None
     remat: bool = False
+    flash_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or (self.seq_len is not None and self.seq_len < 1):
@@ -51,6 +54,7 @@ def activations_of(
         seq_len=workload.seq_len or workload.model.seq_len,
         dtype_bytes=compute.itemsize,
         remat=workload.remat,
+        flash_attention=workload.flash_attention,
     )
 
 
@@ -62,6 +66,7 @@ def activation_bytes(
     *,
     dtype_bytes: int = 2,
     remat: bool = False,
+    flash_attention: bool = False,
 ) -> int:
     """Bytes of activations one rank keeps for backward, over all transformer layers.
 
@@ -98,6 +103,9 @@ def activation_bytes(
         seq_len: tokens per sequence; ``config.seq_len`` when ``None``.
         dtype_bytes: bytes per activation element (2 for bf16/fp16, 4 for fp32).
         remat: whether every layer is recomputed in backward (activation checkpointing).
+        flash_attention: attention keeps no ``(s, s)`` scores, softmax or dropout mask
+            (they are recomputed in backward), only the softmax's fp32 log-sum-exp,
+            ``4*a*s*b`` bytes: the ``5*a*s/h`` term becomes ``4*a/h``.
 
     Returns:
         The estimate, in bytes.
@@ -112,6 +120,8 @@ def activation_bytes(
         True
         >>> activation_bytes(cfg, 1, remat=True) == 96 * 2 * 2048 * 12288 + 2048 * 12288 * 114
         True
+        >>> activation_bytes(cfg, 1, flash_attention=True) == 96 * 2048 * (12288 * 34 + 4 * 96)
+        True
     """
     s = config.seq_len if seq_len is None else seq_len
     if min(batch, s, dtype_bytes) < 1:
@@ -122,7 +132,10 @@ def activation_bytes(
     p, h, tokens = dtype_bytes, config.hidden, batch * s
     scores = config.n_heads * batch * s * s  # one (s, s) matrix per head and sequence
     width = h + 2 * config.attn_dim + 2 * config.kv_dim  # norm output, Q, K, V, projection input
-    attn = p * (tokens * width + 2 * scores) + (tokens * h + scores)  # + dropout masks
+    if flash_attention:  # scores recomputed in backward; only the fp32 log-sum-exp is kept
+        attn = p * tokens * width + tokens * h + 4 * config.n_heads * tokens
+    else:
+        attn = p * (tokens * width + 2 * scores) + (tokens * h + scores)  # + dropout masks
     mlp = p * tokens * (h + (4 if config.gated_mlp else 2) * config.ffn_hidden) + tokens * h
     layer = attn + mlp + 2 * p * tokens * h  # + the inputs of two norms
     # An encoder-decoder keeps the encoder output for every decoder layer's cross-attention,

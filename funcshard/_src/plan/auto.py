@@ -316,11 +316,11 @@ def _missing(
     if workload is not None:
         state = need - activations
         if not workload.remat:
-            remat = Workload(workload.model, workload.batch_size, workload.seq_len, remat=True)
+            remat = dataclasses.replace(workload, remat=True)
             if state + _activations(remat, model, spec) <= budget:
                 fixes.append("remat=True (recompute activations in backward)")
         for batch in range(workload.batch_size - 1, 0, -1):
-            smaller = Workload(workload.model, batch, workload.seq_len, workload.remat)
+            smaller = dataclasses.replace(workload, batch_size=batch)
             if state + _activations(smaller, model, spec) <= budget:
                 fixes.append(f"batch_size={batch} per rank")
                 break

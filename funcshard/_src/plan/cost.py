@@ -336,7 +336,8 @@ def estimate(plan: Plan, model: CostModel | None = None, /) -> Estimate:
         memory = dataclasses.replace(memory, activations=activations)
         assumptions.append(
             f"activations: {workload.batch_size} x {workload.seq_len or workload.model.seq_len} "
-            f"tokens per rank, {'with' if workload.remat else 'without'} remat "
+            f"tokens per rank, {'with' if workload.remat else 'without'} remat, "
+            f"{'flash' if workload.flash_attention else 'eager'} attention "
             f"(Korthikanti et al. 2022 per-layer formula)"
         )
     time = None
