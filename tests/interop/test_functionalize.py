@@ -381,3 +381,26 @@ def test_sharded_training_equals_the_module_trained_in_one_process(pools, strate
     for _, final in results:
         assert_trees_close(final, reference, **FP32_TOL)
     assert model.scale.grad is None
+
+
+class _Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize(("remat", "runs"), [(False, 1), (True, 2)])
+def test_remat_runs_each_unit_forward_again_in_backward(remat, runs):
+    net = nn.Sequential(_Counting(), _Counting())
+    params, apply = functionalize(net, units=[_Counting], remat=remat)
+    plan = fs.plan(params, fs.Mesh({"fsdp": 1}), units=apply.units)
+    step = fs.value_and_grad(lambda p, x: apply(p, x).sum(), plan)
+    _, grads = step(fs.shard(params, plan), torch.ones(2, 3))
+    assert [m.calls for m in net] == [runs, runs]
+    expected = torch.func.grad(lambda p: apply(p, torch.ones(2, 3)).sum())(params)
+    assert_trees_close(fs.unshard(grads), expected)

@@ -87,8 +87,8 @@ def test_apply_equals_the_model_and_its_gradients():
         torch.testing.assert_close(grad, by_name[path], **FP32_TOL, msg=path)
 
 
-def _train_sharded(strategy: Any) -> tuple[list[torch.Tensor], Any]:
-    params, apply = functionalize(llama(), units=["LlamaDecoderLayer"])
+def _train_sharded(strategy: Any, remat: bool) -> tuple[list[torch.Tensor], Any]:
+    params, apply = functionalize(llama(), units=["LlamaDecoderLayer"], remat=remat)
     plan = fs.plan(params, fs.Mesh({"fsdp": fs.world_size()}), units=apply.units, strategy=strategy)
     sparams = fs.shard(params, plan)
     opt = fs.optim.adamw(lr=1e-2, weight_decay=0.1)
@@ -106,10 +106,12 @@ def _train_sharded(strategy: Any) -> tuple[list[torch.Tensor], Any]:
     return losses, fs.unshard(sparams)
 
 
-@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
-def test_sharded_llama_trains_like_the_model_in_one_process(pools, strategy):
+@pytest.mark.parametrize(
+    ("strategy", "remat"), [("full_shard", False), ("shard_grad_op", False), ("full_shard", True)]
+)
+def test_sharded_llama_trains_like_the_model_in_one_process(pools, strategy, remat):
     """W=2, one unit per decoder layer: per-step mean loss and final params equal torch.optim.AdamW."""
-    results = pools.run(WORLD, _train_sharded, strategy)
+    results = pools.run(WORLD, _train_sharded, strategy, remat)
     model = llama()
     opt = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1

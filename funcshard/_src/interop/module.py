@@ -81,6 +81,7 @@ class Apply:
         state_leaves: Sequence[_Leaf],
         units: Units,
         patterns: tuple[str | re.Pattern[str], ...],
+        remat: bool = False,
     ) -> None:
         self._module = module
         self._treedef = treedef
@@ -93,6 +94,7 @@ class Apply:
         }
         self._units = units
         self._patterns = patterns
+        self._remat = remat
         self._active = False
 
     @property
@@ -252,7 +254,7 @@ class Apply:
             return out, _hidden_tensors(out, unit.path)
 
         def unit_forward(*args: Any, **kwargs: Any) -> Any:
-            return call(run, subtree, args, kwargs)[0]
+            return call(run, subtree, args, kwargs, remat=self._remat)[0]
 
         return unit_forward
 
@@ -273,7 +275,7 @@ _MISSING = object()
 
 
 def functionalize(
-    module: nn.Module, /, *, units: Sequence[UnitPattern] = ()
+    module: nn.Module, /, *, units: Sequence[UnitPattern] = (), remat: bool = False
 ) -> tuple[Params, Apply]:
     """Splits ``module`` into its parameter pytree and a pure function ``apply`` over it.
 
@@ -292,6 +294,8 @@ def functionalize(
             or a glob or ``re.Pattern`` over submodule paths (``"model/layers/*"``); a
             string that is a class name of a submodule is taken as the class. A
             pattern matching nested submodules makes the outermost a unit.
+        remat: recompute each unit's activations in backward instead of keeping
+            them (``fs.call(..., remat=True)``; its parameters are re-gathered for it).
 
     Returns:
         ``(params, apply)``.
@@ -338,6 +342,7 @@ def functionalize(
         state_leaves=[_Leaf(g.names[0].replace(".", "/"), g.names, None) for g in carried],
         units=resolved,
         patterns=unit_patterns(resolved.paths, params),
+        remat=remat,
     )
 
 
