@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +43,19 @@ class Workload:
 
 
 def activations_of(
-    workload: Workload | None, mixed_precision: MixedPrecision | None, stored: torch.dtype, /
+    workload: Workload | None,
+    mixed_precision: MixedPrecision | None,
+    dtypes: Sequence[torch.dtype],
+    /,
 ) -> int:
-    """Activation bytes per rank for ``workload``, in the compute dtype (0 without a workload)."""
+    """Activation bytes per rank for ``workload`` (0 without one).
+
+    Activations take the compute dtype of the params' first floating dtype in
+    ``dtypes`` (fp32 when there is none).
+    """
     if workload is None:
         return 0
+    stored = next((d for d in dtypes if d.is_floating_point), torch.float32)
     compute = (mixed_precision or FULL_PRECISION).compute_dtype(stored)
     return activation_bytes(
         workload.model,

@@ -24,14 +24,14 @@ import dataclasses
 import math
 import re
 import statistics
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-import torch
 
 from funcshard._src.plan.activations import Workload
 from funcshard._src.plan.cost import (
     CostModel,
+    Key,
     UnitCost,
     activations_of,
     estimate,
@@ -39,11 +39,10 @@ from funcshard._src.plan.cost import (
     unit_cost,
 )
 from funcshard._src.plan.explain import format_bytes
-from funcshard._src.plan.hardware import axes_bandwidth
+from funcshard._src.plan.hardware import Hardware, axes_bandwidth
 from funcshard._src.plan.plan import Plan, Requested
 from funcshard._src.plan.planner import Spec, build
 from funcshard._src.plan.strategy import Strategy
-from funcshard._src.plan.units import ROOT
 from funcshard._src.spec.mesh import Mesh
 
 
@@ -70,6 +69,7 @@ def choose_units(paths: Sequence[str], leaves: Sequence[Any], /) -> tuple[list[A
     """Unit patterns for ``units="auto"`` (exact subtree paths) and the rule that chose them.
 
     Example:
+        >>> import torch
         >>> z = torch.zeros
         >>> params = {"embed": z(100, 8), "layers": [{"w": z(8, 8)}, {"w": z(8, 8)}], "norm": z(8)}
         >>> from funcshard._src import tree
@@ -88,11 +88,10 @@ def choose_units(paths: Sequence[str], leaves: Sequence[Any], /) -> tuple[list[A
     units = [el for stack in stacks for el in children[stack]]
     if units:
         median = statistics.median(bytes_of(u) for u in units)
-        covered = list(stacks)
         extra = [
             top
             for top in children[""]
-            if not any(top == s or s.startswith(top + "/") for s in covered)
+            if not any(top == s or s.startswith(top + "/") for s in stacks)
             and bytes_of(top) >= median
         ]
         chosen = sorted(units + extra, key=_order(paths))
@@ -157,7 +156,7 @@ def _stacks(children: Mapping[str, list[str]], size: Mapping[str, int]) -> list[
         first = signature(kids[0])
         if first and all(signature(k) == first for k in kids[1:]):
             found = [f for f in found if not f.startswith(node + "/")] + [node]
-    return sorted(found, key=lambda n: next(i for i, k in enumerate(size) if k.startswith(n + "/")))
+    return sorted(found, key=_order(list(size)))
 
 
 def _order(paths: Sequence[str]) -> Callable[[str], int]:
@@ -204,7 +203,12 @@ def plan_within(spec: Spec, strategy: Requested, budget: int, cost: CostModel | 
         per_option[option] = [unit_cost(plans[option], u, model) for u in plans[option].units]
     if not options:
         raise ValueError("strategy='auto': no strategy accepts the rules; " + "; ".join(refused))
-    options = _by_communication(options, plans, model)
+    comm: dict[Strategy, Counter[Key]] = {}
+    for option in options:
+        comm[option] = Counter()
+        for c in per_option[option]:
+            comm[option].update(c.comm)
+    options = _by_communication(options, comm, spec.mesh, model.hardware)
     names = [c.name for c in per_option[options[0]]]
     order = sorted(range(len(names)), key=lambda i: -per_option[options[0]][i].n_params)
     choice = [0] * len(names)
@@ -238,24 +242,25 @@ def plan_within(spec: Spec, strategy: Requested, budget: int, cost: CostModel | 
 
 
 def _by_communication(
-    options: list[Strategy], plans: Mapping[Strategy, Plan], model: CostModel
+    options: list[Strategy],
+    comm: Mapping[Strategy, Mapping[Key, int]],
+    mesh: Mesh,
+    hardware: Hardware | None,
 ) -> list[Strategy]:
     """``no_shard`` first and ``full_shard`` last; between them, least communication first.
 
-    Communication is time on ``model.hardware`` when given (links within a node are
-    faster), else bytes sent.
+    ``comm`` is each option's bytes sent per step by ``(op, axes)``; they are ranked by
+    time on ``hardware`` when given (links within a node are faster), else by bytes.
     """
 
-    def comm(option: Strategy) -> float:
-        est = estimate(plans[option], dataclasses.replace(model, workload=None))
-        if model.hardware is None:
-            return float(sum(est.comm.values()))
-        axes = plans[option].mesh.axes
-        hw = model.hardware
-        return sum(n / axes_bandwidth(axes, a, hw) for (_, a), n in est.comm.items())
+    def cost(option: Strategy) -> float:
+        sent = comm[option].items()
+        if hardware is None:
+            return float(sum(n for _, n in sent))
+        return sum(n / axes_bandwidth(mesh.axes, axes, hardware) for (_, axes), n in sent)
 
     middle: list[Strategy] = sorted(
-        (o for o in options if o not in ("no_shard", "full_shard")), key=comm
+        (o for o in options if o not in ("no_shard", "full_shard")), key=cost
     )
     return [
         *(o for o in options if o == "no_shard"),
@@ -271,8 +276,7 @@ def _reason(options: Sequence[Strategy], k: int, budget: int) -> str:
 
 
 def _activations(workload: Workload | None, model: CostModel, spec: Spec) -> int:
-    dtype = next((x.dtype for x in spec.leaves if x.dtype.is_floating_point), torch.float32)
-    return activations_of(workload, model.mixed_precision, dtype)
+    return activations_of(workload, model.mixed_precision, [x.dtype for x in spec.leaves])
 
 
 def _missing(
@@ -308,8 +312,7 @@ def _missing(
             trial = build(grown, strategy)
         except ValueError:
             continue
-        total = memory_of([unit_cost(trial, u, model) for u in trial.units], model).total
-        if total + activations <= budget:
+        if estimate(trial, model).memory.total <= budget:
             fixes.append(f"{bigger.size} ranks ({last}={bigger.axis_size(last)})")
             break
     workload = model.workload
@@ -331,4 +334,4 @@ def _missing(
     return f"{head}. Would fit: " + "; or ".join(fixes)
 
 
-__all__ = ["ROOT", "BudgetError", "choose_units", "ladder", "plan_within"]
+__all__ = ["BudgetError", "choose_units", "ladder", "plan_within"]

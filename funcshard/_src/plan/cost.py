@@ -332,7 +332,9 @@ def estimate(plan: Plan, model: CostModel | None = None, /) -> Estimate:
     ]
     workload = model.workload
     if workload is not None:
-        activations = activations_of(workload, model.mixed_precision, _float_dtype(plan))
+        activations = activations_of(
+            workload, model.mixed_precision, [leaf.dtype for leaf in plan.leaves]
+        )
         memory = dataclasses.replace(memory, activations=activations)
         assumptions.append(
             f"activations: {workload.batch_size} x {workload.seq_len or workload.model.seq_len} "
@@ -363,10 +365,6 @@ def estimate(plan: Plan, model: CostModel | None = None, /) -> Estimate:
             f"{'except one unit' if model.prefetch else 'not at all (prefetch 0)'}"
         )
     return Estimate(memory, dict(comm), time, tuple(assumptions))
-
-
-def _float_dtype(plan: Plan) -> torch.dtype:
-    return next((leaf.dtype for leaf in plan.leaves if leaf.dtype.is_floating_point), torch.float32)
 
 
 def _describe_mp(mp: MixedPrecision | None) -> str:
