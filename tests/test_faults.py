@@ -71,7 +71,7 @@ def _whole_blocks_loss(params, tokens, targets):
 def test_ranks_with_different_plans_fail_before_the_first_collective(pools):
     with pytest.raises(
         WorkerError,
-        match=r"(?s)--- rank 0 ---.*DesyncError: ranks disagree before the first collective: rank 1: plan fingerprint [0-9a-f]{16} \(rank 0: [0-9a-f]{16}\).*--- rank 1 ---.*DesyncError",
+        match=r"(?s)--- rank 0 ---.*DesyncError: fs.shard: ranks passed different plans or params: rank 1: plan fingerprint [0-9a-f]{16} \(rank 0: [0-9a-f]{16}\).*--- rank 1 ---.*DesyncError",
     ):
         pools.run(2, _plan_for_rank)
 

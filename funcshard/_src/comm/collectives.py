@@ -1,12 +1,15 @@
 """Flat-buffer collectives: one call per buffer, never one per leaf, each counted in a ledger.
 
-Every collective can run asynchronously: it returns a :class:`Pending` whose
+Every collective is issued asynchronously and returns a :class:`Pending` whose
 ``wait()`` yields the result, so callers overlap communication with compute and
-wait only when they need the data. A collective that fails or outlives
-:func:`runtime.collective_timeout` raises :class:`CollectiveError` naming the
-operation, its ``tag`` (the unit), the mesh axes and the rank. With
-``FUNCSHARD_DEBUG=1`` every collective first checks, with one small all-gather,
-that every rank of its group issues the same one (op, tag, shape, dtype).
+wait only when they need the data; a caller that needs the result at once just
+waits. A collective that fails or outlives :func:`runtime.collective_timeout`
+raises :class:`CollectiveError` naming the operation, its ``tag`` (the unit),
+the mesh axes and the rank, and leaves this process out of step (see
+[Note: out of step] in ``control.py``): no later collective is issued. Every
+collective is counted in the trace that agreements compare. With
+``FUNCSHARD_DEBUG=1`` every collective first agrees on (op, tag, shape, dtype)
+with every rank.
 """
 
 from __future__ import annotations
@@ -19,15 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from funcshard._src.comm import runtime
+from funcshard._src.comm import control, runtime
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.comm.runtime import CollectiveError, DesyncError
+from funcshard._src.comm.runtime import CollectiveError
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and
-# deprecated the old names; older releases only have the old ones.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = control.all_gather_single
+_reduce_scatter_single = control.reduce_scatter_single
 
 
 @dataclass
@@ -52,14 +53,10 @@ class Pending:
                 else:
                     self.work.wait(timeout=datetime.timedelta(seconds=timeout))
             except Exception as e:
-                raise _failure(self.what, e) from e
+                control.mark_out_of_step(f"{self.what} failed")
+                raise _failure(self.what, e, timeout) from e
             self.work = None
         return self.result
-
-    @property
-    def done(self) -> bool:
-        """Whether :meth:`wait` would return at once."""
-        return self.work is None or bool(self.work.is_completed())
 
 
 def group_size(bound: BoundMesh, axes: tuple[str, ...], /) -> int:
@@ -78,7 +75,6 @@ def all_gather(
     *,
     out: torch.Tensor | None = None,
     ledger: Ledger | None = None,
-    async_op: bool = False,
     tag: str = "",
 ) -> Pending:
     """Gathers every group member's ``flat`` into ``(group_size, numel)``, row = group rank.
@@ -97,7 +93,7 @@ def all_gather(
     target = out
     pending = _issue(
         "all_gather", tag, axes, bound, group, flat,
-        lambda: _all_gather_single(target.view(-1), flat, group=group, async_op=async_op),
+        lambda: _all_gather_single(target.view(-1), flat, group=group, async_op=True),
     )  # fmt: skip
     if ledger is not None:
         ledger.record(
@@ -115,7 +111,6 @@ def reduce_scatter(
     *,
     out: torch.Tensor | None = None,
     ledger: Ledger | None = None,
-    async_op: bool = False,
     tag: str = "",
 ) -> Pending:
     """Sums ``rows`` ``(group_size, numel)`` over the group; group rank ``i`` gets row ``i``'s sum.
@@ -132,7 +127,7 @@ def reduce_scatter(
     target = out
     pending = _issue(
         "reduce_scatter", tag, axes, bound, group, rows,
-        lambda: _reduce_scatter_single(target, rows.view(-1), group=group, async_op=async_op),
+        lambda: _reduce_scatter_single(target, rows.view(-1), group=group, async_op=True),
     )  # fmt: skip
     if ledger is not None:
         ledger.record(
@@ -149,7 +144,6 @@ def all_reduce(
     /,
     *,
     ledger: Ledger | None = None,
-    async_op: bool = False,
     tag: str = "",
 ) -> Pending:
     """Sums ``buf`` over the group over ``axes``, in place; mutates ``buf``."""
@@ -164,7 +158,7 @@ def all_reduce(
         bound,
         group,
         buf,
-        lambda: dist.all_reduce(buf, group=group, async_op=async_op),
+        lambda: dist.all_reduce(buf, group=group, async_op=True),
     )
     if ledger is not None:
         ledger.record(
@@ -175,18 +169,19 @@ def all_reduce(
 
 
 def gather_to_rank0(
-    flat: torch.Tensor, bound: BoundMesh, /, *, ledger: Ledger | None = None
+    flat: torch.Tensor, bound: BoundMesh, /, *, ledger: Ledger | None = None, tag: str = ""
 ) -> torch.Tensor | None:
     """Every rank's ``flat`` stacked into ``(world_size, numel)`` on global rank 0, ``None`` elsewhere."""
     if not bound.distributed:
         return flat.view(1, -1)
     world = bound.mesh.size
     rows = [torch.empty_like(flat) for _ in range(world)] if bound.rank == 0 else None
-    what = f"gather to rank 0 on rank {bound.rank}"
-    try:
-        dist.gather(flat, rows, dst=0)
-    except Exception as e:
-        raise _failure(what, e) from e
+    group = dist.distributed_c10d._get_default_group()
+    pending = _issue(
+        "gather to rank 0", tag, bound.mesh.axis_names, bound, group, flat,
+        lambda: dist.gather(flat, rows, dst=0, async_op=True),
+    )  # fmt: skip
+    pending.wait()
     if ledger is not None:
         ledger.record(
             "gather",
@@ -209,12 +204,15 @@ def _issue(
     what = (
         f"{op}{f' of unit {tag!r}' if tag else ''} over mesh axes {list(axes)} on rank {bound.rank}"
     )
+    control.ensure_in_step(what)
     if runtime.debug_collectives():
         _check_same_everywhere(op, tag, axes, tensor, group, what)
+    control.record_issued(op, tag, tensor.numel(), tensor.dtype)
     try:
-        work = call()  # None when the call was synchronous
+        work = call()
     except Exception as e:
-        raise _failure(what, e) from e
+        control.mark_out_of_step(f"{what} failed")
+        raise _failure(what, e, None) from e
     return Pending(tensor, work, what)
 
 
@@ -226,21 +224,27 @@ def _check_same_everywhere(
     group: dist.ProcessGroup,
     what: str,
 ) -> None:
-    """FUNCSHARD_DEBUG: one all-gather of (op, tag, shape, dtype) over the group, compared."""
-    mine = (op, tag, tuple(tensor.shape), str(tensor.dtype))
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    if any(other != mine for other in everyone):
-        ranks = dist.get_process_group_ranks(group)
-        listing = "; ".join(f"rank {r}: {sig}" for r, sig in zip(ranks, everyone))
-        raise DesyncError(
+    """FUNCSHARD_DEBUG: every rank agrees on (op, tag, shape, dtype) first; see [Note: agreements]."""
+    mine = [op, tag, list(tensor.shape), str(tensor.dtype)]
+    members = dist.get_process_group_ranks(group)
+    everyone = control.all_gather_json(mine, f"the debug check before {what}")
+    if any(everyone[r] != everyone[members[0]] for r in members):
+        listing = "; ".join(
+            f"rank {r}: ({sig[0]!r}, {sig[1]!r}, {tuple(sig[2])}, {sig[3]!r})"
+            for r, sig in enumerate(everyone)
+            if r in members
+        )
+        raise runtime.DesyncError(
             f"ranks issue different collectives at {what} (axes {list(axes)}): {listing}. "
             f"Every rank must call the same units in the same order"
         )
 
 
-def _failure(what: str, error: Exception) -> CollectiveError:
+def _failure(what: str, error: Exception, timeout: float | None) -> CollectiveError:
+    timed_out = timeout is not None and "timed out" in str(error).lower()
+    detail = f"the other ranks did not join within {timeout:g} s" if timed_out else str(error)
     return CollectiveError(
-        f"{what} failed: {error}. A peer rank died or is running other collectives (ranks out of "
-        f"step); check the other ranks' logs, and FUNCSHARD_DEBUG=1 to compare the collectives"
+        f"{what} failed: {detail}. A peer rank died or is running other collectives (ranks out "
+        f"of step); check the other ranks' logs, and FUNCSHARD_DEBUG=1 to compare the "
+        f"collectives.{control.peer_reports()}"
     )

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 600.0
-_collective_timeout_s: float | None = (
-    float(os.environ["FUNCSHARD_COLLECTIVE_TIMEOUT_S"])
-    if "FUNCSHARD_COLLECTIVE_TIMEOUT_S" in os.environ
-    else None
-)
+TIMEOUT_ENV = "FUNCSHARD_COLLECTIVE_TIMEOUT_S"
+
+_UNSET: Any = object()
+_explicit_timeout_s: float | None = _UNSET  # set_collective_timeout; wins over everything
+_init_timeout_s: float | None = None  # fs.init(timeout_s=...)
 
 
 class CollectiveError(RuntimeError):
@@ -25,22 +27,57 @@ class DesyncError(RuntimeError):
 
 
 def collective_timeout() -> float | None:
-    """Seconds funcshard waits for a collective before it fails (``None``: the process group's timeout)."""
-    return _collective_timeout_s
+    """Seconds funcshard waits for a collective before it fails (``None``: the process group's timeout).
+
+    The first that is set wins: :func:`set_collective_timeout`, the environment
+    variable ``FUNCSHARD_COLLECTIVE_TIMEOUT_S``, ``fs.init(timeout_s=...)``.
+
+    Raises:
+        ValueError: ``FUNCSHARD_COLLECTIVE_TIMEOUT_S`` is not a positive number of seconds.
+    """
+    if _explicit_timeout_s is not _UNSET:
+        return _explicit_timeout_s
+    env = os.environ.get(TIMEOUT_ENV, "").strip()
+    if env:
+        try:
+            return check_timeout(float(env), what=TIMEOUT_ENV)
+        except ValueError:
+            raise ValueError(
+                f"{TIMEOUT_ENV}={env!r}: give a positive number of seconds, e.g. {TIMEOUT_ENV}=300"
+            ) from None
+    return _init_timeout_s
 
 
 def set_collective_timeout(seconds: float | None, /) -> None:
-    """Sets :func:`collective_timeout`; mutates process-wide state.
+    """Sets :func:`collective_timeout` for this process (``None``: the process group's); mutates process-wide state.
+
+    Raises:
+        ValueError: ``seconds`` is not a positive, finite number.
 
     Example:
         >>> set_collective_timeout(30.0); collective_timeout()
         30.0
         >>> set_collective_timeout(None)
     """
-    global _collective_timeout_s
-    if seconds is not None and seconds <= 0:
-        raise ValueError(f"a collective timeout must be positive, got {seconds}")
-    _collective_timeout_s = seconds
+    global _explicit_timeout_s
+    _explicit_timeout_s = None if seconds is None else check_timeout(seconds, what="timeout")
+
+
+def check_timeout(seconds: object, /, *, what: str) -> float:
+    """``seconds`` as a float if it is a positive, finite number of seconds.
+
+    Raises:
+        ValueError: anything else; the message names ``what``.
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise ValueError(f"a collective {what} must be a number of seconds, got {seconds!r}")
+    value = float(seconds)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"a collective {what} must be a positive, finite number of seconds, got {seconds!r}; "
+            f"pass None to wait as long as the process group allows"
+        )
+    return value
 
 
 def debug_collectives() -> bool:
@@ -48,7 +85,7 @@ def debug_collectives() -> bool:
     return os.environ.get("FUNCSHARD_DEBUG", "") not in ("", "0")
 
 
-def init(*, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def init(*, backend: str | None = None, timeout_s: float | None = None) -> None:
     """Starts ``torch.distributed`` from torchrun's environment; alone, it does nothing.
 
     The backend is ``nccl`` where CUDA is available and ``gloo`` otherwise. On
@@ -58,16 +95,23 @@ def init(*, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) ->
     Args:
         backend: override the backend (``"gloo"``, ``"nccl"``).
         timeout_s: how long a collective may wait for its peers before it fails
-            (the process group's timeout, and :func:`collective_timeout`).
+            (the process group's timeout, and :func:`collective_timeout` unless
+            ``FUNCSHARD_COLLECTIVE_TIMEOUT_S`` or :func:`set_collective_timeout` says
+            otherwise); default 600 s.
+
+    Raises:
+        ValueError: ``timeout_s`` is not a positive, finite number of seconds.
 
     Example:
         >>> init()  # a single process without torchrun: nothing to start
         >>> world_size()
         1
     """
+    global _init_timeout_s
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else check_timeout(timeout_s, what="timeout")
     if dist.is_initialized() or "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         return
-    set_collective_timeout(timeout_s)
+    _init_timeout_s = timeout_s
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

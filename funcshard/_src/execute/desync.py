@@ -1,65 +1,110 @@
-"""Catching ranks that run different things before they hang in a collective.
+"""Catching ranks that run different things before their collectives pair wrongly.
 
-Before a step's first collective, every rank contributes a digest of a small
-signature (its plan's fingerprint and its params' tree structure) to one
-all-gather of 32 bytes, under the collective timeout; if any rank differs,
-every rank raises :class:`DesyncError` listing the ranks that differ and how,
-instead of deadlocking in the first all-gather of a unit.
+A step agrees with every rank (see [Note: agreements] in ``comm/control.py``)
+at its start, on everything that decides its sequence of collectives: the
+plan, the params' tree structure, mixed precision, prefetch, how many
+micro-batches it accumulates and the order in which the last step called its
+units (which decides the prefetches). It agrees again after forward, on the
+units called and the collectives issued, and after backward, on the
+collectives issued; and before each call that does not follow the last
+step's order. Ranks that differ raise :class:`DesyncError` naming the ranks
+and the fields that differ, instead of deadlocking or trading the wrong bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+from collections.abc import Sequence
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from funcshard._src import tree
-from funcshard._src.comm import collectives, groups, runtime
-from funcshard._src.comm.runtime import DesyncError
+from funcshard._src.comm import control
+from funcshard._src.comm.control import Kind
 from funcshard._src.plan.plan import Plan
+from funcshard._src.plan.precision import MixedPrecision
+
+_SAME_PLAN = (
+    "Every rank must build the same plan from the same params tree (same rules, units, "
+    "strategy and mesh) and call the step with the same options"
+)
+_SAME_CALLS = (
+    "Every rank must call the same units in the same order in every step: a branch that "
+    "depends on a rank's data (skipping a unit, stopping early) has to take the same way on "
+    "every rank"
+)
 
 
-def signature(plan: Plan, sparams: Any, /) -> dict[str, str]:
-    """What must be equal on every rank: the plan's fingerprint and the params' tree structure."""
+def signature(
+    plan: Plan,
+    sparams: Any,
+    /,
+    *,
+    mixed_precision: MixedPrecision,
+    prefetch: int,
+    accumulation: str,
+    order: Sequence[str],
+) -> dict[str, str]:
+    """What must be equal on every rank at the start of a step."""
     structure = repr(tree.flatten(sparams)[1])
     return {
         "plan fingerprint": plan.fingerprint(),
-        "params tree": hashlib.sha256(structure.encode()).hexdigest()[:16],
+        "params tree": _short(structure),
         "leaves": str(len(tree.leaves(sparams))),
+        "mixed precision": repr(mixed_precision),
+        "prefetch": str(prefetch),
+        "accumulation": accumulation,
+        "units called in the last step": _short("|".join(order)),
     }
 
 
-def check_peers(plan: Plan, sparams: Any, /) -> None:
-    """Compares :func:`signature` across all ranks (one all-gather); collective.
+def check_start(fields: dict[str, str], /) -> None:
+    """Agrees on :func:`signature` with every rank; collective.
 
     Raises:
-        DesyncError: a rank differs from rank 0; the message lists each such rank and field.
+        DesyncError: a rank differs; the message lists each such rank and field.
     """
-    if not runtime.is_distributed() or runtime.world_size() == 1:
-        return
-    mine = signature(plan, sparams)
-    digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).digest()
-    bound = groups.bind(plan.mesh)
-    local = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-    digests = collectives.all_gather(local, bound, plan.mesh.axis_names, tag="peer check").wait()
-    if bool((digests == digests[0]).all()):
-        return
-    everyone: list[Any] = [None] * runtime.world_size()  # only now the details, from every rank
-    dist.all_gather_object(everyone, mine)
-    reference = everyone[0]
-    differences = [
-        f"rank {r}: {field} {value} (rank 0: {reference[field]})"
-        for r, sig in enumerate(everyone)
-        for field, value in sig.items()
-        if value != reference[field]
-    ]
-    if differences:
-        raise DesyncError(
-            "ranks disagree before the first collective: "
-            + "; ".join(differences)
-            + ". Every rank must build "
-            "the same plan from the same params tree (same rules, units, strategy and mesh)"
-        )
+    control.agree_on(Kind.STEP, "the start of a step", fields, hint=_SAME_PLAN)
+
+
+def check_call(index: int, unit: str, /) -> None:
+    """Agrees that every rank's call ``index`` is of ``unit``, before gathering it; collective."""
+    control.agree_on(
+        Kind.CALL, f"call #{index} of the step", {"unit called": unit}, hint=_SAME_CALLS
+    )
+
+
+def check_backward(index: int, unit: str, skipped: Sequence[int], /) -> None:
+    """Agrees that every rank's backward reaches call ``index`` passing over the same calls."""
+    control.agree_on(
+        Kind.BACKWARD,
+        f"the backward of call #{index} (unit {unit!r})",
+        {"calls whose backward has not run": list(skipped)},
+        hint="Every rank's loss must depend on the same unit calls",
+    )
+
+
+def check_forward(calls: Sequence[str], /) -> None:
+    """Agrees on the units called in forward and on the collectives issued so far; collective."""
+    control.agree_on(
+        Kind.FORWARD,
+        "the end of forward",
+        {
+            "units called": f"{len(calls)} calls, digest {_short('|'.join(calls))}",
+            "collectives issued": control.trace_digest().hex(),
+        },
+        hint=_SAME_CALLS,
+    )
+
+
+def check_end() -> None:
+    """Agrees on the collectives issued by the end of backward; collective."""
+    control.agree_on(
+        Kind.END,
+        "the end of backward",
+        {"collectives issued": control.trace_digest().hex()},
+        hint="Every rank's loss must depend on the same unit calls and the same parameters",
+    )
+
+
+def _short(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -13,7 +13,12 @@ to the sharded gradients.
 Every rank must issue the same collectives in the same order. The order here
 depends only on the order of ``fs.call`` s and on autograd's backward order,
 both the same on every rank running the same code; prefetch decisions use the
-call order of the previous step, also the same everywhere.
+call order of the previous step, which the step's first agreement compares.
+Where a rank could leave that order, it agrees with the others first (see
+[Note: agreements] in ``comm/control.py``): a call that is not the one the last
+step made at its position, and a backward that passes over calls whose
+backward has not run; so a rank that takes another branch stops at an
+agreement instead of pairing its collectives with the wrong ones.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 
 from funcshard._src import tree
+from funcshard._src.comm.collectives import Pending
+from funcshard._src.execute.desync import check_backward, check_call
 from funcshard._src.execute.unit_state import Reduction, UnitRuntime, UnitState
 from funcshard._src.shard.sharded import ShardedTensor
 
@@ -46,6 +53,7 @@ class CallRecord:
     index: int
     unit: UnitRuntime
     holds: bool = False  # holds a reference that keeps the unit gathered until its backward
+    expects_backward: bool = False  # outputs that require grad were hooked
     backward_started: bool = False
     backward_done: bool = False
 
@@ -95,6 +103,7 @@ class Run:
         self.dummy = torch.zeros((), requires_grad=True)
         self.root_leaf_ids: set[int] = set()
         self.flat_owner: dict[int, UnitRuntime] = {}
+        self._next_backward = -1  # set by end_forward: the call whose backward should come next
         self._token: Any = None
 
     # -- forward -----------------------------------------------------------------
@@ -135,6 +144,8 @@ class Run:
         self.on_track = (
             self.on_track and k < len(self.order_hint) and self.order_hint[k] == unit.name
         )
+        if not self.on_track:  # see [Note: collective order]
+            check_call(k, unit.name)
         unit.gather()
         unit.refs += 1
         record.holds = True
@@ -150,6 +161,7 @@ class Run:
             t for t in tree.flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         if tensors:
+            record.expects_backward = True
             register_multi_grad_hook(tensors, lambda _: self.pre_backward(record), mode="any")
 
     def end_forward(self) -> list[str]:
@@ -160,12 +172,20 @@ class Run:
         for unit in self.units.values():
             if unit.refs == 0 and unit.state is not UnitState.SHARDED:
                 unit.free()
+        self._next_backward = len(self.calls) - 1
         return [c.unit.name for c in self.calls]
 
     # -- backward ----------------------------------------------------------------
 
     def pre_backward(self, record: CallRecord) -> None:
         """Before a call's backward: make sure its unit is gathered; prefetch the call before it."""
+        while self._next_backward >= 0 and not self._awaits_backward(
+            self.calls[self._next_backward]
+        ):
+            self._next_backward -= 1
+        if record.index != self._next_backward:  # see [Note: collective order]
+            skipped = [c.index for c in self.calls[record.index + 1 :] if self._awaits_backward(c)]
+            check_backward(record.index, record.unit.name, skipped)
         record.backward_started = True
         if not record.holds:
             record.unit.gather()
@@ -198,18 +218,21 @@ class Run:
             unit.refs = 0
             unit.free()
 
-    def abort(self) -> None:
+    def abort(self) -> list[Pending]:
         """After an error: leaves the forward context and drops everything, waiting for nothing.
 
         A collective in flight may never complete (the error may be a dead peer),
-        so none is waited for; its work handle keeps its buffers alive until it ends.
+        so none is waited for here; they are returned, for the caller to wait
+        for once it knows every rank gave up alike (see [Note: out of step]).
         """
         if self._token is not None:
             _CURRENT.reset(self._token)
             self._token = None
+        inflight = [reduction.stage for _, reduction in self.pending]
         self.pending.clear()
         for unit in self.units.values():
-            unit.discard()
+            inflight.extend(unit.discard())
+        return inflight
 
     # -- helpers -----------------------------------------------------------------
 
@@ -218,6 +241,9 @@ class Run:
             unit = self.units.get(name)
             if unit is not None and unit.state is UnitState.SHARDED:
                 unit.start_gather()
+
+    def _awaits_backward(self, record: CallRecord) -> bool:
+        return record.expects_backward and not record.backward_started
 
     def _release(self, record: CallRecord) -> None:
         record.holds = False

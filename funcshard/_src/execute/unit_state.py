@@ -210,7 +210,6 @@ class UnitRuntime:
                 self.axes,
                 out=out,
                 ledger=self.ledger,
-                async_op=True,
                 tag=self.name,
             )
         self.memory.log("start", self.name)
@@ -254,11 +253,13 @@ class UnitRuntime:
         self.memory.log("free", self.name)
         self.state = UnitState.SHARDED
 
-    def discard(self) -> None:
-        """After an error: drops gathers in flight without waiting, frees storage, forgets references."""
+    def discard(self) -> list[Pending]:
+        """After an error: drops gathers in flight without waiting (returns them), frees storage, forgets references."""
+        dropped: list[Pending] = []
         for part in self.parts:
             if part.inflight is not None:
                 self.memory.sub(part.inflight.result.numel() * part.inflight.result.element_size())
+                dropped.append(part.inflight)
                 part.inflight = None
             part.deferred = None
             if (
@@ -270,6 +271,7 @@ class UnitRuntime:
                 self.memory.sub(part.full_numel * part.compute_dtype.itemsize)
         self.refs = 0
         self.state = UnitState.SHARDED
+        return dropped
 
     def full_leaves(self) -> list[torch.Tensor]:
         """The full leaves of every part, in part then slot order (the unit must be GATHERED)."""
@@ -334,7 +336,6 @@ class UnitRuntime:
                     self.bound,
                     replica,
                     ledger=self.ledger,
-                    async_op=True,
                     tag=self.name,
                 )
                 then: tuple[str, ...] = ()
@@ -345,7 +346,6 @@ class UnitRuntime:
                     self.axes,
                     out=spare,
                     ledger=self.ledger,
-                    async_op=True,
                     tag=self.name,
                 )
                 then = replica

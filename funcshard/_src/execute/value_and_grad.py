@@ -10,9 +10,10 @@ from typing import Any, Literal
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import groups
+from funcshard._src.comm import control, groups
+from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.execute.desync import check_peers
+from funcshard._src.execute.desync import check_end, check_forward, check_start, signature
 from funcshard._src.execute.run import Run, current_run
 from funcshard._src.execute.unit_state import Memory, UnitRuntime
 from funcshard._src.plan.plan import Plan
@@ -55,7 +56,6 @@ class Step:
         self.memory = Memory()
         self._layouts = plan_layouts(plan)
         self._units: list[UnitRuntime] | None = None
-        self._peers_checked = False
         self._returned: dict[
             tuple[str, int], weakref.ref[torch.Tensor]
         ] = {}  # last call's gradient buffers
@@ -132,9 +132,16 @@ class Step:
             )
         units = self._runtimes()
         by_unit, part_of = self._check(sparams)
-        if not self._peers_checked:
-            check_peers(self.plan, sparams)
-            self._peers_checked = True
+        check_start(
+            signature(
+                self.plan,
+                sparams,
+                mixed_precision=self.mixed_precision,
+                prefetch=self.prefetch,
+                accumulation=f"{mode}, {len(batches)} micro-batch(es)",
+                order=self._order,
+            )
+        )
         self._reuse_donated(units)
         grads: dict[tuple[str, int], torch.Tensor] = {}
         losses: list[torch.Tensor] = []
@@ -153,12 +160,15 @@ class Step:
                 with torch.enable_grad():
                     view = run.begin(sparams, by_unit)
                     out = self.loss_fn(view, *args, **kwargs)
-                    self._order = run.end_forward()
+                    calls = run.end_forward()
                     loss, aux = self._split(out)
+                    check_forward(calls)
+                    self._order = calls
                     torch.autograd.backward(loss)
                 run.finish()
-            except BaseException:
-                run.abort()
+                check_end()
+            except BaseException as error:
+                _settle(run.abort(), error)
                 raise
             losses.append(loss.detach())
             auxes.append(aux)
@@ -288,6 +298,22 @@ def value_and_grad(
         mixed_precision=mixed_precision or FULL_PRECISION,
         prefetch=prefetch,
     )
+
+
+def _settle(inflight: list[Pending], error: BaseException) -> None:
+    """After ``error`` in a step: drains the collectives in flight if every rank gave up alike.
+
+    See [Note: out of step] in ``comm/control.py``: otherwise this process is out
+    of step and the collectives in flight are left to the process group.
+    """
+    if not control.abort_exchange("a step", error):
+        return
+    for pending in inflight:
+        try:
+            pending.wait()
+        except Exception as e:  # pending.wait marked this process out of step
+            error.add_note(f"funcshard: after the error, a collective in flight failed too: {e}")
+            return
 
 
 def _kind(x: object) -> str:
