@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from funcshard._src.plan.rules import matches, pattern_repr
+from funcshard._src.shard.aliasing import extent, same_view
 
 UnitPattern: TypeAlias = "str | type[nn.Module] | re.Pattern[str]"
 Kind = Literal["trainable", "frozen", "buffer"]
@@ -215,17 +216,17 @@ def _merge_identical_views(groups: list[TensorGroup]) -> list[TensorGroup]:
     merged: list[TensorGroup] = []
     seen: dict[Any, list[int]] = {}  # storage -> indices into merged
     for group in groups:
-        extent = _extent(group.tensor)
-        if extent is None:
+        span = extent(group.tensor)
+        if span is None:
             merged.append(group)
             continue
-        key, start, stop = extent
+        key, start, stop = span
         for k in seen.get(key, []):
             other = merged[k]
-            _, o_start, o_stop = _extent(other.tensor) or (None, 0, 0)
+            _, o_start, o_stop = extent(other.tensor) or (None, 0, 0)
             if start >= o_stop or o_start >= stop:
                 continue
-            if _same_view(group.tensor, other.tensor) and group.kind == other.kind:
+            if same_view(group.tensor, other.tensor) and group.kind == other.kind:
                 merged[k] = dataclasses.replace(other, names=other.names + group.names)
                 break
             raise ValueError(
@@ -239,25 +240,6 @@ def _merge_identical_views(groups: list[TensorGroup]) -> list[TensorGroup]:
             seen.setdefault(key, []).append(len(merged))
             merged.append(group)
     return merged
-
-
-def _extent(t: torch.Tensor) -> tuple[Any, int, int] | None:
-    """(storage, first byte, end byte) of the memory ``t`` spans; None where unknowable."""
-    if t.device.type == "meta" or t.numel() == 0:
-        return None
-    item = t.element_size()
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    start = int(t.storage_offset()) * item
-    return (t.device, t.untyped_storage().data_ptr()), start, start + int(span) * item
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.storage_offset() == b.storage_offset()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.dtype == b.dtype
-    )
 
 
 def _match(

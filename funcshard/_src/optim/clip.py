@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from funcshard._src.comm import collectives, groups
+from funcshard._src.comm import control, groups
 from funcshard._src.shard.flat import FlatLayout
 from funcshard._src.shard.sharded import flats_of
 
@@ -15,8 +15,9 @@ from funcshard._src.shard.sharded import flats_of
 def clip_by_global_norm(grads: Any, max_norm: float, /) -> tuple[Any, torch.Tensor]:
     """Scales ``grads`` so that their global L2 norm is at most ``max_norm``; donates ``grads``.
 
-    The norm covers every leaf across all ranks with one all-reduce; a leaf
-    replicated over some mesh axes counts once. Scaling follows
+    The norm covers every leaf across all ranks with one agreement of every
+    rank's sum of squares (see [Note: agreements]); a leaf replicated over some
+    mesh axes counts once. Scaling follows
     ``torch.nn.utils.clip_grad_norm_``: ``grads *= min(1, max_norm / (norm + 1e-6))``.
     Collective: every rank calls it.
 
@@ -35,8 +36,8 @@ def clip_by_global_norm(grads: Any, max_norm: float, /) -> tuple[Any, torch.Tens
         >>> norm, grads["w"].local
         (tensor(5.), tensor([0.6000, 0.8000]))
     """
-    if max_norm < 0:
-        raise ValueError(f"clip_by_global_norm: max_norm must be >= 0, got {max_norm}")
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+        raise ValueError(f"clip_by_global_norm: max_norm must be a number >= 0, got {max_norm!r}")
     flats = [f for f in flats_of(grads) if f.layout.dtype.is_floating_point]
     if not flats:
         return grads, torch.zeros(())
@@ -45,9 +46,14 @@ def clip_by_global_norm(grads: Any, max_norm: float, /) -> tuple[Any, torch.Tens
     if pieces:
         norms = torch._foreach_norm(pieces)
         local = torch.stack([n.double() for n in norms]).pow(2).sum()
-    bound = groups.bind(flats[0].layout.mesh)
-    total = collectives.all_reduce(local, bound, bound.mesh.axis_names, tag="global norm").wait()
-    norm = total.sqrt().to(flats[0].data.dtype)
+    groups.bind(flats[0].layout.mesh)
+    with control.operation("clip_by_global_norm"):
+        (total,) = control.sum_over_ranks([float(local)], "clip_by_global_norm")
+    norm = (
+        torch.tensor(total, dtype=torch.float64)
+        .sqrt()
+        .to(flats[0].data.device, flats[0].data.dtype)
+    )
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     torch._foreach_mul_([f.data for f in flats], coef)
     return grads, norm

@@ -6,13 +6,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcshard._src.comm import collectives, groups
+from funcshard._src import tree
+from funcshard._src.comm import control, groups
 from funcshard._src.optim.base import Optimizer
 from funcshard._src.shard.sharded import flats_of
 
 
 def all_finite(grads: Any, /) -> bool:
-    """Whether every element of ``grads`` on every rank is finite; collective (one all-reduce).
+    """Whether every element of ``grads`` on every rank is finite; collective (one agreement).
 
     Example:
         >>> import funcshard as fs
@@ -26,11 +27,13 @@ def all_finite(grads: Any, /) -> bool:
     bad = torch.zeros((), dtype=torch.float32, device=flats[0].data.device)
     for flat in flats:  # one reduction per flat buffer, not per leaf
         bad += (~torch.isfinite(flat.data)).any().float()
-    bound = groups.bind(flats[0].layout.mesh)
-    total = collectives.all_reduce(bad, bound, bound.mesh.axis_names, tag="non-finite check").wait()
-    return bool(total.item() == 0)
+    groups.bind(flats[0].layout.mesh)
+    with control.operation("all_finite"):
+        (total,) = control.sum_over_ranks([float(bad)], "all_finite")
+    return total == 0
 
 
+@tree.register_namedtuple  # checkpoints name it in their tree structure
 class SkipState(NamedTuple):
     """The wrapped optimizer's state and how many updates were skipped."""
 

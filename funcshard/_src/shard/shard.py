@@ -8,31 +8,44 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import collectives, groups
+from funcshard._src.comm import collectives, control, groups
+from funcshard._src.comm.control import Kind
+from funcshard._src.comm.runtime import DesyncError
 from funcshard._src.plan.plan import Plan
+from funcshard._src.shard.aliasing import first_shared
+from funcshard._src.shard.digest import tensor_digest
 from funcshard._src.shard.flat import FlatLayout, layouts, pack_local, unpack_gathered
 from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of
 
 
-def shard(params: Any, plan: Plan, /, *, device: torch.device | str | None = None) -> Any:
+def shard(
+    params: Any, plan: Plan, /, *, device: torch.device | str | None = None, verify: bool = True
+) -> Any:
     """Keeps only this rank's shards of ``params``, packed per unit and dtype in flat buffers.
 
     Every rank calls it with the same full ``params`` (for example, initialized
     from the same seed). Each leaf of the result is a :class:`ShardedTensor`
-    viewing its unit's flat buffer; nothing of the input is kept.
+    viewing its unit's flat buffer; nothing of the input is kept. Collective
+    with ``verify``: the ranks compare a digest of ``params`` (one agreement).
 
     Args:
         params: the pytree ``plan`` was made for (same structure, shapes, dtypes).
         plan: the plan, on a mesh whose size is the world size.
         device: where the shards go; default: where the leaves are.
+        verify: check that every rank passed the same values (SHA-256 of every
+            leaf, compared across ranks); ``False`` skips the hashing.
 
     Returns:
         A pytree of :class:`ShardedTensor` with the structure of ``params``.
 
     Raises:
         ValueError: the mesh does not match the world size, the tree, a shape or a
-            dtype differs from the plan, or leaves sit on different devices.
+            dtype differs from the plan, leaves sit on different devices, two leaves
+            share memory (a tie written as a view), some floating leaves require
+            grad and others do not, or ``device`` is not available here.
         TypeError: a leaf is not a tensor.
+        DesyncError: with ``verify``, the ranks passed different values or plans; the
+            message names the leaves that differ.
 
     Example:
         >>> import funcshard as fs
@@ -43,8 +56,13 @@ def shard(params: Any, plan: Plan, /, *, device: torch.device | str | None = Non
                 [2., 3.],
                 [4., 5.]])
     """
+    target = _device(device)
     bound = groups.bind(plan.mesh)
-    return shard_for_rank(params, plan, bound.rank, device=device)
+    leaves = check_params(params, plan)
+    if verify:
+        with control.operation("fs.shard"):
+            _agree_on_values(plan, leaves)
+    return _shard(leaves, plan, bound.rank, target)
 
 
 def shard_for_rank(
@@ -55,12 +73,11 @@ def shard_for_rank(
     Pure: used by :func:`shard`, by tests that look at every rank from one
     process, and by tools that write per-rank files.
     """
-    leaves = check_params(params, plan)
-    target = (
-        torch.device(device)
-        if device is not None
-        else (leaves[0].device if leaves else torch.device("cpu"))
-    )
+    return _shard(check_params(params, plan), plan, rank, _device(device))
+
+
+def _shard(leaves: list[torch.Tensor], plan: Plan, rank: int, device: torch.device | None) -> Any:
+    target = device if device is not None else (leaves[0].device if leaves else torch.device("cpu"))
     out: list[Any] = [None] * len(leaves)
     for layout in plan_layouts(plan):
         data = pack_local(layout, [leaves[s.index].detach() for s in layout.slots], rank).to(target)
@@ -100,15 +117,27 @@ def unshard(sparams: Any, /, *, rank0_only: bool = False) -> Any:
     bound = groups.bind(flats[0].layout.mesh)
     # keyed by flat buffer and leaf: trees like {"params", "opt"} share slots across buffers
     full: dict[tuple[int, int], torch.Tensor] = {}
-    for flat in flats:
-        if rank0_only:
-            gathered = collectives.gather_to_rank0(flat.data, bound)
-        else:
-            gathered = collectives.all_gather(flat.data, bound, bound.mesh.axis_names).wait()
-        if gathered is None:
-            continue
-        for slot, leaf in zip(flat.layout.slots, unpack_gathered(flat.layout, gathered)):
-            full[(id(flat), slot.index)] = leaf
+    with control.operation("fs.unshard"):
+        control.agree_on(
+            Kind.UNSHARD,
+            "fs.unshard",
+            {
+                "buffers": [f"{f.layout.unit}:{f.layout.dtype}:{f.layout.numel}" for f in flats],
+                "rank0_only": rank0_only,
+            },
+            hint="Every rank must unshard the same tree (same plan, same leaves)",
+        )
+        for flat in flats:
+            if rank0_only:
+                gathered = collectives.gather_to_rank0(flat.data, bound, tag=flat.layout.unit)
+            else:
+                gathered = collectives.all_gather(
+                    flat.data, bound, bound.mesh.axis_names, tag=flat.layout.unit
+                ).wait()
+            if gathered is None:
+                continue
+            for slot, leaf in zip(flat.layout.slots, unpack_gathered(flat.layout, gathered)):
+                full[(id(flat), slot.index)] = leaf
     if rank0_only and bound.rank != 0:
         return None
     return tree.tree_map(
@@ -163,4 +192,87 @@ def check_params(params: Any, plan: Plan, /) -> list[torch.Tensor]:
             f"{devices[torch.device('meta')]!r} is on the meta device: shard needs values; "
             f"materialize the params (plan works on meta tensors, shard does not)"
         )
+    shared = first_shared(paths, leaves)
+    if shared is not None:
+        a, b, (s0, e0), (s1, e1) = shared
+        raise ValueError(
+            f"{b!r} shares memory with {a!r} (bytes [{s1}, {e1}) and [{s0}, {e0}) of one "
+            f"storage): sharded, they would become two independent copies and drift apart "
+            f"after the first update. A tied weight is one leaf: keep {a!r} in params and "
+            f"derive the other inside loss_fn (for example params[...].T); or .clone() one of "
+            f"them to untie"
+        )
+    floating = [(p, t) for p, t in zip(paths, leaves) if t.is_floating_point()]
+    if any(t.requires_grad for _, t in floating):
+        frozen = [p or "<root>" for p, t in floating if not t.requires_grad]
+        if frozen:
+            raise ValueError(
+                f"{frozen[:5]} have requires_grad=False while other leaves require grad: "
+                f"funcshard computes gradients for every floating-point leaf of params and "
+                f"optimizers update them all, so requires_grad=False would be ignored. Keep "
+                f"frozen tensors out of params (pass them to loss_fn as arguments), or give "
+                f"every leaf the same requires_grad"
+            )
     return leaves
+
+
+def _device(device: torch.device | str | None) -> torch.device | None:
+    """``device`` as a ``torch.device`` this process can allocate on (``None`` stays ``None``).
+
+    Raises:
+        ValueError: not a device, or a device this torch cannot use here.
+    """
+    if device is None:
+        return None
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"fs.shard: device={device!r} is not a device ({e})") from None
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"fs.shard: device={device!r}, but this torch {torch.__version__} sees no CUDA device "
+            f"(torch.cuda.is_available() is False); shard onto 'cpu', or install a CUDA build "
+            f"of torch on a machine with a GPU"
+        )
+    try:
+        torch.empty(0, device=target)
+    except (RuntimeError, AssertionError) as e:
+        raise ValueError(f"fs.shard: device={device!r} cannot be used here ({e})") from None
+    return target
+
+
+def _agree_on_values(plan: Plan, leaves: list[torch.Tensor]) -> None:
+    """Every rank passed equal values to :func:`shard`; collective (one agreement, details on mismatch).
+
+    Raises:
+        DesyncError: the message names up to five leaves whose values differ from rank 0's.
+    """
+    digests = [tensor_digest(t) for t in leaves]
+    everyone = control.agree(
+        Kind.SHARD, "fs.shard", control.digest_of({"plan": plan.fingerprint(), "values": digests})
+    )
+    if everyone is None or all(d == everyone[0][0] for d, _ in everyone):
+        return
+    details = control.all_gather_json(
+        {"plan": plan.fingerprint(), "values": digests}, "the details of fs.shard"
+    )
+    reference = details[0]
+    problems: list[str] = []
+    for r, theirs in enumerate(details[1:], start=1):
+        if theirs["plan"] != reference["plan"]:
+            problems.append(
+                f"rank {r}: plan fingerprint {theirs['plan']} (rank 0: {reference['plan']})"
+            )
+            continue
+        differ = [
+            leaf.path or "<root>"
+            for leaf, mine, ref in zip(plan.leaves, theirs["values"], reference["values"])
+            if mine != ref
+        ]
+        more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
+        problems.append(f"rank {r}'s values of {differ[:5]}{more} differ from rank 0's")
+    raise DesyncError(
+        "fs.shard: ranks passed different plans or params: " + "; ".join(problems) + ". Every "
+        "rank must build the same plan and pass the same full values (initialize with the same "
+        "seed, or load one checkpoint); verify=False skips this check"
+    )
