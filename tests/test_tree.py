@@ -107,8 +107,47 @@ def test_structure_json_with_dataclasses_and_defaultdict():
     assert tree.unflatten(back, leaves) == t
 
 
-def test_structure_json_names_unimportable_types():
+def test_structure_json_round_trips_types_this_process_wrote():
     Local = namedtuple("Local", ["a"])
     data = tree.treedef_to_json(tree.flatten(Local(1))[1])
-    with pytest.raises(ValueError, match=r"cannot import tree node type.*module level"):
+    assert tree.unflatten(tree.treedef_from_json(data), [2]) == Local(2)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"namedtuple": "os:system", "children": [{"leaf": None}]},
+        {"namedtuple": "tests.test_tree:NeverRegistered", "children": []},
+        {"dataclass": "subprocess:Popen", "meta": [], "children": []},
+        {"defaultdict": [], "factory": "os:system"},
+    ],
+    ids=["os.system", "unregistered", "dataclass", "defaultdict-factory"],
+)
+def test_structure_json_never_imports_what_it_names(data):
+    """A file names a type; funcshard looks it up among the types it knows and never imports one."""
+    with pytest.raises(ValueError, match=r"is not known to funcshard, which never imports a module"):
+        tree.treedef_from_json(data)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"list": 3},
+        {"dict": [["a"]]},
+        {"dict": [[{"int": True}, {"leaf": None}]]},
+        {"tuple": [{"bogus": 1}]},
+        {"namedtuple": "funcshard._src.optim.adamw:AdamWState", "children": []},
+        [],
+    ],
+)
+def test_malformed_structure_json_is_a_value_error(data):
+    with pytest.raises(ValueError, match="malformed tree structure"):
+        tree.treedef_from_json(data)
+
+
+def test_deeply_nested_structure_json_is_a_value_error():
+    data: object = {"leaf": None}
+    for _ in range(100_000):
+        data = {"list": [data]}
+    with pytest.raises(ValueError, match="nested too deeply"):
         tree.treedef_from_json(data)

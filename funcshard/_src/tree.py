@@ -14,7 +14,6 @@ indices as numbers, namedtuple fields and dataclass attributes by name
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -157,6 +156,7 @@ def register_dataclass(
         return cls(**dict(zip(data, children)), **dict(zip(meta, metadata)))
 
     _DATACLASS_FIELDS[cls] = (data, meta)
+    _NODE_TYPES[_type_name(cls)] = cls
     optree.register_pytree_node(
         cls,  # pyright: ignore[reportArgumentType]
         flatten_node,
@@ -185,12 +185,46 @@ def _path_of(accessor: optree.PyTreeAccessor) -> str:
     return SEPARATOR.join(parts)
 
 
+def register_namedtuple(cls: type[_T], /) -> type[_T]:
+    """Lets tree structures that name the namedtuple ``cls`` be read back from JSON.
+
+    A structure in a plan's JSON or a checkpoint's manifest names its node types
+    as ``module:qualname``; funcshard never imports a module that a file names, so
+    a namedtuple comes back only if this process knows it: it was registered here,
+    or this process wrote a structure with it. Dataclasses are known once
+    :func:`register_dataclass` registered them. funcshard's own states (optimizer
+    states) are registered already.
+
+    Returns:
+        ``cls`` itself, so this works as a decorator.
+
+    Raises:
+        TypeError: ``cls`` is not a namedtuple class.
+
+    Example:
+        >>> from typing import NamedTuple
+        >>> class State(NamedTuple):
+        ...     mu: int
+        >>> _ = register_namedtuple(State)
+        >>> treedef_from_json(treedef_to_json(flatten(State(1))[1])).num_leaves
+        1
+    """
+    if not (isinstance(cls, type) and _is_namedtuple(cls)):
+        raise TypeError(f"register_namedtuple: {cls!r} is not a namedtuple class")
+    _NODE_TYPES[_type_name(cls)] = cls
+    return cls
+
+
 # --- structure as JSON -------------------------------------------------------
-# A tree structure travels in plans (``Plan.to_json``). Node types are named by
-# ``module:qualname`` and re-imported on load, so a namedtuple or dataclass must
-# live at module level to come back.
+# A tree structure travels in plans (``Plan.to_json``) and checkpoint manifests.
+# Node types are named by ``module:qualname`` and looked up among the types this
+# process knows (see register_namedtuple): a file can name a type, never import one.
 
 _DATACLASS_FIELDS: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+_NODE_TYPES: dict[str, type] = {}  # "module:qualname" -> a type structures may name
+_FACTORIES: dict[str, type] = {
+    _t.__name__: _t for _t in (list, dict, set, tuple, int, float, str, bool)
+} | {f"builtins:{_t.__name__}": _t for _t in (list, dict, set, tuple, int, float, str, bool)}
 _LEAF = 0  # placeholder leaf while rebuilding a structure
 
 
@@ -224,6 +258,7 @@ def treedef_to_json(treedef: TreeDef, /) -> Any:
                 "factory": None if factory is None else _type_name(factory),
             }
         if _is_namedtuple(typ):
+            _NODE_TYPES.setdefault(_type_name(typ), typ)  # written here: known when read back
             return {"namedtuple": _type_name(typ), "children": list(children)}
         if typ in _DATACLASS_FIELDS:
             return {"dataclass": _type_name(typ), "meta": list(data), "children": list(children)}
@@ -234,45 +269,84 @@ def treedef_to_json(treedef: TreeDef, /) -> Any:
 
 
 def treedef_from_json(data: Any, /) -> TreeDef:
-    """Decodes :func:`treedef_to_json`'s output back into a tree structure.
+    """Decodes :func:`treedef_to_json`'s output back into a tree structure; never imports anything.
 
     Raises:
-        ValueError: a node type cannot be imported or the data is malformed.
+        ValueError: a node type this process does not know (see
+            :func:`register_namedtuple`), or malformed data.
     """
-    return flatten(_skeleton(data))[1]
+    try:
+        return flatten(_skeleton(data))[1]
+    except ValueError:
+        raise
+    except RecursionError:
+        raise ValueError("malformed tree structure: nested too deeply") from None
+    except (TypeError, KeyError, IndexError, AttributeError) as e:
+        raise ValueError(f"malformed tree structure ({type(e).__name__}: {e})") from None
 
 
 def _skeleton(data: Any) -> Any:
     if data is None:
         return None
     if not isinstance(data, dict) or not data:
-        raise ValueError(f"malformed tree structure entry {data!r}")
+        raise ValueError(f"malformed tree structure entry {_short(data)}")
     if "leaf" in data:
         return _LEAF
     if "list" in data:
-        return [_skeleton(c) for c in data["list"]]
+        return [_skeleton(c) for c in _children(data, "list")]
     if "tuple" in data:
-        return tuple(_skeleton(c) for c in data["tuple"])
+        return tuple(_skeleton(c) for c in _children(data, "tuple"))
     for kind, mapping in (("dict", dict), ("ordereddict", OrderedDict)):
         if kind in data:
-            return mapping((_key_from_json(k), _skeleton(c)) for k, c in data[kind])
+            return mapping(_items(data, kind))
     if "defaultdict" in data:
-        factory = None if data["factory"] is None else _import(data["factory"])
-        return defaultdict(
-            factory, ((_key_from_json(k), _skeleton(c)) for k, c in data["defaultdict"])
-        )
+        name = data.get("factory")
+        factory = None if name is None else _FACTORIES.get(name) if isinstance(name, str) else None
+        if name is not None and factory is None:
+            factory = _known(name)
+        return defaultdict(factory, _items(data, "defaultdict"))
     if "namedtuple" in data:
-        return _import(data["namedtuple"])(*(_skeleton(c) for c in data["children"]))
+        cls = _known(data["namedtuple"])
+        children = _children(data, "children")
+        if not _is_namedtuple(cls) or len(children) != len(cls._fields):  # pyright: ignore[reportAttributeAccessIssue]
+            raise ValueError(
+                f"malformed tree structure: {data['namedtuple']} with {len(children)} children"
+            )
+        return cls(*(_skeleton(c) for c in children))
     if "dataclass" in data:
-        cls = _import(data["dataclass"])
+        cls = _known(data["dataclass"])
         if cls not in _DATACLASS_FIELDS:
             raise ValueError(
                 f"{data['dataclass']} is not registered with funcshard.register_dataclass"
             )
         fields, meta = _DATACLASS_FIELDS[cls]
-        children = [_skeleton(c) for c in data["children"]]
-        return cls(**dict(zip(fields, children)), **dict(zip(meta, data["meta"])))
-    raise ValueError(f"malformed tree structure entry {data!r}")
+        children = _children(data, "children")
+        static = _children(data, "meta")
+        if len(children) != len(fields) or len(static) != len(meta):
+            raise ValueError(f"malformed tree structure: {data['dataclass']} has other fields")
+        return cls(**dict(zip(fields, (_skeleton(c) for c in children))), **dict(zip(meta, static)))
+    raise ValueError(f"malformed tree structure entry {_short(data)}")
+
+
+def _children(data: dict[str, Any], key: str) -> list[Any]:
+    value = data.get(key)
+    if not isinstance(value, list):
+        raise ValueError(f"malformed tree structure: {key!r} must hold a list, got {_short(value)}")
+    return value
+
+
+def _items(data: dict[str, Any], key: str) -> list[tuple[Any, Any]]:
+    out: list[tuple[Any, Any]] = []
+    for item in _children(data, key):
+        if not isinstance(item, list) or len(item) != 2:
+            raise ValueError(f"malformed tree structure: a {key} item must be [key, child]")
+        out.append((_key_from_json(item[0]), _skeleton(item[1])))
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _key_to_json(key: Any) -> Any:
@@ -284,7 +358,13 @@ def _key_to_json(key: Any) -> Any:
 
 
 def _key_from_json(key: Any) -> Any:
-    return key["int"] if isinstance(key, dict) else key
+    if isinstance(key, str):
+        return key
+    if isinstance(key, dict) and set(key) == {"int"}:
+        value = key["int"]
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    raise ValueError(f"malformed tree structure: dict key {_short(key)}")
 
 
 def _is_namedtuple(typ: type) -> bool:
@@ -295,15 +375,15 @@ def _type_name(typ: Any) -> str:
     return f"{typ.__module__}:{typ.__qualname__}"
 
 
-def _import(name: str) -> Any:
-    module_name, _, qualname = name.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
+def _known(name: Any) -> type:
+    """The node type ``name`` (``module:qualname``) among those this process knows; never imports."""
+    cls = _NODE_TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        qualname = name.partition(":")[2] if isinstance(name, str) else ""
         raise ValueError(
-            f"cannot import tree node type {name!r} ({e}); define it at module level and "
-            f"import its module before loading"
-        ) from None
-    return obj
+            f"tree node type {_short(name)} is not known to funcshard, which never imports a "
+            f"module that a file names. Import and register the type before loading: "
+            f"fs.register_namedtuple({qualname or 'YourType'}) for a namedtuple, "
+            f"fs.register_dataclass for a dataclass"
+        )
+    return cls

@@ -219,38 +219,36 @@ class Plan:
     def from_json(cls, data: Mapping[str, Any] | str, /) -> Plan:
         """Rebuilds a plan from :meth:`to_json` output (a dict or its JSON text).
 
+        The data is untrusted: every field is checked, the tree structure names
+        only types this process knows (``fs.register_namedtuple``), and the leaves,
+        units and specs must agree with each other and with the mesh.
+
         Raises:
-            ValueError: the data is not a funcshard plan of a known version.
+            ValueError: the data is not a sound funcshard plan of a known version;
+                the message names the field.
+
+        Example:
+            >>> from funcshard._src.plan.planner import plan
+            >>> p = plan({"w": torch.zeros(4, 2)}, Mesh({"fsdp": 2}))
+            >>> Plan.from_json(json.dumps(p.to_json())) == p
+            True
         """
-        d: Mapping[str, Any] = json.loads(data) if isinstance(data, str) else data
-        if d.get("version") != _JSON_VERSION:
+        try:
+            d: Any = json.loads(data) if isinstance(data, str) else data
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"plan JSON does not parse ({e})") from None
+        if not isinstance(d, Mapping) or d.get("version") != _JSON_VERSION:  # pyright: ignore[reportUnknownMemberType]
+            version = d.get("version") if isinstance(d, Mapping) else None  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
             raise ValueError(
-                f"not a funcshard plan of version {_JSON_VERSION}: version {d.get('version')!r}"
+                f"not a funcshard plan of version {_JSON_VERSION}: version {version!r}"
             )
-        leaves = tuple(
-            LeafPlan(
-                path=str(x["path"]),
-                shape=tuple(int(s) for s in x["shape"]),
-                dtype=_dtype(x["dtype"]),
-                spec=P.from_json(x["spec"]),
-                unit=str(x["unit"]),
-            )
-            for x in d["leaves"]
-        )
-        units = tuple(
-            Unit(str(u["name"]), tuple(str(p) for p in u["paths"]), check_strategy(u["strategy"]))
-            for u in d["units"]
-        )
-        return cls(
-            mesh=Mesh.from_json(d["mesh"]),
-            treedef=tree.treedef_from_json(d["treedef"]),
-            leaves=leaves,
-            units=units,
-            strategy="auto" if d["strategy"] == "auto" else check_strategy(d["strategy"]),
-            notes=tuple(str(n) for n in d.get("notes", ())),
-            reasons=tuple((str(u), str(r)) for u, r in d.get("reasons", ())),
-            memory_budget=d.get("memory_budget"),
-        )
+        try:
+            plan = _plan_from_json(d)  # pyright: ignore[reportUnknownArgumentType]
+        except ValueError as e:
+            raise ValueError(f"plan JSON: {e}") from None
+        except (TypeError, KeyError, IndexError, AttributeError, RecursionError) as e:
+            raise ValueError(f"plan JSON is malformed ({type(e).__name__}: {e})") from None
+        return plan
 
     def fingerprint(self) -> str:
         """A stable 16-hex-digit digest of everything that decides placement.
@@ -269,8 +267,81 @@ class Plan:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
+def _dtype(name: object) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in plan JSON")
+        raise ValueError(f"unknown dtype {name!r}")
     return dtype
+
+
+def _int(x: object, what: str) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {x!r}")
+    return x
+
+
+def _str(x: object, what: str) -> str:
+    if not isinstance(x, str):
+        raise ValueError(f"{what} must be a string, got {x!r}")
+    return x
+
+
+def _list(x: object, what: str) -> list[Any]:
+    if not isinstance(x, list):
+        raise ValueError(f"{what} must be a list, got {type(x).__name__}")
+    return x  # pyright: ignore[reportUnknownVariableType]
+
+
+def _plan_from_json(d: Mapping[str, Any]) -> Plan:
+    raw_mesh = _list(d["mesh"], "mesh")
+    mesh = Mesh.from_json(
+        [(_str(a[0], "a mesh axis name"), _int(a[1], "a mesh axis size")) for a in raw_mesh]
+    )
+    treedef = tree.treedef_from_json(d["treedef"])
+    leaves: list[LeafPlan] = []
+    for i, x in enumerate(_list(d["leaves"], "leaves")):
+        where = f"leaves[{i}]"
+        spec = P.from_json(_list(x["spec"], f"{where}.spec"))
+        leaf = LeafPlan(
+            path=_str(x["path"], f"{where}.path"),
+            shape=tuple(_int(n, f"{where}.shape") for n in _list(x["shape"], f"{where}.shape")),
+            dtype=_dtype(x["dtype"]),
+            spec=spec,
+            unit=_str(x["unit"], f"{where}.unit"),
+        )
+        NamedSharding(mesh, spec).validate(leaf.shape, path=leaf.path or "<root>")
+        leaves.append(leaf)
+    if treedef.num_leaves != len(leaves):
+        raise ValueError(
+            f"the tree structure has {treedef.num_leaves} leaves, the plan lists {len(leaves)}"
+        )
+    expected = tree.flatten_with_paths(tree.unflatten(treedef, [0] * len(leaves)))[0]
+    if [leaf.path for leaf in leaves] != expected:
+        raise ValueError("the leaf paths differ from the tree structure's")
+    units: list[Unit] = []
+    for i, u in enumerate(_list(d["units"], "units")):
+        paths = tuple(_str(p, f"units[{i}].paths") for p in _list(u["paths"], f"units[{i}].paths"))
+        units.append(
+            Unit(_str(u["name"], f"units[{i}].name"), paths, check_strategy(u["strategy"]))
+        )
+    by_unit = {u.name: set(u.paths) for u in units}
+    for leaf in leaves:
+        if leaf.path not in by_unit.get(leaf.unit, set()):
+            raise ValueError(f"leaf {leaf.path!r} names unit {leaf.unit!r}, which does not list it")
+    if sum(len(u.paths) for u in units) != len(leaves) or len(by_unit) != len(units):
+        raise ValueError("the units do not list every leaf exactly once")
+    budget = d.get("memory_budget")
+    strategy = d["strategy"]
+    return Plan(
+        mesh=mesh,
+        treedef=treedef,
+        leaves=tuple(leaves),
+        units=tuple(units),
+        strategy="auto" if strategy == "auto" else check_strategy(strategy),
+        notes=tuple(_str(n, "notes") for n in _list(d.get("notes", []), "notes")),
+        reasons=tuple(
+            (_str(r[0], "reasons"), _str(r[1], "reasons"))
+            for r in _list(d.get("reasons", []), "reasons")
+        ),
+        memory_budget=None if budget is None else _int(budget, "memory_budget"),
+    )
