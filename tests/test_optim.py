@@ -150,13 +150,53 @@ def test_grads_of_another_plan_are_refused():
     ("make", "message"),
     [
         (lambda: fs.optim.sgd(lr=0.1, nesterov=True), "nesterov=True needs momentum > 0"),
-        (lambda: fs.optim.adamw(lr=0.1, betas=(1.0, 0.9)), "need 0 <= betas < 1"),
-        (lambda: fs.optim.sgd(lr=0.1, weight_decay=-1), "must be >= 0"),
+        (
+            lambda: fs.optim.adamw(lr=0.1, betas=(1.0, 0.9)),
+            r"adamw: betas\[0\] must be a number in \[0.0, 1.0\), got 1.0",
+        ),
+        (lambda: fs.optim.sgd(lr=0.1, weight_decay=-1), "weight_decay must be a number >= 0.0"),
+        (lambda: fs.optim.sgd(lr=-0.1), r"learning rate -0.1: give a finite number >= 0"),
+        (lambda: fs.optim.adamw(lr=float("nan")), r"learning rate nan: give a finite number >= 0"),
+        (lambda: fs.optim.adamw(lr=float("inf")), r"learning rate inf"),
+        (lambda: fs.optim.adamw(lr="3e-4"), r"learning rate '3e-4'"),
+        (
+            lambda: fs.optim.adamw(lr=0.1, eps=float("nan")),
+            "adamw: eps must be a number >= 0.0, got nan",
+        ),
+        (
+            lambda: fs.optim.sgd(lr=0.1, momentum=float("nan")),
+            "sgd: momentum must be a number >= 0.0, got nan",
+        ),
+    ],
+    ids=[
+        "nesterov",
+        "betas",
+        "decay",
+        "negative-lr",
+        "nan-lr",
+        "inf-lr",
+        "str-lr",
+        "nan-eps",
+        "nan-momentum",
     ],
 )
 def test_bad_hyperparameters(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_a_schedule_that_returns_a_bad_rate_fails_the_update(bad):
+    params = {"w": torch.ones(2)}
+    sparams = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
+    opt = fs.optim.sgd(lr=lambda count: 0.1 if count == 0 else bad)
+    state = opt.init(sparams)
+    sparams, state = opt.update(sparams, state, sparams)
+    with pytest.raises(
+        ValueError,
+        match=rf"schedule returned {bad} for update 1; a learning rate must be a finite number >= 0",
+    ):
+        opt.update(sparams, state, sparams)
 
 
 def _clip(mesh: dict[str, int], max_norm: float) -> tuple[torch.Tensor, Any]:

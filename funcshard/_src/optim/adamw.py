@@ -6,9 +6,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from funcshard._src import tree
 from funcshard._src.optim.base import (
     LearningRate,
     Optimizer,
+    check_hyperparameter,
+    check_learning_rate,
     floating_flats,
     learning_rate,
     zeros_like_tree,
@@ -16,6 +19,7 @@ from funcshard._src.optim.base import (
 from funcshard._src.shard.donation import donate
 
 
+@tree.register_namedtuple  # checkpoints name it in their tree structure
 class AdamWState(NamedTuple):
     """``count`` updates applied so far; first (``mu``) and second (``nu``) moments, sharded like the params."""
 
@@ -56,10 +60,12 @@ def adamw(
         tensor([0.9000, 0.9000])
     """
     beta1, beta2 = betas
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0) or eps < 0 or weight_decay < 0:
-        raise ValueError(
-            f"adamw: need 0 <= betas < 1, eps >= 0, weight_decay >= 0; got {betas}, {eps}, {weight_decay}"
-        )
+    if not callable(lr):
+        check_learning_rate(lr)
+    check_hyperparameter("adamw: betas[0]", beta1, low=0.0, high=1.0)
+    check_hyperparameter("adamw: betas[1]", beta2, low=0.0, high=1.0)
+    check_hyperparameter("adamw: eps", eps, low=0.0)
+    check_hyperparameter("adamw: weight_decay", weight_decay, low=0.0)
 
     def init(sparams: Any, /) -> AdamWState:
         return AdamWState(

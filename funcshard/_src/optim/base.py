@@ -7,6 +7,7 @@ donates its inputs: parameters and state are updated in place and returned.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, TypeAlias
 
@@ -43,8 +44,46 @@ class Optimizer(NamedTuple):
 
 
 def learning_rate(lr: LearningRate, count: int, /) -> float:
-    """The learning rate for the update after ``count`` earlier updates."""
-    return float(lr(count)) if callable(lr) else float(lr)
+    """The learning rate for the update after ``count`` earlier updates.
+
+    Raises:
+        ValueError: the rate (or what the schedule returns for ``count``) is not a
+            finite number >= 0.
+    """
+    if not callable(lr):
+        return check_learning_rate(lr)
+    value = lr(count)
+    try:
+        return check_learning_rate(value)
+    except ValueError:
+        raise ValueError(
+            f"the learning-rate schedule returned {value!r} for update {count}; a learning rate "
+            f"must be a finite number >= 0"
+        ) from None
+
+
+def check_learning_rate(lr: object, /) -> float:
+    """``lr`` as a float if it is a finite number >= 0, or a schedule (returned as it is).
+
+    Raises:
+        ValueError: a negative, NaN or infinite rate, or something that is not a number.
+
+    Example:
+        >>> check_learning_rate(3e-4)
+        0.0003
+    """
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (0 <= lr < math.inf):
+        raise ValueError(
+            f"learning rate {lr!r}: give a finite number >= 0 or a schedule lr(count) -> float"
+        )
+    return float(lr)
+
+
+def check_hyperparameter(name: str, value: float, /, *, low: float, high: float = math.inf) -> None:
+    """Raises ``ValueError`` unless ``low <= value < high`` (NaN never passes)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low <= value < high):
+        bound = f"in [{low}, {high})" if high != math.inf else f">= {low}"
+        raise ValueError(f"{name} must be a number {bound}, got {value!r}")
 
 
 def zeros_like_tree(sparams: Params, /) -> Any:

@@ -6,9 +6,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from funcshard._src import tree
 from funcshard._src.optim.base import (
     LearningRate,
     Optimizer,
+    check_hyperparameter,
+    check_learning_rate,
     floating_flats,
     learning_rate,
     zeros_like_tree,
@@ -16,6 +19,7 @@ from funcshard._src.optim.base import (
 from funcshard._src.shard.donation import donate
 
 
+@tree.register_namedtuple  # checkpoints name it in their tree structure
 class SGDState(NamedTuple):
     """``count`` updates applied so far; ``momentum`` buffers (``None`` without momentum)."""
 
@@ -46,12 +50,12 @@ def sgd(
         >>> sparams["w"].local
         tensor([0.5000, 0.5000])
     """
+    if not callable(lr):
+        check_learning_rate(lr)
+    check_hyperparameter("sgd: momentum", momentum, low=0.0)
+    check_hyperparameter("sgd: weight_decay", weight_decay, low=0.0)
     if nesterov and momentum <= 0:
         raise ValueError("sgd: nesterov=True needs momentum > 0")
-    if momentum < 0 or weight_decay < 0:
-        raise ValueError(
-            f"sgd: momentum and weight_decay must be >= 0, got {momentum}, {weight_decay}"
-        )
 
     def init(sparams: Any, /) -> SGDState:
         return SGDState(
