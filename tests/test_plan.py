@@ -53,7 +53,6 @@ def test_first_matching_rule_wins_and_units_group_subtrees():
         rules=[
             ("**/b1", P("fsdp")),
             ("blocks/*/mlp/*", P(None, "fsdp")),
-            ("**/bias", P()),
             ("**/wq", P("dp")),
             ("head/scale", P()),
             ("**", P("fsdp")),
@@ -72,7 +71,26 @@ def test_first_matching_rule_wins_and_units_group_subtrees():
         "blocks/0/mlp/w1",
     )
     assert p.leaf("head/w").unit == "<root>"
-    assert p.notes == ("rules[2] ('**/bias', P()) matched no leaf",)
+    assert p.notes == ()
+
+
+@pytest.mark.parametrize(
+    ("rules", "message"),
+    [
+        (
+            [("blocks/*/attn/*", P(None, "fsdp")), ("**/bias", P())],
+            r"rules\[1\] \('\*\*/bias', P\(\)\) matches no leaf of the params \(leaf paths look like 'blocks/0/attn/wo', .*fix the pattern, or drop the rule",
+        ),
+        (
+            [("blocks/**", P()), ("**/wq", P())],
+            r"rules\[1\] \('\*\*/wq', P\(\)\) places no leaf: every leaf it matches is placed by an earlier rule \(rules\[0\]\), since the first match wins",
+        ),
+    ],
+    ids=["typo", "shadowed"],
+)
+def test_a_rule_that_places_no_leaf_is_an_error(rules, message):
+    with pytest.raises(ValueError, match=message):
+        plan(gpt_params(), Mesh({"fsdp": 2}), rules=rules)
 
 
 def test_specs_tree_has_the_params_structure():

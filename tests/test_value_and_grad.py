@@ -85,7 +85,11 @@ class Case:
 
     def plan(self, params: Any) -> fs.Plan:
         last = self.mesh[-1][0]
-        rules = [("blocks/*/attn/wqkv", P(None, last)), ("**/w2", P(last))] if self.rule else []
+        rules = (
+            [("blocks/*/attn/wqkv", P(None, last)), ("**/w2", P(last))]
+            if self.rule and self.model.kind == "transformer"  # an unused rule is an error
+            else []
+        )
         return fs.plan(
             params,
             fs.Mesh(dict(self.mesh)),

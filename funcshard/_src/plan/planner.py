@@ -17,7 +17,7 @@ import torch
 from funcshard._src import tree
 from funcshard._src.plan.hardware import parse_bytes
 from funcshard._src.plan.plan import Default, LeafPlan, Plan, Requested
-from funcshard._src.plan.rules import Rule, check_pattern, check_rules, first_match
+from funcshard._src.plan.rules import Rule, check_pattern, check_rules, first_match, matches
 from funcshard._src.plan.strategy import Strategy, check_strategy, default_spec, shard_axes
 from funcshard._src.plan.units import ROOT, Unit, resolve_units
 from funcshard._src.spec.mesh import Mesh
@@ -72,7 +72,8 @@ def plan(
     Raises:
         TypeError: a leaf that is not a tensor, or malformed rules or units.
         ValueError: a spec that does not fit its leaf or the strategy, an unmatched
-            leaf with ``default=None``, a unit pattern matching nothing, overlapping
+            leaf with ``default=None``, a rule that places no leaf (a typo, or a rule
+            shadowed by an earlier one), a unit pattern matching nothing, overlapping
             units, or a plan that does not fit ``memory_budget`` (the message says by
             how much and what would fit). Each message names the leaf path or
             pattern and the fix.
@@ -178,11 +179,10 @@ def build(
     ordered = sorted(
         unit_paths, key=lambda name: name != ROOT
     )  # stable: root first, then tree order
-    notes = spec.notes + tuple(
-        f"rules[{i}] {rule!r} matched no leaf"
-        for i, (rule, hit) in enumerate(zip(spec.rules, used))
-        if not hit
-    )
+    unused = [i for i, hit in enumerate(used) if not hit]
+    if unused:
+        raise ValueError(_unused_rule(unused[0], spec))
+    notes = spec.notes
     if requested is None:
         assert not isinstance(strategy, Mapping), "a plan with a strategy per unit says so"
         requested = strategy
@@ -196,6 +196,27 @@ def build(
         reasons=reasons,
         cost=cost,
         memory_budget=memory_budget,
+    )
+
+
+def _unused_rule(i: int, spec: Spec) -> str:
+    """Why ``rules[i]`` placed no leaf (a typo, or rules in the wrong order), and the fix."""
+    rule = spec.rules[i]
+    shadowing = [
+        j
+        for j, earlier in enumerate(spec.rules[:i])
+        if any(matches(rule.pattern, p) and matches(earlier.pattern, p) for p in spec.paths)
+    ]
+    if shadowing:
+        return (
+            f"rules[{i}] {rule!r} places no leaf: every leaf it matches is placed by an earlier "
+            f"rule ({', '.join(f'rules[{j}]' for j in shadowing)}), since the first match wins. "
+            f"Move it before them, or drop it"
+        )
+    examples = ", ".join(repr(p) for p in spec.paths[:6])
+    return (
+        f"rules[{i}] {rule!r} matches no leaf of the params (leaf paths look like {examples}); "
+        f"fix the pattern, or drop the rule if these params have no such leaf"
     )
 
 
