@@ -10,35 +10,44 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from funcshard._src.checkpoint.dcp import SAVED as SAVED
-    from funcshard._src.checkpoint.dcp import export_safetensors as export_safetensors
-    from funcshard._src.checkpoint.dcp import latest as latest
-    from funcshard._src.checkpoint.dcp import load as load
-    from funcshard._src.checkpoint.dcp import load_full as load_full
-    from funcshard._src.checkpoint.dcp import save as save
-    from funcshard._src.checkpoint.manifest import CheckpointError as CheckpointError
+    from funcshard._src.checkpoint.commit import latest as latest
+    from funcshard._src.checkpoint.errors import CheckpointError as CheckpointError
+    from funcshard._src.checkpoint.errors import (
+        CheckpointMismatchError as CheckpointMismatchError,
+    )
+    from funcshard._src.checkpoint.errors import CorruptCheckpointError as CorruptCheckpointError
+    from funcshard._src.checkpoint.errors import NotACheckpointError as NotACheckpointError
+    from funcshard._src.checkpoint.errors import UnsafeCheckpointError as UnsafeCheckpointError
+    from funcshard._src.checkpoint.export import export_safetensors as export_safetensors
+    from funcshard._src.checkpoint.load import SAVED as SAVED
+    from funcshard._src.checkpoint.load import load as load
+    from funcshard._src.checkpoint.load import load_full as load_full
     from funcshard._src.checkpoint.rng import rng_states as rng_states
     from funcshard._src.checkpoint.rng import set_rng_states as set_rng_states
-    from funcshard._src.checkpoint.safe_reader import (
-        UnsafeCheckpointError as UnsafeCheckpointError,
-    )
+    from funcshard._src.checkpoint.save import save as save
 
 _WHERE = {
-    "SAVED": "dcp",
-    "export_safetensors": "dcp",
-    "latest": "dcp",
-    "load": "dcp",
-    "load_full": "dcp",
-    "save": "dcp",
-    "CheckpointError": "manifest",
+    "SAVED": "load",
+    "CheckpointError": "errors",
+    "CheckpointMismatchError": "errors",
+    "CorruptCheckpointError": "errors",
+    "NotACheckpointError": "errors",
+    "UnsafeCheckpointError": "errors",
+    "export_safetensors": "export",
+    "latest": "commit",
+    "load": "load",
+    "load_full": "load",
     "rng_states": "rng",
+    "save": "save",
     "set_rng_states": "rng",
-    "UnsafeCheckpointError": "safe_reader",
 }
 
 __all__ = [
     "SAVED",
     "CheckpointError",
+    "CheckpointMismatchError",
+    "CorruptCheckpointError",
+    "NotACheckpointError",
     "UnsafeCheckpointError",
     "export_safetensors",
     "latest",

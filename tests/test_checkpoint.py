@@ -5,7 +5,6 @@ References: the unsharded tree (``fs.unshard``) and an uninterrupted training ru
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 import funcshard as fs
 from funcshard.checkpoint import CheckpointError, UnsafeCheckpointError
 from funcshard.testing import assert_trees_close
+from tests import tampering
 from tests.models import Model
 
 MODEL = Model(kind="transformer", width=6, hidden=10, layers=2)
@@ -132,12 +132,12 @@ def _small(tmp: Path, name: str = "ckpt", step: int | None = None) -> tuple[Path
 
 def test_an_interrupted_save_leaves_no_checkpoint(tmp_path, monkeypatch):
     _small(tmp_path, "step1", step=1)
-    import funcshard._src.checkpoint.dcp as ckpt
+    import funcshard._src.checkpoint.save as saving
 
     def crash(*_: Any) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt, "write_manifest", crash)
+    monkeypatch.setattr(saving, "write_manifest", crash)
     with pytest.raises(
         CheckpointError, match=r"saving .*step2 failed on rank 0: OSError: disk full"
     ):
@@ -191,18 +191,18 @@ def test_not_a_checkpoint(tmp_path):
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
 def test_damaged_data_files_are_refused(tmp_path, damage):
     directory, sparams = _small(tmp_path)
-    data = directory / "__0_0.distcp"
+    data = directory / "rank0" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     if damage == "truncate":
         data.write_bytes(raw[: len(raw) // 2])
         expected = "the file is truncated"
     elif damage == "flip":
-        raw[len(raw) // 2] ^= 0xFF
+        raw[raw.index(torch.ones(2).numpy().tobytes())] ^= 0xFF  # the data of params/b
         data.write_bytes(raw)
-        expected = "contents differ from what was saved"
+        expected = "its contents differ from what was saved"
     else:
         data.unlink()
-        expected = "is missing; the checkpoint is incomplete"
+        expected = "missing; the checkpoint is incomplete"
     with pytest.raises(CheckpointError, match=expected):
         fs.checkpoint.load(directory, like={"params": sparams, "n": 0})
     with pytest.raises(CheckpointError, match=expected):
@@ -217,16 +217,11 @@ class _Payload:
 
 
 def test_a_malicious_pickle_is_refused_without_running_it(tmp_path):
+    """The attacker also fixed the manifest's size, digest and self-digest: only the allowlist is left."""
     directory, sparams = _small(tmp_path)
     marker = tmp_path / "pwned"
     _Payload.marker = str(marker)
-    (directory / ".metadata").write_bytes(pickle.dumps(_Payload()))
-    manifest = json.loads((directory / "manifest.json").read_text())
-    manifest["files"][".metadata"] = {
-        "size": -1,
-        "sha256": "x",
-    }  # even before checksums are compared
-    (directory / "manifest.json").write_text(json.dumps(manifest))
+    tampering.replace_file(directory, "rank0/.metadata", pickle.dumps(_Payload()))
     for load in (
         lambda: fs.checkpoint.load(directory, like={"params": sparams, "n": 0}),
         lambda: fs.checkpoint.load_full(directory),

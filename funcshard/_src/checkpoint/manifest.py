@@ -1,73 +1,66 @@
 """The checkpoint manifest: what a checkpoint holds, where each chunk lives, and whether it is complete.
 
-A checkpoint is a directory: DCP's files (``.metadata`` and one ``.distcp`` file
-per rank) plus ``manifest.json``, written last, which names every leaf, its
-global shape and dtype, the chunks it was saved in (one DCP key each, with the
-chunk's offsets in the leaf), the tree structure, and the size and SHA-256 of
-every data file. A directory without a complete manifest is not a checkpoint.
+A checkpoint is a directory: one sub-directory per writing rank (``rank<r>/``,
+DCP's ``.metadata`` and data file) plus ``manifest.json``, written last, which
+names every leaf, its global shape and dtype, the chunks it was saved in (one
+DCP key each, with the chunk's offsets, its writer and the SHA-256 of its
+contents), the tree structure, the run and step, the size of every file and
+the SHA-256 of each rank's ``.metadata``; and, last, the SHA-256 of the
+manifest itself. A directory without a complete manifest is not a checkpoint.
+
+The manifest is untrusted input: :func:`read_manifest` checks every field's
+type and range, the digest, and that file names stay inside the checkpoint,
+before anything else reads it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-from dataclasses import dataclass
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from funcshard._src.checkpoint.chunks import Chunk, check_tiling, chunks_of
+from funcshard._src.checkpoint.errors import (
+    CorruptCheckpointError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+)
 from funcshard._src.shard.sharded import ShardedTensor
 
 MANIFEST = "manifest.json"
 FORMAT = "funcshard-checkpoint"
-VERSION = 1
+VERSION = 2
 VALUE_TYPES = (bool, int, float, str, type(None))
+KINDS = ("sharded", "tensor", "value")
+MAX_MANIFEST_BYTES = 1 << 30
+_FILE = re.compile(r"rank(0|[1-9][0-9]{0,5})/(\.metadata|__0_0\.distcp)")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as asked: missing, incomplete, corrupted or of another tree."""
+def rank_dir(rank: int, /) -> str:
+    """The sub-directory that rank ``rank``'s files are written to."""
+    return f"rank{rank}"
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """One saved piece of a leaf: its DCP key and where it sits in the leaf."""
-
-    key: str
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "offsets": list(self.offsets), "sizes": list(self.sizes)}
+def dtype_name(dtype: torch.dtype, /) -> str:
+    """``torch.float32`` -> ``"float32"``: how manifests and plans name dtypes."""
+    return str(dtype).removeprefix("torch.")
 
 
-def chunk_key(path: str, offsets: tuple[int, ...]) -> str:
-    """The DCP key of the chunk of leaf ``path`` that starts at ``offsets``."""
-    return f"{path}@{','.join(map(str, offsets))}"
-
-
-def chunks_of(leaf: Any, path: str, /) -> list[Chunk]:
-    """Every chunk a leaf is saved in: one per distinct non-empty shard (replica 0 writes it)."""
-    if isinstance(leaf, ShardedTensor):
-        out: list[Chunk] = []
-        sharding, shape = leaf.sharding, leaf.shape
-        for rank in range(sharding.mesh.size):
-            if sharding.replica_id(rank) != 0:
-                continue
-            index = sharding.local_index(shape, rank)
-            offsets = tuple(s.indices(n)[0] for s, n in zip(index, shape))
-            sizes = sharding.local_shape(shape, rank)
-            if all(sizes):
-                out.append(Chunk(chunk_key(path, offsets), offsets, sizes))
-        return out
-    shape = tuple(leaf.shape)
-    offsets = (0,) * len(shape)
-    return [Chunk(chunk_key(path, offsets), offsets, shape)] if all(shape) else []
+def dtype_of(name: object, /) -> torch.dtype | None:
+    """The ``torch.dtype`` a manifest names, or ``None`` if ``name`` is none."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def leaf_entry(path: str, leaf: Any, /) -> dict[str, Any]:
-    """The manifest entry of one leaf.
+    """The manifest entry of one leaf (chunk digests are filled in by the writers).
 
     Raises:
         TypeError: a leaf that is neither a tensor nor a JSON scalar.
@@ -77,10 +70,22 @@ def leaf_entry(path: str, leaf: Any, /) -> dict[str, Any]:
             "path": path,
             "kind": "sharded" if isinstance(leaf, ShardedTensor) else "tensor",
             "shape": list(leaf.shape),
-            "dtype": str(leaf.dtype).removeprefix("torch."),
-            "chunks": [c.to_json() for c in chunks_of(leaf, path)],
+            "dtype": dtype_name(leaf.dtype),
+            "chunks": [
+                {
+                    "key": c.key,
+                    "offsets": list(c.offsets),
+                    "sizes": list(c.sizes),
+                    "writer": c.writer,
+                }
+                for c in chunks_of(leaf, path)
+            ],
         }
     if isinstance(leaf, VALUE_TYPES):
+        if isinstance(leaf, float) and not math.isfinite(leaf):
+            raise TypeError(
+                f"{path or '<root>'}: {leaf} cannot be saved as a JSON scalar; save it as a tensor"
+            )
         return {"path": path, "kind": "value", "value": leaf}
     raise TypeError(
         f"{path or '<root>'}: a checkpoint holds tensors, sharded leaves and JSON scalars; "
@@ -88,63 +93,182 @@ def leaf_entry(path: str, leaf: Any, /) -> dict[str, Any]:
     )
 
 
-def file_digest(path: Path, /) -> dict[str, Any]:
-    """Size and SHA-256 of one file."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+def chunks(entry: dict[str, Any], /) -> list[Chunk]:
+    """The chunks of a checked tensor entry."""
+    return [
+        Chunk(c["key"], tuple(c["offsets"]), tuple(c["sizes"]), c["writer"])
+        for c in entry.get("chunks", [])
+    ]
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any], /) -> None:
-    """Writes and fsyncs ``manifest.json`` in ``directory``; mutates the directory."""
-    target = directory / MANIFEST
-    with open(target, "w") as f:
-        json.dump({"format": FORMAT, "version": VERSION, "complete": True, **manifest}, f)
+    """Writes and fsyncs ``manifest.json`` (with its own digest) in ``directory``; mutates the directory."""
+    body = {"format": FORMAT, "version": VERSION, "complete": True, **manifest}
+    body["digest"] = _digest(body)
+    with open(directory / MANIFEST, "w") as f:
+        json.dump(body, f, separators=(",", ":"))
         f.flush()
         os.fsync(f.fileno())
 
 
 def read_manifest(directory: Path, /) -> dict[str, Any]:
-    """The manifest of the checkpoint at ``directory``.
+    """The checked manifest of the checkpoint at ``directory``.
 
     Raises:
-        CheckpointError: no such directory, not a checkpoint, or an interrupted save.
+        NotACheckpointError: no such directory, no manifest, or an interrupted save.
+        CorruptCheckpointError: the manifest is damaged, inconsistent or of another format.
+        UnsafeCheckpointError: it names a file outside the checkpoint.
     """
     if not directory.is_dir():
-        raise CheckpointError(f"{directory}: no such checkpoint directory")
+        raise NotACheckpointError(f"{directory}: no such checkpoint directory")
     target = directory / MANIFEST
     if not target.is_file():
         hint = (
             "its save was interrupted before it committed"
-            if (directory / ".metadata").exists() or ".tmp-" in directory.name
+            if any(directory.glob("rank*")) or ".tmp-" in directory.name
             else "it is not a funcshard checkpoint"
         )
-        raise CheckpointError(
+        raise NotACheckpointError(
             f"{directory}: no {MANIFEST}; {hint}. Use fs.checkpoint.latest(dir) to find a complete one"
         )
     try:
-        manifest = json.loads(target.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(
-            f"{target}: unreadable manifest ({e}); the checkpoint is corrupted"
+        if target.stat().st_size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"{target}: larger than {MAX_MANIFEST_BYTES} bytes")
+        manifest = json.loads(target.read_bytes(), parse_constant=_no_constants)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        if isinstance(e, CorruptCheckpointError):
+            raise
+        raise CorruptCheckpointError(
+            f"{target}: unreadable manifest ({type(e).__name__}: {e}); the checkpoint is corrupted"
         ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{target}: not a funcshard checkpoint manifest")
+        raise CorruptCheckpointError(f"{target}: not a funcshard checkpoint manifest")
     if manifest.get("version") != VERSION:
-        raise CheckpointError(
-            f"{target}: checkpoint format version {manifest.get('version')!r}; this funcshard reads {VERSION}"
+        raise CorruptCheckpointError(
+            f"{target}: checkpoint format version {manifest.get('version')!r}; this funcshard "
+            f"reads version {VERSION} (checkpoints of version 1 were written before funcshard "
+            f"0.1.0; load them with that release and save again)"
         )
     if manifest.get("complete") is not True:
-        raise CheckpointError(f"{directory}: the save did not complete")
+        raise NotACheckpointError(f"{directory}: the save did not complete")
+    if manifest.get("digest") != _digest({k: v for k, v in manifest.items() if k != "digest"}):
+        raise CorruptCheckpointError(
+            f"{target}: its contents differ from what was saved (the manifest's SHA-256 does not "
+            f"match); the checkpoint is corrupted"
+        )
+    problem = _check(manifest)
+    if problem is not None:
+        error = UnsafeCheckpointError if problem.startswith("unsafe: ") else CorruptCheckpointError
+        raise error(f"{target}: {problem.removeprefix('unsafe: ')}; the checkpoint is corrupted")
     return manifest
 
 
-def is_complete(directory: Path, /) -> bool:
-    """Whether ``directory`` holds a complete checkpoint (its manifest reads)."""
-    try:
-        read_manifest(directory)
-    except CheckpointError:
-        return False
-    return True
+def is_checkpoint(directory: Path, /) -> bool:
+    """Whether ``directory`` holds a manifest at all (complete or not, sound or not)."""
+    return (directory / MANIFEST).is_file()
+
+
+def file_digest(path: Path, /) -> str:
+    """The SHA-256 (hex) of one file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# -- checks --------------------------------------------------------------------------
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON a checkpoint writes")
+
+
+def _digest(body: dict[str, Any]) -> str:
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _is_int(x: object, *, low: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _check(m: dict[str, Any]) -> str | None:
+    """Why manifest ``m`` is unsound (``"unsafe: ..."`` for a hostile one), or ``None``."""
+    if not (m.get("step") is None or _is_int(m["step"])):
+        return f"step {m.get('step')!r} is not an integer >= 0"
+    if not isinstance(m.get("run"), str) or not m["run"]:
+        return f"run {m.get('run')!r} is not a run id"
+    world = m.get("world_size")
+    if not isinstance(world, int) or not _is_int(world, low=1):
+        return f"world_size {world!r} is not an integer >= 1"
+    files = m.get("files")
+    if not isinstance(files, dict):
+        return "files is not a mapping"
+    for name, info in files.items():
+        if not isinstance(name, str) or _FILE.fullmatch(name) is None:
+            return f"unsafe: file {name!r} is not a file a checkpoint holds (rank<r>/.metadata or rank<r>/__0_0.distcp)"
+        if not isinstance(info, dict) or not _is_int(info.get("size")):
+            return f"file {name!r} has no size"
+        if name.endswith(".metadata") and not (
+            isinstance(info.get("sha256"), str) and _HEX64.fullmatch(info["sha256"])
+        ):
+            return f"file {name!r} has no SHA-256"
+    leaves = m.get("leaves")
+    if not isinstance(leaves, list):
+        return "leaves is not a list"
+    seen: set[str] = set()
+    keys: set[str] = set()
+    for i, entry in enumerate(leaves):
+        problem = _check_entry(i, entry, world, files)
+        if problem is not None:
+            return problem
+        if entry["path"] in seen:
+            return f"leaf {entry['path']!r} is listed twice"
+        seen.add(entry["path"])
+        for c in entry.get("chunks", []):
+            if c["key"] in keys:
+                return f"chunk key {c['key']!r} is listed twice"
+            keys.add(c["key"])
+    return None
+
+
+def _check_entry(i: int, entry: object, world: int, files: dict[str, Any]) -> str | None:
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+        return f"leaves[{i}] is not a leaf entry"
+    path, kind = entry["path"], entry.get("kind")
+    if kind not in KINDS:
+        return f"leaf {path!r} has kind {kind!r}, not one of {list(KINDS)}"
+    if kind == "value":
+        value = entry.get("value")
+        if set(entry) != {"path", "kind", "value"} or not isinstance(value, VALUE_TYPES):
+            return f"leaf {path!r}: a value entry holds one JSON scalar"
+        return None
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(n) for n in shape) or len(shape) > 64:
+        return f"leaf {path!r} has shape {shape!r}"
+    if math.prod(shape) >= 1 << 50:
+        return f"leaf {path!r} has {math.prod(shape)} elements"
+    if dtype_of(entry.get("dtype")) is None:
+        return f"leaf {path!r} has dtype {entry.get('dtype')!r}, which is not a torch dtype"
+    raw = entry.get("chunks")
+    if not isinstance(raw, list):
+        return f"leaf {path!r} has no chunk list"
+    for c in raw:
+        if not (
+            isinstance(c, dict)
+            and isinstance(c.get("key"), str)
+            and isinstance(c.get("offsets"), list)
+            and isinstance(c.get("sizes"), list)
+            and all(_is_int(x) for x in c["offsets"] + c["sizes"])
+            and _is_int(c.get("writer"))
+            and c["writer"] < world
+            and isinstance(c.get("sha256"), str)
+            and _HEX64.fullmatch(c["sha256"])
+        ):
+            return f"leaf {path!r} has a malformed chunk {str(c)[:120]}"
+        if f"{rank_dir(c['writer'])}/__0_0.distcp" not in files:
+            return f"chunk {c['key']!r} of {path!r} names rank {c['writer']}, whose files are not listed"
+    if kind == "tensor" and any(c["writer"] != 0 for c in raw):
+        return f"leaf {path!r}: a plain tensor is written by rank 0"
+    return check_tiling(path, tuple(shape), chunks(entry))

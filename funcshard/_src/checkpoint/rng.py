@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+import base64
 
-from funcshard._src.comm import runtime
+import torch
+
+from funcshard._src.comm import control, runtime
 
 
 def rng_states() -> torch.Tensor:
@@ -19,9 +20,13 @@ def rng_states() -> torch.Tensor:
     mine = torch.get_rng_state()
     if not runtime.is_distributed():
         return mine.unsqueeze(0)
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, mine)
-    return torch.stack(rows)
+    with control.operation("fs.checkpoint.rng_states"):
+        rows = control.all_gather_json(
+            base64.b64encode(mine.numpy().tobytes()).decode(), "fs.checkpoint.rng_states"
+        )
+    return torch.stack(
+        [torch.frombuffer(bytearray(base64.b64decode(row)), dtype=torch.uint8) for row in rows]
+    )
 
 
 def set_rng_states(states: torch.Tensor, /) -> None:

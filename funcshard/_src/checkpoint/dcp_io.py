@@ -1,0 +1,266 @@
+"""Reading and writing one rank's chunks in torch.distributed.checkpoint's file format, safely.
+
+Each rank writes its chunks with ``dcp.save(..., no_dist=True)`` into its own
+sub-directory: DCP's format, none of DCP's collectives (funcshard coordinates
+the ranks itself, under its timeouts). Reading does not go through DCP's load
+planner, which would ``torch.load(weights_only=False)`` any entry the metadata
+declares as bytes: :func:`read_chunks` unpickles ``.metadata`` with an
+allowlist, checks every entry it will use against the manifest (tensor
+storage only, the dtype and size the manifest says, a byte range inside the
+data file), reads each chunk with ``torch.load(weights_only=True)`` from a
+file whose real path lies inside the checkpoint, and checks the tensor it gets
+(type, dtype, shape and, with ``verify``, the SHA-256 of its contents).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo  # pyright: ignore[reportPrivateUsage]
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from funcshard._src.checkpoint.chunks import Chunk
+from funcshard._src.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
+from funcshard._src.checkpoint.manifest import file_digest, rank_dir
+from funcshard._src.shard.digest import tensor_digest
+
+DATA_FILE = "__0_0.distcp"
+METADATA_FILE = ".metadata"
+SERIALIZATION_SLACK = 64 << 10  # bytes torch.save adds around a tensor's data, at most
+
+_ALLOWED: dict[str, set[str]] = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+}
+
+
+def write_chunks(directory: Path, chunks: dict[str, torch.Tensor], /) -> dict[str, dict[str, Any]]:
+    """Writes ``chunks`` (DCP key -> CPU tensor) to ``directory`` in DCP's format; mutates the disk.
+
+    Returns:
+        The files written, ``{name: {"size": bytes}}`` (``.metadata`` also with its SHA-256).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    with _single_process_is_intended():
+        dcp.save(
+            chunks, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), no_dist=True
+        )
+    files: dict[str, dict[str, Any]] = {}
+    for name in (METADATA_FILE, DATA_FILE):
+        info: dict[str, Any] = {"size": (directory / name).stat().st_size}
+        if name == METADATA_FILE:
+            info["sha256"] = file_digest(directory / name)
+        files[name] = info
+    return files
+
+
+def read_chunks(
+    root: Path,
+    files: dict[str, Any],
+    wanted: list[tuple[Chunk, torch.dtype, str]],
+    /,
+    *,
+    verify: bool,
+) -> dict[str, torch.Tensor]:
+    """The tensors of ``wanted`` chunks ``(chunk, dtype, sha256)``, read from checkpoint ``root``.
+
+    Raises:
+        CorruptCheckpointError: a file is missing, truncated or differs from the
+            manifest, or an entry disagrees with it.
+        UnsafeCheckpointError: the metadata names anything but tensor storage, or a
+            file resolves to a path outside ``root``.
+    """
+    out: dict[str, torch.Tensor] = {}
+    by_writer: dict[int, list[tuple[Chunk, torch.dtype, str]]] = {}
+    for item in wanted:
+        by_writer.setdefault(item[0].writer, []).append(item)
+    for writer, items in sorted(by_writer.items()):
+        sub = rank_dir(writer)
+        metadata = _read_metadata(root, sub, files)
+        data_path = _inside(root, f"{sub}/{DATA_FILE}")
+        expected = files[f"{sub}/{DATA_FILE}"]["size"]
+        if data_path.stat().st_size != expected:
+            raise CorruptCheckpointError(
+                f"{data_path}: {data_path.stat().st_size} bytes, saved {expected}; the file is "
+                f"truncated or was replaced"
+            )
+        with open(data_path, "rb") as stream:
+            for chunk, dtype, sha256 in items:
+                info = _storage_of(metadata, chunk, dtype, data_path, expected)
+                stream.seek(info.offset)
+                blob = stream.read(info.length)
+                where = f"{data_path}, chunk {chunk.key!r}"
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+                except Exception as e:
+                    raise CorruptCheckpointError(
+                        f"{where}: unreadable ({type(e).__name__}: {str(e)[:200]}); the checkpoint "
+                        f"is corrupted"
+                    ) from None
+                if (
+                    not isinstance(tensor, torch.Tensor)
+                    or tensor.dtype != dtype
+                    or tuple(tensor.shape) != chunk.sizes
+                ):
+                    got = (
+                        f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
+                        if isinstance(tensor, torch.Tensor)
+                        else f"a {type(tensor).__name__}"
+                    )
+                    raise CorruptCheckpointError(
+                        f"{where}: holds {got}, the manifest says {dtype} {chunk.sizes}; the "
+                        f"checkpoint is corrupted"
+                    )
+                if verify and tensor_digest(tensor) != sha256:
+                    raise CorruptCheckpointError(
+                        f"{where}: its contents differ from what was saved (SHA-256); the "
+                        f"checkpoint is corrupted"
+                    )
+                out[chunk.key] = tensor
+    return out
+
+
+def _read_metadata(root: Path, sub: str, files: dict[str, Any]) -> Metadata:
+    name = f"{sub}/{METADATA_FILE}"
+    path = _inside(root, name)
+    expected = files[name]
+    data = path.read_bytes()
+    if len(data) != expected["size"] or file_digest(path) != expected["sha256"]:
+        raise CorruptCheckpointError(
+            f"{path}: its contents differ from what was saved (size or SHA-256); the checkpoint "
+            f"is corrupted"
+        )
+    try:
+        metadata = _Unpickler(io.BytesIO(data)).load()
+    except UnsafeCheckpointError as e:
+        raise UnsafeCheckpointError(f"{path}: {e}") from None
+    except Exception as e:  # whatever a damaged pickle raises
+        raise CorruptCheckpointError(
+            f"{path}: unreadable DCP metadata ({type(e).__name__}: {str(e)[:200]}); the "
+            f"checkpoint is corrupted"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+def _storage_of(
+    metadata: Metadata, chunk: Chunk, dtype: torch.dtype, path: Path, file_size: int
+) -> _StorageInfo:
+    """The checked storage entry of ``chunk``: tensor storage as the manifest says, inside the file."""
+    where = f"{path.parent / METADATA_FILE}, entry {chunk.key!r}"
+    entries = metadata.state_dict_metadata if isinstance(metadata.state_dict_metadata, dict) else {}
+    entry = entries.get(chunk.key)
+    if not isinstance(entry, TensorStorageMetadata):
+        kind = "missing" if entry is None else f"a {type(entry).__name__}, not tensor storage"
+        error = CorruptCheckpointError if entry is None else UnsafeCheckpointError
+        raise error(f"{where}: {kind}; the checkpoint is corrupted or was crafted")
+    if not _describes(entry, chunk.sizes, dtype):
+        raise CorruptCheckpointError(
+            f"{where}: does not describe one {dtype} tensor of shape {chunk.sizes} as the manifest "
+            f"does; the checkpoint is corrupted"
+        )
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    info = storage.get(MetadataIndex(chunk.key, torch.Size([0] * len(chunk.sizes))))
+    if not isinstance(info, _StorageInfo):
+        raise CorruptCheckpointError(f"{where}: no storage entry; the checkpoint is corrupted")
+    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+    numel = 1
+    for n in chunk.sizes:
+        numel *= n
+    if (
+        getattr(info, "relative_path", None) != DATA_FILE
+        or getattr(info, "transform_descriptors", None)
+        or not isinstance(offset, int)
+        or not isinstance(length, int)
+        or offset < 0
+        or length <= 0
+        or offset + length > file_size
+        or length > numel * dtype.itemsize + SERIALIZATION_SLACK
+    ):
+        raise UnsafeCheckpointError(
+            f"{where}: storage {getattr(info, 'relative_path', None)!r} [{offset}, +{length}) is not "
+            f"a byte range of {path.name} ({file_size} bytes) holding that tensor; the checkpoint is "
+            f"corrupted or was crafted"
+        )
+    return info
+
+
+def _describes(entry: TensorStorageMetadata, sizes: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Whether ``entry`` is one whole tensor of ``sizes`` and ``dtype`` (any malformed field: no)."""
+    try:
+        (only,) = entry.chunks
+        return (
+            isinstance(entry.properties, TensorProperties)
+            and entry.properties.dtype == dtype
+            and tuple(entry.size) == sizes
+            and isinstance(only, ChunkStorageMetadata)
+            and tuple(only.offsets) == (0,) * len(sizes)
+            and tuple(only.sizes) == sizes
+        )
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
+def _inside(root: Path, name: str) -> Path:
+    """``root / name`` if it is a regular file whose real path lies inside ``root``."""
+    path = root / name
+    real, base = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    if not real.is_relative_to(base):
+        raise UnsafeCheckpointError(
+            f"{path}: resolves to {real}, outside the checkpoint {root}; refusing to read it"
+        )
+    if not real.is_file():
+        raise CorruptCheckpointError(f"{path}: missing; the checkpoint is incomplete")
+    return path
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"the checkpoint's DCP metadata refers to {module}.{name}, which checkpoint metadata "
+            f"never contains; refusing to load it (the file may carry a malicious payload)"
+        )
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """DCP warns on every call without a process group; for a rank's own files that is deliberate."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        yield
