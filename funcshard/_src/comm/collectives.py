@@ -38,6 +38,7 @@ class Pending:
     result: torch.Tensor
     work: Any = None  # a torch.distributed Work handle, or None when already done
     what: str = ""  # "all_gather of unit 'blocks/0' over ('fsdp',) on rank 1", for errors
+    then: Callable[[], None] | None = None  # runs once the work is done (e.g. copy a chunk out)
 
     def wait(self) -> torch.Tensor:
         """Blocks until the collective is done and returns its result.
@@ -56,6 +57,9 @@ class Pending:
                 control.mark_out_of_step(f"{self.what} failed")
                 raise _failure(self.what, e, timeout) from e
             self.work = None
+            if self.then is not None:
+                self.then()
+                self.then = None
         return self.result
 
 
@@ -125,16 +129,30 @@ def reduce_scatter(
     if out is None:
         out = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
     target = out
-    pending = _issue(
-        "reduce_scatter", tag, axes, bound, group, rows,
-        lambda: _reduce_scatter_single(target, rows.view(-1), group=group, async_op=True),
-    )  # fmt: skip
+    if dist.get_backend(group) == "gloo":
+        # gloo's reduce-scatter ignores the timeout of Work.wait (it waits until the peer
+        # exits) and is an all-reduce of the whole input plus a copy anyway: do exactly that
+        mine = rows[dist.get_group_rank(group, bound.rank)]
+        pending = _issue(
+            "reduce_scatter", tag, axes, bound, group, rows,
+            lambda: dist.all_reduce(rows.view(-1), group=group, async_op=True),
+        )  # fmt: skip
+        pending.then = lambda: _copy(target, mine)
+    else:
+        pending = _issue(
+            "reduce_scatter", tag, axes, bound, group, rows,
+            lambda: _reduce_scatter_single(target, rows.view(-1), group=group, async_op=True),
+        )  # fmt: skip
     if ledger is not None:
         ledger.record(
             "reduce_scatter", axes, group_size=size, full_bytes=rows.numel() * rows.element_size()
         )
     pending.result = out
     return pending
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    target.copy_(source)
 
 
 def all_reduce(
