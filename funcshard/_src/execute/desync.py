@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
 
-from funcshard._src import tree
 from funcshard._src.comm import control
 from funcshard._src.comm.control import Kind
 from funcshard._src.plan.plan import Plan
@@ -36,7 +34,6 @@ _SAME_CALLS = (
 
 def signature(
     plan: Plan,
-    sparams: Any,
     /,
     *,
     mixed_precision: MixedPrecision,
@@ -44,12 +41,13 @@ def signature(
     accumulation: str,
     order: Sequence[str],
 ) -> dict[str, str]:
-    """What must be equal on every rank at the start of a step."""
-    structure = repr(tree.flatten(sparams)[1])
+    """What must be equal on every rank at the start of a step.
+
+    The params' tree structure is the plan's (the step checked it), which the
+    plan's fingerprint covers.
+    """
     return {
         "plan fingerprint": plan.fingerprint(),
-        "params tree": _short(structure),
-        "leaves": str(len(tree.leaves(sparams))),
         "mixed precision": repr(mixed_precision),
         "prefetch": str(prefetch),
         "accumulation": accumulation,
@@ -80,6 +78,26 @@ def check_backward(index: int, unit: str, skipped: Sequence[int], /) -> None:
         f"the backward of call #{index} (unit {unit!r})",
         {"calls whose backward has not run": list(skipped)},
         hint="Every rank's loss must depend on the same unit calls",
+    )
+
+
+def check_reduction(index: int, unit: str, later: Sequence[int], /) -> None:
+    """Agrees before reducing call ``index`` while the backward of ``later`` calls has begun."""
+    control.agree_on(
+        Kind.BACKWARD,
+        f"the reduction of call #{index} (unit {unit!r})",
+        {"calls whose backward began and has not reduced": list(later)},
+        hint="Every rank's loss must depend on the same parameters of the same unit calls",
+    )
+
+
+def check_unreached(indices: Sequence[int], /) -> None:
+    """Agrees on the calls whose backward never ran (their gradients are zero) before reducing them."""
+    control.agree_on(
+        Kind.BACKWARD,
+        "the calls no gradient reached",
+        {"calls": list(indices)},
+        hint="Every rank's loss must depend on the same parameters of the same unit calls",
     )
 
 

@@ -16,9 +16,11 @@ both the same on every rank running the same code; prefetch decisions use the
 call order of the previous step, which the step's first agreement compares.
 Where a rank could leave that order, it agrees with the others first (see
 [Note: agreements] in ``comm/control.py``): a call that is not the one the last
-step made at its position, and a backward that passes over calls whose
-backward has not run; so a rank that takes another branch stops at an
-agreement instead of pairing its collectives with the wrong ones.
+step made at its position; a backward that passes over calls whose backward
+has not run; a reduction while a later call's backward has begun and not
+reduced; and, at the end, the calls no gradient reached. So a rank that takes
+another branch stops at an agreement instead of pairing its collectives with
+the wrong ones.
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from funcshard._src import tree
 from funcshard._src.comm.collectives import Pending
-from funcshard._src.execute.desync import check_backward, check_call
+from funcshard._src.execute.desync import (
+    check_backward,
+    check_call,
+    check_reduction,
+    check_unreached,
+)
 from funcshard._src.execute.unit_state import Reduction, UnitRuntime, UnitState
 from funcshard._src.shard.sharded import ShardedTensor
 
@@ -104,6 +111,7 @@ class Run:
         self.root_leaf_ids: set[int] = set()
         self.flat_owner: dict[int, UnitRuntime] = {}
         self._next_backward = -1  # set by end_forward: the call whose backward should come next
+        self._in_backward: set[int] = set()  # calls whose backward began and has not reduced
         self._token: Any = None
 
     # -- forward -----------------------------------------------------------------
@@ -187,6 +195,7 @@ class Run:
             skipped = [c.index for c in self.calls[record.index + 1 :] if self._awaits_backward(c)]
             check_backward(record.index, record.unit.name, skipped)
         record.backward_started = True
+        self._in_backward.add(record.index)
         if not record.holds:
             record.unit.gather()
             record.unit.refs += 1
@@ -196,8 +205,16 @@ class Run:
             if not earlier.backward_started and earlier.unit.state is UnitState.SHARDED:
                 earlier.unit.start_gather()
 
-    def post_backward(self, record: CallRecord, grads: Sequence[torch.Tensor | None]) -> None:
+    def post_backward(
+        self, record: CallRecord, grads: Sequence[torch.Tensor | None], *, agreed: bool = False
+    ) -> None:
         """All gradients of one call's full leaves are ready: reduce them, release the unit."""
+        self._in_backward.discard(record.index)
+        later = sorted(i for i in self._in_backward if i > record.index)
+        if (
+            later and not agreed
+        ):  # reductions out of reverse call order; see [Note: collective order]
+            check_reduction(record.index, record.unit.name, later)
         record.backward_done = True
         for reduction in record.unit.reduce(grads, defer=self.defer):
             self.pending.append((record.unit.name, reduction))
@@ -208,10 +225,16 @@ class Run:
 
     def finish(self) -> None:
         """After backward: reduce calls whose backward never ran, wait for every reduction, free all."""
-        for record in [*reversed(self.calls), *([self.root] if self.root else [])]:
-            if not record.backward_done:  # no gradient reached this call: its gradients are zero
-                n = sum(len(p.layout.slots) for p in record.unit.parts)
-                self.post_backward(record, [None] * n)
+        unreached = [
+            r
+            for r in [*reversed(self.calls), *([self.root] if self.root else [])]
+            if not r.backward_done
+        ]
+        if unreached:  # which calls no gradient reached may differ between ranks
+            check_unreached([r.index for r in unreached])
+        for record in unreached:  # their gradients are zero
+            n = sum(len(p.layout.slots) for p in record.unit.parts)
+            self.post_backward(record, [None] * n, agreed=True)
         while self.pending:
             self._finish_oldest()
         for unit in self.units.values():

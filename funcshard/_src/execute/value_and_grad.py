@@ -135,7 +135,6 @@ class Step:
         check_start(
             signature(
                 self.plan,
-                sparams,
                 mixed_precision=self.mixed_precision,
                 prefetch=self.prefetch,
                 accumulation=f"{mode}, {len(batches)} micro-batch(es)",

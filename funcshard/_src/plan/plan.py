@@ -256,6 +256,10 @@ class Plan:
         Equal plans have equal fingerprints in every process; ranks compare them
         to catch diverged configurations before the first collective.
         """
+        return self._fingerprint
+
+    @functools.cached_property
+    def _fingerprint(self) -> str:
         payload = {
             **self.to_json(),
             "treedef": repr(self.treedef),
