@@ -9,9 +9,9 @@ from funcshard import checkpoint as checkpoint
 from funcshard import interop as interop
 from funcshard import optim as optim
 from funcshard import testing as testing
+from funcshard._src.comm.lifecycle import init as init
 from funcshard._src.comm.runtime import CollectiveError as CollectiveError
 from funcshard._src.comm.runtime import DesyncError as DesyncError
-from funcshard._src.comm.runtime import init as init
 from funcshard._src.comm.runtime import rank as rank
 from funcshard._src.comm.runtime import set_collective_timeout as set_collective_timeout
 from funcshard._src.comm.runtime import world_size as world_size

@@ -127,6 +127,15 @@ def channel() -> Channel | None:
     return made
 
 
+def existing_channel() -> Channel | None:
+    """The control channel of the current process group if one was made; never creates one."""
+    if not runtime.is_distributed():
+        return None
+    world = dist.distributed_c10d._get_default_group()
+    found = _CHANNELS.get(id(world))
+    return found[1] if found is not None and found[0]() is world else None
+
+
 def digest_of(fields: Mapping[str, Any], /) -> bytes:
     """A 16-byte digest of JSON-able ``fields``, equal in every process for equal fields."""
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
@@ -328,7 +337,7 @@ def peer_reports() -> str:
                 found.append(f"rank {r} {store.get(key).decode('utf-8', 'replace')}")
     except Exception:  # the store lives on a peer that may be gone: reports are a courtesy
         return ""
-    return f" Reported by the other ranks: {'; '.join(found)}." if found else ""
+    return f" The other ranks reported: {'; '.join(found)}." if found else ""
 
 
 def abort_exchange(what: str, error: BaseException, /) -> bool:
@@ -343,7 +352,7 @@ def abort_exchange(what: str, error: BaseException, /) -> bool:
     ch = channel()
     if ch is None:
         return True
-    _report(ch, f"gave up during {what}: {type(error).__name__}: {str(error)[:300]}")
+    _report(ch, f"gave up during {what}: {type(error).__name__}: {_first_sentence(error)}")
     if ch.peer_aborted:  # a peer's ABORT already met one of our messages: it knows we went on
         mark_out_of_step(f"{what} failed: {type(error).__name__}")
         return False
@@ -366,17 +375,16 @@ def abort_exchange(what: str, error: BaseException, /) -> bool:
     mark_out_of_step(f"{what} failed on rank {ch.rank}: {type(error).__name__}")
     if messages is None:
         seen = f"the other ranks did not give up within {timeout:g} s (they are still running or stuck)"
-        seen += peer_reports()
     else:
         seen = "; ".join(
-            f"rank {r}: {_abort_reason(m) if m[0] == int(Kind.ABORT) else 'still running: ' + _kind_name(m[0])}"
+            f"rank {r} {_abort_reason(m) if m[0] == int(Kind.ABORT) else 'was still running (at ' + _kind_name(m[0]) + ')'}"
             for r, m in enumerate(messages)
             if r != ch.rank
         )
     error.add_note(
-        f"funcshard: {what} failed on rank {ch.rank}, and not on every rank alike ({seen}); the "
-        f"ranks are out of step, so every later collective on this rank refuses. Restart the job "
-        f"and resume from the latest checkpoint"
+        f"funcshard: {what} failed on rank {ch.rank}, and not on every rank alike: {seen}."
+        f"{peer_reports()} The ranks are out of step, so every later collective on this rank "
+        f"refuses; restart the job and resume from the latest checkpoint"
     )
     return False
 
@@ -433,6 +441,11 @@ def _exchange(
 
 
 _KINDS = {int(k) for k in Kind}
+
+
+def _first_sentence(error: BaseException) -> str:
+    text = str(error).split(". ")[0].rstrip(".")
+    return text if len(text) <= 240 else text[:237] + "..."
 
 
 def _report_key(rank: int) -> str:

@@ -1,13 +1,11 @@
-"""The distributed runtime: starting ``torch.distributed`` and asking who we are."""
+"""The distributed runtime: who we are, and how long a collective may wait."""
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -63,6 +61,12 @@ def set_collective_timeout(seconds: float | None, /) -> None:
     _explicit_timeout_s = None if seconds is None else check_timeout(seconds, what="timeout")
 
 
+def set_init_timeout(seconds: float, /) -> None:
+    """Records ``fs.init``'s timeout as the default of :func:`collective_timeout`; mutates process-wide state."""
+    global _init_timeout_s
+    _init_timeout_s = seconds
+
+
 def check_timeout(seconds: object, /, *, what: str) -> float:
     """``seconds`` as a float if it is a positive, finite number of seconds.
 
@@ -83,71 +87,6 @@ def check_timeout(seconds: object, /, *, what: str) -> float:
 def debug_collectives() -> bool:
     """Whether ``FUNCSHARD_DEBUG=1``: every collective first checks that all ranks issue the same one."""
     return os.environ.get("FUNCSHARD_DEBUG", "") not in ("", "0")
-
-
-def init(*, backend: str | None = None, timeout_s: float | None = None) -> None:
-    """Starts ``torch.distributed`` from torchrun's environment; alone, it does nothing.
-
-    The backend is ``nccl`` where CUDA is available and ``gloo`` otherwise. On
-    the CPU, when several ranks share the machine and ``OMP_NUM_THREADS`` is not
-    set, each rank gets an equal share of the cores. Calling it again is a no-op.
-
-    Args:
-        backend: override the backend (``"gloo"``, ``"nccl"``).
-        timeout_s: how long a collective may wait for its peers before it fails
-            (the process group's timeout, and :func:`collective_timeout` unless
-            ``FUNCSHARD_COLLECTIVE_TIMEOUT_S`` or :func:`set_collective_timeout` says
-            otherwise); default 600 s.
-
-    Raises:
-        ValueError: ``timeout_s`` is not a positive, finite number of seconds.
-
-    Example:
-        >>> init()  # a single process without torchrun: nothing to start
-        >>> world_size()
-        1
-    """
-    global _init_timeout_s
-    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else check_timeout(timeout_s, what="timeout")
-    if dist.is_initialized() or "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
-        return
-    _init_timeout_s = timeout_s
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    elif "OMP_NUM_THREADS" not in os.environ:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = _attempt_store(timeout)
-    if store is None:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-
-
-def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
-    """After a torchrun restart, a store whose keys are this attempt's alone (else ``None``).
-
-    torchrun keeps its rendezvous store across restarts, and torch 2.13 no longer
-    prefixes worker keys by attempt, so restarted ranks could read the addresses
-    their dead predecessors published and fail to connect ("Connection refused").
-    Keys under ``funcshard/attempt_<n>/`` cannot be stale.
-    """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        return None
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        int(os.environ["WORLD_SIZE"]),
-        is_master=not agent_hosts and os.environ["RANK"] == "0",
-        timeout=timeout,
-        multi_tenant=not agent_hosts,
-    )
-    return dist.PrefixStore(f"funcshard/attempt_{attempt}/", store)
 
 
 def is_distributed() -> bool:
