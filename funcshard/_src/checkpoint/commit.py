@@ -30,7 +30,7 @@ from funcshard._src.checkpoint.errors import (
     CorruptCheckpointError,
     NotACheckpointError,
 )
-from funcshard._src.checkpoint.manifest import is_checkpoint, read_manifest
+from funcshard._src.checkpoint.manifest import MANIFEST, is_checkpoint, read_manifest
 
 TMP = ".tmp-"
 RUN_ENV = ("FUNCSHARD_RUN", "TORCHELASTIC_RUN_ID")
@@ -151,7 +151,14 @@ def rotate(parent: Path, run: str, keep: int, /, *, written: Path, token: str) -
     mine = [(d, m) for d, m in _checkpoints(parent) if m["run"] == run and d != written]
     mine.sort(key=_order)
     for old, _ in mine[: max(0, len(mine) - (keep - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
+        delete(old)
+
+
+def delete(checkpoint: Path, /) -> None:
+    """Deletes a checkpoint, its manifest first: a crash midway leaves no checkpoint with files missing."""
+    (checkpoint / MANIFEST).unlink(missing_ok=True)
+    fsync_dir(checkpoint)
+    shutil.rmtree(checkpoint, ignore_errors=True)
 
 
 def latest(directory: str | os.PathLike[str], /, *, run: str | None = None) -> Path | None:

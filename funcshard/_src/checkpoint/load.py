@@ -146,15 +146,16 @@ def load_full(path: str | os.PathLike[str], /, *, verify: bool = True) -> Any:
     manifest = read_manifest(directory)
     try:
         treedef = tree.treedef_from_json(manifest["tree"])
-    except ValueError as e:
+        structure = tree.flatten_with_paths(tree.unflatten(treedef, [0] * treedef.num_leaves))[0]
+    except (ValueError, TypeError) as e:
         raise CorruptCheckpointError(
             f"{directory}: cannot rebuild the saved tree structure ({e})"
         ) from None
     entries = manifest["leaves"]
-    if treedef.num_leaves != len(entries):
+    if structure != [e["path"] for e in entries]:
         raise CorruptCheckpointError(
-            f"{directory}: the tree structure has {treedef.num_leaves} leaves, the manifest lists "
-            f"{len(entries)}; the checkpoint is corrupted"
+            f"{directory}: the tree structure's leaves ({treedef.num_leaves}) are not the leaves the "
+            f"manifest lists ({len(entries)}), in order; the checkpoint is corrupted"
         )
     wanted = [
         (chunk, _dtype(e), chunk_sha)

@@ -199,6 +199,8 @@ def _check(m: dict[str, Any]) -> str | None:
         return f"step {m.get('step')!r} is not an integer >= 0"
     if not isinstance(m.get("run"), str) or not m["run"]:
         return f"run {m.get('run')!r} is not a run id"
+    if "tree" not in m:
+        return "it has no tree structure"
     world = m.get("world_size")
     if not isinstance(world, int) or not _is_int(world, low=1):
         return f"world_size {world!r} is not an integer >= 1"
@@ -267,7 +269,9 @@ def _check_entry(i: int, entry: object, world: int, files: dict[str, Any]) -> st
             and _HEX64.fullmatch(c["sha256"])
         ):
             return f"leaf {path!r} has a malformed chunk {str(c)[:120]}"
-        if f"{rank_dir(c['writer'])}/__0_0.distcp" not in files:
+        if any(
+            f"{rank_dir(c['writer'])}/{name}" not in files for name in (".metadata", "__0_0.distcp")
+        ):
             return f"chunk {c['key']!r} of {path!r} names rank {c['writer']}, whose files are not listed"
     if kind == "tensor" and any(c["writer"] != 0 for c in raw):
         return f"leaf {path!r}: a plain tensor is written by rank 0"
