@@ -63,6 +63,13 @@ def typecheck(session: nox.Session) -> None:
 
 
 @nox.session
+def stress(session: nox.Session) -> None:
+    """Resume after SIGKILL at every kill point 10x, 32 kills mid-save, a 200-step soak (W=2; minutes)."""
+    _install(session, "test")
+    session.run("python", "-m", "tests.stress", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Benchmark against PyTorch FSDP2, FSDP1 and DDP; writes bench/results/ (a quick run: -- --tiny)."""
     _install(session, "bench")

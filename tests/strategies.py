@@ -145,7 +145,10 @@ def rules_for(
     if draw(st.booleans()):
         rules = draw(st.permutations(rules))
     # fs.plan refuses a rule that places no leaf: keep the rules that are some leaf's first match
-    firsts = {next((i for i, (pattern, _) in enumerate(rules) if matches(pattern, p)), None) for p in paths}
+    firsts = {
+        next((i for i, (pattern, _) in enumerate(rules) if matches(pattern, p)), None)
+        for p in paths
+    }
     return [rule for i, rule in enumerate(rules) if i in firsts]
 
 

@@ -158,7 +158,7 @@ def test_grads_of_another_plan_are_refused():
         (lambda: fs.optim.sgd(lr=-0.1), r"learning rate -0.1: give a finite number >= 0"),
         (lambda: fs.optim.adamw(lr=float("nan")), r"learning rate nan: give a finite number >= 0"),
         (lambda: fs.optim.adamw(lr=float("inf")), r"learning rate inf"),
-        (lambda: fs.optim.adamw(lr="3e-4"), r"learning rate '3e-4'"),
+        (lambda: fs.optim.adamw(lr="3e-4"), r"learning rate '3e-4'"),  # pyright: ignore[reportArgumentType]
         (
             lambda: fs.optim.adamw(lr=0.1, eps=float("nan")),
             "adamw: eps must be a number >= 0.0, got nan",

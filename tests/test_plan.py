@@ -233,3 +233,40 @@ def test_hybrid_rule_may_not_shard_over_the_replica_axis():
 def test_from_json_refuses_other_data():
     with pytest.raises(ValueError, match="not a funcshard plan of version 1"):
         Plan.from_json({"version": 99})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda d: d.update(treedef={"namedtuple": "os:system", "children": []}),
+            r"tree node type 'os:system' is not known to funcshard",
+        ),
+        (
+            lambda d: d.update(mesh=[["fsdp", "2"]]),
+            r"a mesh axis size must be an integer >= 0, got '2'",
+        ),
+        (
+            lambda d: d["leaves"][0].update(shape=[8, -1]),
+            r"leaves\[0\].shape must be an integer >= 0, got -1",
+        ),
+        (lambda d: d["leaves"][0].update(dtype="load"), r"unknown dtype 'load'"),
+        (lambda d: d["leaves"][0].update(spec=["nope"]), r"nope"),
+        (
+            lambda d: d["leaves"][0].update(unit="blocks/9"),
+            r"names unit 'blocks/9', which does not list it",
+        ),
+        (lambda d: d["units"].pop(), r"does not list it|every leaf exactly once"),
+        (lambda d: d["leaves"].pop(), r"the tree structure has \d+ leaves, the plan lists"),
+        (lambda d: d["units"][0].update(strategy="zero9"), r"unknown strategy 'zero9'"),
+        (lambda d: d.update(leaves=5), r"leaves must be a list"),
+        (lambda d: d.pop("mesh"), r"malformed \(KeyError"),
+    ],
+)
+def test_plan_json_is_untrusted_input(change, message):
+    data = json.loads(
+        json.dumps(plan(gpt_params(), Mesh({"fsdp": 2}), units=["blocks/*"]).to_json())
+    )
+    change(data)
+    with pytest.raises(ValueError, match=message):
+        Plan.from_json(data)

@@ -125,7 +125,9 @@ def test_structure_json_round_trips_types_this_process_wrote():
 )
 def test_structure_json_never_imports_what_it_names(data):
     """A file names a type; funcshard looks it up among the types it knows and never imports one."""
-    with pytest.raises(ValueError, match=r"is not known to funcshard, which never imports a module"):
+    with pytest.raises(
+        ValueError, match=r"is not known to funcshard, which never imports a module"
+    ):
         tree.treedef_from_json(data)
 
 
