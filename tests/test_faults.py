@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard._src.comm import control
+from funcshard._src.comm import channel
 from tests import tampering
 from tests.models import Model
 
@@ -296,7 +296,7 @@ def _attempt(name: str, *args: Any) -> tuple[Outcome, bool]:
         outcome = (type(e).__name__, f"{e}\n{notes}", time.monotonic() - start)
     finally:
         fs.set_collective_timeout(None)
-    ch = control.channel()
+    ch = channel.channel()
     return outcome, ch is None or ch.out_of_step is None
 
 
@@ -349,7 +349,7 @@ EXPECTED: dict[str, list[tuple[str, str]]] = {  # per rank: (error, regex of its
     "error-caught-and-carried-on": [
         (
             "CollectiveError",
-            r"on rank 0 failed: the other ranks did not join within 2 s.* The other ranks reported: rank 1 gave up during a step: RuntimeError: rank 1 fails in a block",
+            r"on rank 0 failed: the other ranks did not join within 2 s.* The other ranks reported: rank 1 gave up during a step \(operation #\d+\): RuntimeError: rank 1 fails in a block",
         ),
         (
             "CollectiveError",

@@ -33,7 +33,7 @@ from funcshard._src.checkpoint.manifest import (
     dtype_of,
     read_manifest,
 )
-from funcshard._src.comm import control
+from funcshard._src.comm import agree, settle
 from funcshard._src.shard.sharded import ShardedTensor, map_flats
 
 
@@ -85,7 +85,7 @@ def load(path: str | os.PathLike[str], /, like: Any, *, verify: bool = True) -> 
                 [3., 4., 5.]]))
     """
     directory = Path(path)
-    with control.operation("fs.checkpoint.load"):
+    with settle.operation("fs.checkpoint.load"):
         failure: Exception | None = None
         result: Any = None
         digest = None
@@ -101,7 +101,7 @@ def load(path: str | os.PathLike[str], /, like: Any, *, verify: bool = True) -> 
             "checkpoint": digest,
             "path": str(directory),
         }
-        everyone = control.all_gather_json(status, "fs.checkpoint.load")
+        everyone = agree.all_gather_json(status, "fs.checkpoint.load")
         if failure is not None:
             raise failure
         failed = [(r, s) for r, s in enumerate(everyone) if s["error"]]

@@ -6,7 +6,7 @@ import base64
 
 import torch
 
-from funcshard._src.comm import control, runtime
+from funcshard._src.comm import agree, runtime, settle
 
 
 def rng_states() -> torch.Tensor:
@@ -20,8 +20,8 @@ def rng_states() -> torch.Tensor:
     mine = torch.get_rng_state()
     if not runtime.is_distributed():
         return mine.unsqueeze(0)
-    with control.operation("fs.checkpoint.rng_states"):
-        rows = control.all_gather_json(
+    with settle.operation("fs.checkpoint.rng_states"):
+        rows = agree.all_gather_json(
             base64.b64encode(mine.numpy().tobytes()).decode(), "fs.checkpoint.rng_states"
         )
     return torch.stack(

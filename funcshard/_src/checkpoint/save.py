@@ -23,7 +23,7 @@ from funcshard._src.checkpoint import commit
 from funcshard._src.checkpoint.dcp_io import write_chunks
 from funcshard._src.checkpoint.errors import CheckpointError
 from funcshard._src.checkpoint.manifest import leaf_entry, rank_dir, write_manifest
-from funcshard._src.comm import control, runtime
+from funcshard._src.comm import agree, runtime, settle
 from funcshard._src.comm.runtime import DesyncError
 from funcshard._src.shard.digest import tensor_digest
 from funcshard._src.shard.sharded import ShardedTensor
@@ -81,17 +81,17 @@ def save(
     entries = [leaf_entry(p, leaf) for p, leaf in zip(paths, leaves)]
     structure = tree.treedef_to_json(treedef)
     rank = runtime.rank()
-    with control.operation("fs.checkpoint.save"):
+    with settle.operation("fs.checkpoint.save"):
         mine = {
             "target": str(target),
-            "layout": control.digest_of({"leaves": entries, "tree": structure}).hex(),
+            "layout": agree.digest_of({"leaves": entries, "tree": structure}).hex(),
             "step": step,
             "keep": keep,
             "exists": target.exists(),
             "run": commit.proposed_run(run),
             "token": uuid.uuid4().hex,
         }
-        everyone = control.all_gather_json(mine, "the start of fs.checkpoint.save")
+        everyone = agree.all_gather_json(mine, "the start of fs.checkpoint.save")
         _agree(everyone)
         first = everyone[0]
         if first["exists"]:
@@ -100,7 +100,7 @@ def save(
             )
         staging = commit.staging_dir(target, first["run"], first["token"])
         report = _write_mine(staging, entries, leaves, rank)
-        reports = control.all_gather_json(report, "the writes of fs.checkpoint.save")
+        reports = agree.all_gather_json(report, "the writes of fs.checkpoint.save")
         failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
         if failed:
             if rank == 0:
@@ -113,7 +113,7 @@ def save(
                 _commit(target, staging, entries, structure, reports, first, keep)
             except Exception as e:  # every rank must learn of it
                 error = f"{type(e).__name__}: {e}"
-        error = control.broadcast_json(error, "the commit of fs.checkpoint.save")
+        error = agree.broadcast_json(error, "the commit of fs.checkpoint.save")
         if error is not None:
             raise CheckpointError(f"saving {target} failed on rank 0: {error}")
     commit.adopt_run(first["run"])

@@ -6,7 +6,7 @@ wait only when they need the data; a caller that needs the result at once just
 waits. A collective that fails or outlives :func:`runtime.collective_timeout`
 raises :class:`CollectiveError` naming the operation, its ``tag`` (the unit),
 the mesh axes and the rank, and leaves this process out of step (see
-[Note: out of step] in ``control.py``): no later collective is issued. Every
+[Note: out of step] in ``channel.py``): no later collective is issued. Every
 collective is counted in the trace that agreements compare. With
 ``FUNCSHARD_DEBUG=1`` every collective first agrees on (op, tag, shape, dtype)
 with every rank.
@@ -22,13 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from funcshard._src.comm import control, runtime
+from funcshard._src.comm import agree, channel, runtime
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.comm.runtime import CollectiveError
 
-_all_gather_single = control.all_gather_single
-_reduce_scatter_single = control.reduce_scatter_single
+_all_gather_single = channel.all_gather_single
+_reduce_scatter_single = channel.reduce_scatter_single
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Pending:
                 else:
                     self.work.wait(timeout=datetime.timedelta(seconds=timeout))
             except Exception as e:
-                control.mark_out_of_step(f"{self.what} failed")
+                channel.mark_out_of_step(f"{self.what} failed")
                 raise _failure(self.what, e, timeout) from e
             self.work = None
             if self.then is not None:
@@ -222,14 +222,14 @@ def _issue(
     what = (
         f"{op}{f' of unit {tag!r}' if tag else ''} over mesh axes {list(axes)} on rank {bound.rank}"
     )
-    control.ensure_in_step(what)
+    channel.ensure_in_step(what)
     if runtime.debug_collectives():
         _check_same_everywhere(op, tag, axes, tensor, group, what)
-    control.record_issued(op, tag, tensor.numel(), tensor.dtype)
+    channel.record_issued(op, tag, tensor.numel(), tensor.dtype)
     try:
         work = call()
     except Exception as e:
-        control.mark_out_of_step(f"{what} failed")
+        channel.mark_out_of_step(f"{what} failed")
         raise _failure(what, e, None) from e
     return Pending(tensor, work, what)
 
@@ -245,7 +245,7 @@ def _check_same_everywhere(
     """FUNCSHARD_DEBUG: every rank agrees on (op, tag, shape, dtype) first; see [Note: agreements]."""
     mine = [op, tag, list(tensor.shape), str(tensor.dtype)]
     members = dist.get_process_group_ranks(group)
-    everyone = control.all_gather_json(mine, f"the debug check before {what}")
+    everyone = agree.all_gather_json(mine, f"the debug check before {what}")
     if any(everyone[r] != everyone[members[0]] for r in members):
         listing = "; ".join(
             f"rank {r}: ({sig[0]!r}, {sig[1]!r}, {tuple(sig[2])}, {sig[3]!r})"
@@ -264,5 +264,5 @@ def _failure(what: str, error: Exception, timeout: float | None) -> CollectiveEr
     return CollectiveError(
         f"{what} failed: {detail}. A peer rank died or is running other collectives (ranks out "
         f"of step); check the other ranks' logs, and FUNCSHARD_DEBUG=1 to compare the "
-        f"collectives.{control.peer_reports()}"
+        f"collectives.{channel.peer_reports()}"
     )

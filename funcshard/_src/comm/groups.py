@@ -23,7 +23,7 @@ from typing import cast
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from funcshard._src.comm import control, runtime
+from funcshard._src.comm import channel, runtime
 from funcshard._src.spec.mesh import Mesh
 
 
@@ -107,7 +107,7 @@ def bind(mesh: Mesh, /) -> BoundMesh:
     cached = _BOUND.get(mesh)
     if cached is not None and cached[0]() is world:
         return cached[1]
-    control.channel()  # before any other group, so that every rank makes its groups in one order
+    channel.channel()  # before any other group, so that every rank makes its groups in one order
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     # the DeviceMesh makes one group per axis; see [Note: weak process groups]
     device_mesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)

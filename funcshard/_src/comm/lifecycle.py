@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from funcshard._src.comm import control, runtime
+from funcshard._src.comm import channel, runtime
 
 
 def init(*, backend: str | None = None, timeout_s: float | None = None) -> None:
@@ -70,7 +70,7 @@ def _destroy_at_exit() -> None:
     """
     if not dist.is_initialized():
         return
-    ch = control.existing_channel()
+    ch = channel.existing_channel()
     if ch is None or ch.out_of_step is None:
         dist.destroy_process_group()
 

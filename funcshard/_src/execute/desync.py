@@ -1,6 +1,6 @@
 """Catching ranks that run different things before their collectives pair wrongly.
 
-A step agrees with every rank (see [Note: agreements] in ``comm/control.py``)
+A step agrees with every rank (see [Note: agreements] in ``comm/channel.py``)
 at its start, on everything that decides its sequence of collectives: the
 plan, the params' tree structure, mixed precision, prefetch, how many
 micro-batches it accumulates and the order in which the last step called its
@@ -16,8 +16,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from funcshard._src.comm import control
-from funcshard._src.comm.control import Kind
+from funcshard._src.comm import agree, channel
+from funcshard._src.comm.channel import Kind
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import MixedPrecision
 
@@ -61,19 +61,17 @@ def check_start(fields: dict[str, str], /) -> None:
     Raises:
         DesyncError: a rank differs; the message lists each such rank and field.
     """
-    control.agree_on(Kind.STEP, "the start of a step", fields, hint=_SAME_PLAN)
+    agree.agree_on(Kind.STEP, "the start of a step", fields, hint=_SAME_PLAN)
 
 
 def check_call(index: int, unit: str, /) -> None:
     """Agrees that every rank's call ``index`` is of ``unit``, before gathering it; collective."""
-    control.agree_on(
-        Kind.CALL, f"call #{index} of the step", {"unit called": unit}, hint=_SAME_CALLS
-    )
+    agree.agree_on(Kind.CALL, f"call #{index} of the step", {"unit called": unit}, hint=_SAME_CALLS)
 
 
 def check_backward(index: int, unit: str, skipped: Sequence[int], /) -> None:
     """Agrees that every rank's backward reaches call ``index`` passing over the same calls."""
-    control.agree_on(
+    agree.agree_on(
         Kind.BACKWARD,
         f"the backward of call #{index} (unit {unit!r})",
         {"calls whose backward has not run": list(skipped)},
@@ -83,7 +81,7 @@ def check_backward(index: int, unit: str, skipped: Sequence[int], /) -> None:
 
 def check_reduction(index: int, unit: str, later: Sequence[int], /) -> None:
     """Agrees before reducing call ``index`` while the backward of ``later`` calls has begun."""
-    control.agree_on(
+    agree.agree_on(
         Kind.BACKWARD,
         f"the reduction of call #{index} (unit {unit!r})",
         {"calls whose backward began and has not reduced": list(later)},
@@ -93,7 +91,7 @@ def check_reduction(index: int, unit: str, later: Sequence[int], /) -> None:
 
 def check_unreached(indices: Sequence[int], /) -> None:
     """Agrees on the calls whose backward never ran (their gradients are zero) before reducing them."""
-    control.agree_on(
+    agree.agree_on(
         Kind.BACKWARD,
         "the calls no gradient reached",
         {"calls": list(indices)},
@@ -103,12 +101,12 @@ def check_unreached(indices: Sequence[int], /) -> None:
 
 def check_forward(calls: Sequence[str], /) -> None:
     """Agrees on the units called in forward and on the collectives issued so far; collective."""
-    control.agree_on(
+    agree.agree_on(
         Kind.FORWARD,
         "the end of forward",
         {
             "units called": f"{len(calls)} calls, digest {_short('|'.join(calls))}",
-            "collectives issued": control.trace_digest().hex(),
+            "collectives issued": channel.trace_digest().hex(),
         },
         hint=_SAME_CALLS,
     )
@@ -116,10 +114,10 @@ def check_forward(calls: Sequence[str], /) -> None:
 
 def check_end() -> None:
     """Agrees on the collectives issued by the end of backward; collective."""
-    control.agree_on(
+    agree.agree_on(
         Kind.END,
         "the end of backward",
-        {"collectives issued": control.trace_digest().hex()},
+        {"collectives issued": channel.trace_digest().hex()},
         hint="Every rank's loss must depend on the same unit calls and the same parameters",
     )
 

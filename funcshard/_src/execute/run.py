@@ -15,7 +15,7 @@ depends only on the order of ``fs.call`` s and on autograd's backward order,
 both the same on every rank running the same code; prefetch decisions use the
 call order of the previous step, which the step's first agreement compares.
 Where a rank could leave that order, it agrees with the others first (see
-[Note: agreements] in ``comm/control.py``): a call that is not the one the last
+[Note: agreements] in ``comm/channel.py``): a call that is not the one the last
 step made at its position; a backward that passes over calls whose backward
 has not run; a reduction while a later call's backward has begun and not
 reduced; and, at the end, the calls no gradient reached. So a rank that takes

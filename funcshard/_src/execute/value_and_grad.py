@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import control, groups
+from funcshard._src.comm import groups, settle
 from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute.desync import check_end, check_forward, check_start, signature
@@ -302,10 +302,10 @@ def value_and_grad(
 def _settle(inflight: list[Pending], error: BaseException) -> None:
     """After ``error`` in a step: drains the collectives in flight if every rank gave up alike.
 
-    See [Note: out of step] in ``comm/control.py``: otherwise this process is out
+    See [Note: out of step] in ``comm/channel.py``: otherwise this process is out
     of step and the collectives in flight are left to the process group.
     """
-    if not control.abort_exchange("a step", error):
+    if not settle.abort_exchange("a step", error):
         return
     for pending in inflight:
         try:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from funcshard._src.comm import control, groups
+from funcshard._src.comm import agree, groups, settle
 from funcshard._src.shard.flat import FlatLayout
 from funcshard._src.shard.sharded import flats_of
 
@@ -47,8 +47,8 @@ def clip_by_global_norm(grads: Any, max_norm: float, /) -> tuple[Any, torch.Tens
         norms = torch._foreach_norm(pieces)
         local = torch.stack([n.double() for n in norms]).pow(2).sum()
     groups.bind(flats[0].layout.mesh)
-    with control.operation("clip_by_global_norm"):
-        (total,) = control.sum_over_ranks([float(local)], "clip_by_global_norm")
+    with settle.operation("clip_by_global_norm"):
+        (total,) = agree.sum_over_ranks([float(local)], "clip_by_global_norm")
     norm = (
         torch.tensor(total, dtype=torch.float64)
         .sqrt()

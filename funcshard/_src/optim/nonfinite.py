@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import control, groups
+from funcshard._src.comm import agree, groups, settle
 from funcshard._src.optim.base import Optimizer
 from funcshard._src.shard.sharded import flats_of
 
@@ -28,8 +28,8 @@ def all_finite(grads: Any, /) -> bool:
     for flat in flats:  # one reduction per flat buffer, not per leaf
         bad += (~torch.isfinite(flat.data)).any().float()
     groups.bind(flats[0].layout.mesh)
-    with control.operation("all_finite"):
-        (total,) = control.sum_over_ranks([float(bad)], "all_finite")
+    with settle.operation("all_finite"):
+        (total,) = agree.sum_over_ranks([float(bad)], "all_finite")
     return total == 0
 
 

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import collectives, control, groups
-from funcshard._src.comm.control import Kind
+from funcshard._src.comm import agree, collectives, groups, settle
+from funcshard._src.comm.channel import Kind
 from funcshard._src.comm.runtime import DesyncError
 from funcshard._src.plan.plan import Plan
 from funcshard._src.shard.aliasing import first_shared
@@ -60,7 +60,7 @@ def shard(
     bound = groups.bind(plan.mesh)
     leaves = check_params(params, plan)
     if verify:
-        with control.operation("fs.shard"):
+        with settle.operation("fs.shard"):
             _agree_on_values(plan, leaves)
     return _shard(leaves, plan, bound.rank, target)
 
@@ -117,8 +117,8 @@ def unshard(sparams: Any, /, *, rank0_only: bool = False) -> Any:
     bound = groups.bind(flats[0].layout.mesh)
     # keyed by flat buffer and leaf: trees like {"params", "opt"} share slots across buffers
     full: dict[tuple[int, int], torch.Tensor] = {}
-    with control.operation("fs.unshard"):
-        control.agree_on(
+    with settle.operation("fs.unshard"):
+        agree.agree_on(
             Kind.UNSHARD,
             "fs.unshard",
             {
@@ -248,12 +248,12 @@ def _agree_on_values(plan: Plan, leaves: list[torch.Tensor]) -> None:
         DesyncError: the message names up to five leaves whose values differ from rank 0's.
     """
     digests = [tensor_digest(t) for t in leaves]
-    everyone = control.agree(
-        Kind.SHARD, "fs.shard", control.digest_of({"plan": plan.fingerprint(), "values": digests})
+    everyone = agree.agree(
+        Kind.SHARD, "fs.shard", agree.digest_of({"plan": plan.fingerprint(), "values": digests})
     )
     if everyone is None or all(d == everyone[0][0] for d, _ in everyone):
         return
-    details = control.all_gather_json(
+    details = agree.all_gather_json(
         {"plan": plan.fingerprint(), "values": digests}, "the details of fs.shard"
     )
     reference = details[0]
