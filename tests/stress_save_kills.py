@@ -61,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
                 "--keep", "2", max_restarts=0,
             )  # fmt: skip
             problem = None if done.returncode != 0 else "the job was not killed"
-            listed = sorted(
+            listed = sorted(  # staging directories (".<name>.tmp-...") are never checkpoints
                 d.name
                 for d in (directory / "checkpoints").iterdir()
-                if (d / "manifest.json").is_file()
+                if (d / "manifest.json").is_file() and ".tmp-" not in d.name
             )
             for name in listed:
                 loaded = fs.checkpoint.load_full(directory / "checkpoints" / name)
