@@ -21,13 +21,15 @@ import torch
 
 from funcshard._src.plan.activations import Workload
 from funcshard._src.plan.auto import BudgetError, ladder
-from funcshard._src.plan.cost import CostModel, Estimate, estimate
-from funcshard._src.plan.explain import format_bytes, table
-from funcshard._src.plan.hardware import HARDWARE, Hardware, get_hardware, parse_bytes
+from funcshard._src.plan.cost import estimate
+from funcshard._src.plan.cost_model import CostModel
+from funcshard._src.plan.estimates import Estimate
+from funcshard._src.plan.hardware import HARDWARE, Hardware, get_hardware
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.planner import plan
 from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.presets import PRESETS, get_preset
+from funcshard._src.plan.sizes import format_bytes, parse_bytes, table
 from funcshard._src.spec.mesh import Mesh
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -192,7 +194,10 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
         p = plan(params, mesh, units=units, strategy=strategy)
         est = estimate(p, model)
         assumptions = est.assumptions
-        out["strategies"][strategy] = _as_json(est, budget)
+        out["strategies"][strategy] = {
+            **est.to_json(),
+            "fits": None if budget is None else est.memory.total <= budget,
+        }
         rows.append(_row(strategy, est, budget))
     chosen: Plan | None = None
     auto_error = None
@@ -211,7 +216,8 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
         label = "auto: " + ", ".join(f"{n} {s}" for s, n in counts.items())
         rows.append(_row(label, est, budget))
         out["auto"] = {
-            **_as_json(est, budget),
+            **est.to_json(),
+            "fits": None if budget is None else est.memory.total <= budget,
             "units": {u.name: u.strategy for u in chosen.units},
         }
     elif auto_error is not None:
@@ -300,27 +306,6 @@ def _row(label: str, est: Estimate, budget: int | None) -> list[str]:
         "" if t is None else f"{t.step_s:.2f} s",
         "" if t is None else f"{t.tokens_per_s:,.0f}",
     ]
-
-
-def _as_json(est: Estimate, budget: int | None) -> dict[str, Any]:
-    m = est.memory
-    out: dict[str, Any] = {
-        "memory": {name.replace(" ", "_"): n for name, n in m.rows()},
-        "total": m.total,
-        "fits": None if budget is None else m.total <= budget,
-        "comm": {f"{op}:{'+'.join(axes)}": n for (op, axes), n in sorted(est.comm.items())},
-    }
-    if est.time is not None:
-        t = est.time
-        out["time"] = {
-            "step_s": t.step_s,
-            "compute_s": t.compute_s,
-            "comm_s": t.comm_s,
-            "exposed_comm_s": t.exposed_comm_s,
-            "optimizer_s": t.optimizer_s,
-            "tokens_per_s": t.tokens_per_s,
-        }
-    return out
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import funcshard as fs
 from funcshard._src.plan.activations import Workload
 from funcshard._src.plan.auto import BudgetError, _by_communication, ladder
-from funcshard._src.plan.cost import CostModel, estimate
+from funcshard._src.plan.cost import estimate
+from funcshard._src.plan.cost_model import CostModel
 from funcshard._src.plan.presets import get_preset
 from funcshard._src.plan.strategy import Strategy
 
@@ -98,7 +99,7 @@ def test_a_generous_budget_keeps_no_shard_and_a_tight_one_shards_everything():
 
 
 def fs_format(n: int) -> str:
-    from funcshard._src.plan.explain import format_bytes
+    from funcshard._src.plan.sizes import format_bytes
 
     return format_bytes(n)
 

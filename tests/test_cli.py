@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from funcshard import cli
-from funcshard._src.plan.hardware import Hardware, get_hardware, parse_bytes
+from funcshard._src.plan.hardware import Hardware, get_hardware
+from funcshard._src.plan.sizes import parse_bytes
 
 LLAMA_13B = [
     "plan",

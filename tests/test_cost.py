@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funcshard as fs
-from funcshard._src.plan.cost import CostModel, estimate
+from funcshard._src.plan.cost import estimate
+from funcshard._src.plan.cost_model import CostModel
 from funcshard._src.plan.presets import get_preset
 from funcshard.testing import held_bytes
 from tests.models import Model

@@ -1,20 +1,25 @@
-"""Layers import downward only, and only the runtime layers touch torch.distributed.
+"""Layers import downward only, modules inside a package import in one order, and there is no cycle.
 
-Order (docs/design.md §3): tree, spec, plan, comm, shard, execute, then
-optim / checkpoint / interop, then the command line. A failure names the module
-and the import that breaks the order.
+Order between packages (docs/design.md §3): tree and dtypes, spec, plan, comm, shard,
+execute, then optim / checkpoint / interop, then the command line. Inside each
+package, :data:`ORDER` lists its modules from the bottom up: a module imports only
+modules listed before it. Only the runtime layers touch torch.distributed. A
+failure names the module and the import that breaks the order.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import funcshard
 
-SRC = Path(funcshard.__file__).parent / "_src"
+PACKAGE = Path(funcshard.__file__).parent
+SRC = PACKAGE / "_src"
 LAYERS = {
     "tree": 0,
+    "dtypes": 0,
     "spec": 1,
     "plan": 2,
     "comm": 3,
@@ -25,43 +30,120 @@ LAYERS = {
     "interop": 7,
     "cli": 8,
 }
+ORDER = {
+    "spec": ["mesh", "partition_spec", "named_sharding"],
+    "plan": [
+        "rules", "strategy", "precision", "sizes", "units", "model_config", "presets",
+        "activations", "hardware", "step_time", "cost_model", "estimates", "leaf", "explain",
+        "plan", "resolve", "cost", "auto", "planner",
+    ],
+    "comm": ["runtime", "channel", "agree", "settle", "lifecycle", "ledger", "groups", "collectives"],
+    "shard": ["aliasing", "digest", "flat", "sharded", "donation", "shard"],
+    "execute": ["desync", "unit_state", "run", "call", "value_and_grad"],
+    "optim": ["base", "sgd", "adamw", "clip", "nonfinite"],
+    "checkpoint": ["errors", "chunks", "manifest", "commit", "dcp_io", "rng", "save", "load", "export"],
+    "interop": ["host", "module_units", "module", "jax", "orbax"],
+}  # fmt: skip
 DISTRIBUTED_OK = {"comm", "execute", "optim", "checkpoint", "interop"}
 TORCH_FREE = {"spec"}  # pure index math
 
 
-def _layer(module: str) -> str:
-    return module.split(".")[2] if module.count(".") >= 2 else module
-
-
-def _imports(path: Path):
-    for node in ast.walk(ast.parse(path.read_text())):
+def _imports(path: Path) -> Iterator[tuple[str, bool]]:
+    """Every module ``path`` imports, and whether only under ``if TYPE_CHECKING``."""
+    tree = ast.parse(path.read_text())
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only.update(id(n) for n in ast.walk(node))
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
+            yield from ((alias.name, id(node) in typing_only) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
-            yield node.module
+            yield node.module, id(node) in typing_only
+            for alias in node.names:  # "from funcshard._src.comm import agree" imports a module
+                yield f"{node.module}.{alias.name}", id(node) in typing_only
+
+
+def _src_modules() -> Iterator[tuple[Path, str, str]]:
+    """Every module under _src as (path, its package or layer, its name)."""
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).with_suffix("")
+        if rel.name == "__init__":
+            continue
+        yield path, rel.parts[0], rel.name
 
 
 def test_layers_import_downward_only():
     problems = []
-    files = sorted(SRC.rglob("*.py"))
+    files = list(_src_modules())
     assert files
-    for path in files:
-        rel = path.relative_to(SRC).with_suffix("")
-        own = rel.parts[0] if len(rel.parts) > 1 else rel.name
-        if own == "__init__":
-            continue
-        assert own in LAYERS, f"{rel}: add its layer to LAYERS and docs/design.md"
-        for name in _imports(path):
+    for path, own, _ in files:
+        assert own in LAYERS, f"{path}: add its layer to LAYERS and docs/design.md"
+        for name, _ in _imports(path):
             if name.startswith("funcshard._src."):
                 other = name.split(".")[2]
                 if other != own and LAYERS.get(other, 99) >= LAYERS[own]:
-                    problems.append(f"{rel} imports {name} (layer {other!r} is not below {own!r})")
+                    problems.append(
+                        f"{path.name} imports {name} (layer {other!r} is not below {own!r})"
+                    )
             elif name == "funcshard" or (
                 name.startswith("funcshard.") and not name.startswith("funcshard._src")
             ):
-                problems.append(f"{rel} imports the public API {name}; import from funcshard._src")
+                problems.append(
+                    f"{path.name} imports the public API {name}; import from funcshard._src"
+                )
             if name.startswith("torch.distributed") and own not in DISTRIBUTED_OK:
-                problems.append(f"{rel} imports {name}; only {sorted(DISTRIBUTED_OK)} may")
+                problems.append(f"{path.name} imports {name}; only {sorted(DISTRIBUTED_OK)} may")
             if name.split(".")[0] == "torch" and own in TORCH_FREE:
-                problems.append(f"{rel} imports {name}; {own} is pure index math")
+                problems.append(f"{path.name} imports {name}; {own} is pure index math")
     assert not problems, "\n".join(problems)
+
+
+def test_modules_inside_a_package_import_in_one_order():
+    """Also under TYPE_CHECKING: a type that a lower module needs from a higher one is a cycle too."""
+    problems = []
+    for path, package, name in _src_modules():
+        if package not in ORDER:
+            continue
+        order = ORDER[package]
+        if name not in order:
+            problems.append(f"{package}/{name}.py: add it to ORDER[{package!r}] where it belongs")
+            continue
+        for imported, _ in _imports(path):
+            parts = imported.split(".")
+            if parts[:3] != ["funcshard", "_src", package] or len(parts) < 4:
+                continue
+            sibling = parts[3]
+            if sibling in order and order.index(sibling) >= order.index(name):
+                problems.append(
+                    f"{package}/{name}.py imports {package}/{sibling}.py, which comes after it "
+                    f"in {order}"
+                )
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_cycle_anywhere():
+    """Over every module of the package, public ones included, at import time."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        graph[module] = {name for name, typing_only in _imports(path) if not typing_only}
+    for module, names in graph.items():
+        graph[module] = {n for n in names if n in graph and n != module}
+
+    def visit(node: str, trail: list[str], done: set[str]) -> None:
+        if node in trail:
+            raise AssertionError(
+                "import cycle: " + " -> ".join([*trail[trail.index(node) :], node])
+            )
+        if node in done:
+            return
+        for nxt in sorted(graph[node]):
+            if not (node == "funcshard" or nxt == "funcshard"):  # the root re-exports its parts
+                visit(nxt, [*trail, node], done)
+        done.add(node)
+
+    done: set[str] = set()
+    for module in sorted(graph):
+        visit(module, [], done)

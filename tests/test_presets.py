@@ -19,13 +19,8 @@ from hypothesis import strategies as st
 import funcshard as fs
 from funcshard._src import tree
 from funcshard._src.plan.activations import activation_bytes
-from funcshard._src.plan.presets import (
-    ARCHS,
-    PRESETS,
-    ModelConfig,
-    Preset,
-    get_preset,
-)
+from funcshard._src.plan.model_config import ARCHS, ModelConfig
+from funcshard._src.plan.presets import PRESETS, Preset, get_preset
 
 N_PARAMS = {
     "llama-7b": 6_738_415_616,  # LLaMA paper, "6.7B"; HF huggyllama/llama-7b

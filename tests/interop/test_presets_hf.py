@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from funcshard._src import tree
-from funcshard._src.plan.presets import PRESETS, ModelConfig, Preset
+from funcshard._src.plan.model_config import ModelConfig
+from funcshard._src.plan.presets import PRESETS, Preset
 
 transformers = pytest.importorskip(
     "transformers", reason="the Hugging Face models are the reference: pip install transformers"

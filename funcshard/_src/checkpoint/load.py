@@ -29,11 +29,10 @@ from funcshard._src.checkpoint.errors import (
 from funcshard._src.checkpoint.manifest import (
     VALUE_TYPES,
     chunks,
-    dtype_name,
-    dtype_of,
     read_manifest,
 )
 from funcshard._src.comm import agree, settle
+from funcshard._src.dtypes import dtype_name, dtype_of
 from funcshard._src.shard.sharded import ShardedTensor, map_flats
 
 

@@ -31,6 +31,7 @@ from funcshard._src.checkpoint.errors import (
     NotACheckpointError,
     UnsafeCheckpointError,
 )
+from funcshard._src.dtypes import dtype_name, dtype_of
 from funcshard._src.shard.sharded import ShardedTensor
 
 MANIFEST = "manifest.json"
@@ -46,17 +47,6 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 def rank_dir(rank: int, /) -> str:
     """The sub-directory that rank ``rank``'s files are written to."""
     return f"rank{rank}"
-
-
-def dtype_name(dtype: torch.dtype, /) -> str:
-    """``torch.float32`` -> ``"float32"``: how manifests and plans name dtypes."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_of(name: object, /) -> torch.dtype | None:
-    """The ``torch.dtype`` a manifest names, or ``None`` if ``name`` is none."""
-    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
-    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def leaf_entry(path: str, leaf: Any, /) -> dict[str, Any]:

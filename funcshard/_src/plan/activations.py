@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from funcshard._src.plan.model_config import ModelConfig
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
-from funcshard._src.plan.presets import ModelConfig
 
 
 @dataclass(frozen=True)

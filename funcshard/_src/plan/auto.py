@@ -28,20 +28,14 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from funcshard._src.plan.activations import Workload
-from funcshard._src.plan.cost import (
-    CostModel,
-    Key,
-    UnitCost,
-    activations_of,
-    estimate,
-    memory_of,
-    unit_cost,
-)
-from funcshard._src.plan.explain import format_bytes
+from funcshard._src.plan.activations import Workload, activations_of
+from funcshard._src.plan.cost import UnitCost, estimate, memory_of, unit_cost
+from funcshard._src.plan.cost_model import CostModel
+from funcshard._src.plan.estimates import Key
 from funcshard._src.plan.hardware import Hardware, axes_bandwidth
 from funcshard._src.plan.plan import Plan, Requested
-from funcshard._src.plan.planner import Spec, build
+from funcshard._src.plan.resolve import Spec, build
+from funcshard._src.plan.sizes import format_bytes
 from funcshard._src.plan.strategy import Strategy
 from funcshard._src.spec.mesh import Mesh
 

@@ -15,142 +15,19 @@ import dataclasses
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Literal, TypeAlias
+from dataclasses import dataclass
 
 import torch
 
-from funcshard._src.plan.activations import Workload, activations_of
-from funcshard._src.plan.hardware import Hardware
+from funcshard._src.dtypes import dtype_name
+from funcshard._src.plan.activations import activations_of
+from funcshard._src.plan.cost_model import COUNTER_BYTES, PASSES, STATE_COPIES, CostModel
+from funcshard._src.plan.estimates import Estimate, Key, Memory
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
-from funcshard._src.plan.step_time import StepTime, step_time
+from funcshard._src.plan.step_time import step_time
 from funcshard._src.plan.strategy import Strategy, shard_axes
 from funcshard._src.plan.units import Unit
-
-Key = tuple[str, tuple[str, ...]]
-OptimizerName: TypeAlias = Literal["sgd", "sgd_momentum", "adamw"]
-OPTIMIZERS: tuple[OptimizerName, ...] = ("sgd", "sgd_momentum", "adamw")
-_STATE_COPIES: Mapping[OptimizerName, int] = {"sgd": 0, "sgd_momentum": 1, "adamw": 2}
-_COUNTER_BYTES = 8  # every optimizer's int64 update counter
-# passes over the optimizer's state per update: reads and writes / state copies
-# (SGD: read p and g, write p, over 2 copies; with momentum 5 over 3; AdamW 7 over 4)
-_PASSES: Mapping[OptimizerName, float] = {"sgd": 3 / 2, "sgd_momentum": 5 / 3, "adamw": 7 / 4}
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """How a plan will be trained, which decides what it costs.
-
-    Attributes:
-        optimizer: ``"sgd"``, ``"sgd_momentum"`` or ``"adamw"`` (state: 0, 1 or 2
-            copies of the sharded params, and an int64 counter).
-        mixed_precision: gather/compute and reduce dtypes.
-        master_weights: model the layout of DeepSpeed and Megatron: params stored in
-            a low-precision dtype, the optimizer keeps an fp32 master copy and fp32
-            state. funcshard's own optimizers update params in their stored dtype;
-            this option is for comparing with those systems.
-        prefetch: the executor's prefetch (units gathered ahead).
-        accumulate: ``"sharded"`` (reduce every micro-batch) or ``"unsharded"`` (keep
-            full gradients until the last micro-batch, as ``step.accumulate`` does).
-        workload: batch and model shape, for activations and compute time.
-        hardware: for the step-time estimate.
-
-    Example:
-        >>> import torch
-        >>> from funcshard._src.plan.planner import plan
-        >>> from funcshard._src.spec.mesh import Mesh
-        >>> p = plan({"w": torch.zeros(1024, 1024)}, Mesh({"fsdp": 4}))
-        >>> CostModel(optimizer="adamw").estimate(p).memory.optimizer
-        2097160
-    """
-
-    optimizer: OptimizerName = "adamw"
-    mixed_precision: MixedPrecision | None = None
-    master_weights: bool = False
-    prefetch: int = 1
-    accumulate: Literal["sharded", "unsharded"] = "sharded"
-    workload: Workload | None = None
-    hardware: Hardware | None = None
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"unknown optimizer {self.optimizer!r}; choose one of {list(OPTIMIZERS)}"
-            )
-        if self.prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
-        if self.accumulate not in ("sharded", "unsharded"):
-            raise ValueError(
-                f"accumulate must be 'sharded' or 'unsharded', got {self.accumulate!r}"
-            )
-
-    def estimate(self, plan: Plan, /) -> Estimate:
-        """What ``plan`` costs each rank under this model (see :class:`Estimate`)."""
-        return estimate(plan, self)
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Bytes one rank holds, by category. Sharded categories are exact; the others estimates.
-
-    Attributes:
-        params: sharded parameters as stored (padding included).
-        grads: sharded gradients, in the stored dtype as the executor returns them
-            (fp32 with master weights; integer leaves get zeros).
-        optimizer: optimizer state (moments and counter; fp32 with master weights).
-        mixed_precision: fp32 master copies of low-precision params (``master_weights``).
-        gathered: the peak of gathered units alive: the root unit, every
-            ``shard_grad_op`` unit (kept from forward to backward), ``1 + prefetch``
-            of the largest other units, and one unit's unreduced gradients in the
-            compute dtype (all of them with ``accumulate="unsharded"``).
-        activations: estimated from the workload (0 without one).
-    """
-
-    params: int
-    grads: int
-    optimizer: int
-    mixed_precision: int
-    gathered: int
-    activations: int
-
-    @property
-    def model_state(self) -> int:
-        """Everything but activations."""
-        return self.total - self.activations
-
-    @property
-    def total(self) -> int:
-        """The sum of every category."""
-        return sum(getattr(self, f.name) for f in fields(self))
-
-    def rows(self) -> list[tuple[str, int]]:
-        """``[(category, bytes), ...]`` in a fixed order, for tables."""
-        return [(f.name.replace("_", " "), getattr(self, f.name)) for f in fields(self)]
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """What a plan costs one rank per step.
-
-    Attributes:
-        memory: bytes held, by category.
-        comm: bytes sent per step by ``(op, mesh axes)`` (equals the ledger).
-        time: the step-time estimate (``None`` without a workload and hardware).
-        assumptions: what the estimate assumes, in words.
-    """
-
-    memory: Memory
-    comm: Mapping[Key, int]
-    time: StepTime | None = None
-    assumptions: tuple[str, ...] = field(default=())
-
-    def comm_by_axes(self) -> dict[tuple[str, ...], int]:
-        """Bytes sent per step on each group of mesh axes, over every op."""
-        out: dict[tuple[str, ...], int] = {}
-        for (_, axes), n in self.comm.items():
-            out[axes] = out.get(axes, 0) + n
-        return out
 
 
 def shard_numel(plan: Plan, unit: Unit, /) -> dict[torch.dtype, int]:
@@ -214,7 +91,7 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     g = math.prod(mesh.axis_size(a) for a in axes)
     r = math.prod(mesh.axis_size(a) for a in replica)
     gathers = 2 if unit.strategy == "full_shard" and not unit.is_root else 1
-    copies = _STATE_COPIES[model.optimizer]
+    copies = STATE_COPIES[model.optimizer]
     params = grads = optimizer = master = gathered = unreduced = deferred = 0
     comm: Counter[Key] = Counter()
     full = full_numel(plan, unit)
@@ -298,7 +175,7 @@ def memory_of(costs: list[UnitCost], model: CostModel, /) -> Memory:
     return Memory(
         params=sum(c.params for c in costs),
         grads=sum(c.grads for c in costs),
-        optimizer=sum(c.optimizer for c in costs) + _COUNTER_BYTES,
+        optimizer=sum(c.optimizer for c in costs) + COUNTER_BYTES,
         mixed_precision=sum(c.mixed_precision for c in costs),
         gathered=root + kept + alive + grads_alive,
         activations=0,
@@ -354,7 +231,7 @@ def estimate(plan: Plan, model: CostModel | None = None, /) -> Estimate:
             prefetch=model.prefetch,
             sharded_units=sharded,
             state_bytes=sum(c.params + c.grads + c.optimizer + c.mixed_precision for c in costs),
-            optimizer_passes=_PASSES[model.optimizer],
+            optimizer_passes=PASSES[model.optimizer],
         )
         hw = model.hardware
         assumptions.append(
@@ -372,6 +249,6 @@ def _describe_mp(mp: MixedPrecision | None) -> str:
         return "none (compute and reduce in the stored dtypes)"
 
     def name(dtype: torch.dtype | None) -> str:
-        return "stored" if dtype is None else str(dtype).removeprefix("torch.")
+        return "stored" if dtype is None else dtype_name(dtype)
 
     return f"compute {name(mp.param_dtype)}, reduce {name(mp.reduce_dtype)}"

@@ -1,19 +1,43 @@
-"""``Plan.explain()``: the plan as readable tables, per leaf and per unit."""
+"""``Plan.explain()``: a plan and its estimate as readable tables, per leaf, per unit and per rank."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from funcshard._src.dtypes import dtype_name
+from funcshard._src.plan.estimates import Estimate
+from funcshard._src.plan.leaf import LeafPlan
+from funcshard._src.plan.sizes import format_bytes, shape_text, table
+from funcshard._src.plan.units import Unit
+from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.named_sharding import NamedSharding
 
-if TYPE_CHECKING:
-    from funcshard._src.plan.cost import CostModel
-    from funcshard._src.plan.plan import Plan
+
+class Explained(Protocol):
+    """What :func:`explain` reads of a plan (the plan module builds on this one)."""
+
+    @property
+    def mesh(self) -> Mesh: ...
+    @property
+    def leaves(self) -> Sequence[LeafPlan]: ...
+    @property
+    def units(self) -> Sequence[Unit]: ...
+    @property
+    def strategy(self) -> str: ...
+    @property
+    def notes(self) -> Sequence[str]: ...
+    @property
+    def reasons(self) -> Sequence[tuple[str, str]]: ...
+    @property
+    def memory_budget(self) -> int | None: ...
+    @property
+    def estimate(self) -> Estimate | None: ...
+    def fingerprint(self) -> str: ...
 
 
-def explain(plan: Plan, cost: CostModel | None = None, /) -> str:
+def explain(plan: Explained, /) -> str:
     """Renders ``plan``: header, per-leaf table, per-unit table with reasons, per-rank costs, notes."""
     mesh = plan.mesh
     leaf_rows: list[list[str]] = []
@@ -28,10 +52,10 @@ def explain(plan: Plan, cost: CostModel | None = None, /) -> str:
         leaf_rows.append(
             [
                 leaf.path or "<root>",
-                _shape(leaf.shape),
-                str(leaf.dtype).removeprefix("torch."),
+                shape_text(leaf.shape),
+                dtype_name(leaf.dtype),
                 repr(leaf.spec),
-                _shape(shard) + ("*" if uneven else ""),
+                shape_text(shard) + ("*" if uneven else ""),
                 leaf.unit,
             ]
         )
@@ -68,18 +92,19 @@ def explain(plan: Plan, cost: CostModel | None = None, /) -> str:
         f"{n_params:,} parameters, {format_bytes(total)}; {format_bytes(per_rank)} of parameters per rank",
         f"fingerprint {plan.fingerprint()}",
         "",
-        *costs(plan, cost),
+        *costs(plan),
     ]
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
 
 
-def costs(plan: Plan, cost: CostModel | None = None, /) -> list[str]:
+def costs(plan: Explained, /) -> list[str]:
     """The per-rank section of :func:`explain`: memory by category, communication, time, assumptions."""
-    from funcshard._src.plan.cost import CostModel, estimate  # cost builds on the plan
-
-    model = cost or plan.cost or CostModel()
-    est = estimate(plan, model)
+    est = plan.estimate
+    if est is None:
+        return [
+            "Per rank: not estimated (fs.cost.estimate(plan) gives memory, communication and time)"
+        ]
     mem = est.memory
     rows = [[name, format_bytes(n), f"{n:,}"] for name, n in mem.rows()]
     rows.append(["total", format_bytes(mem.total), f"{mem.total:,}"])
@@ -108,39 +133,3 @@ def costs(plan: Plan, cost: CostModel | None = None, /) -> list[str]:
         ]
     lines += ["", "Assumptions:"] + [f"- {a}" for a in est.assumptions]
     return lines
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]], /) -> str:
-    """A plain-text table with left-aligned columns.
-
-    Example:
-        >>> print(table(["a", "bb"], [["xyz", "1"]]))
-        a    bb
-        ---  --
-        xyz  1
-    """
-    widths = [
-        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
-    ]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]
-    out += [fmt.format(*row) for row in rows]
-    return "\n".join(line.rstrip() for line in out)
-
-
-def format_bytes(n: float, /) -> str:
-    """``1536`` -> ``'1.50 KiB'``.
-
-    Example:
-        >>> format_bytes(3 * 2**30)
-        '3.00 GiB'
-    """
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _shape(shape: Sequence[int]) -> str:
-    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"

@@ -1,4 +1,4 @@
-"""Hardware descriptions for the step-time estimate, and parsing of sizes like ``80GiB``.
+"""Hardware descriptions for the step-time estimate.
 
 A :class:`Hardware` gives per-device peak FLOP/s, memory and memory bandwidth,
 and the bandwidth of links within and across nodes. Presets hold vendor peak
@@ -11,23 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-GiB = 2**30
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+from funcshard._src.plan.sizes import GiB, parse_bytes
 
 
 @dataclass(frozen=True)
@@ -138,30 +126,6 @@ def get_hardware(name: str, /) -> Hardware:
             f"unknown hardware {name!r}; presets are {sorted(HARDWARE)}, or describe it with "
             f"Hardware(...) / a JSON file of its fields"
         ) from None
-
-
-def parse_bytes(text: str | int, /) -> int:
-    """``"80GiB"`` -> bytes. Units: B, kB/MB/GB/TB (powers of 10), KiB/MiB/GiB/TiB (of 2).
-
-    Raises:
-        ValueError: not a positive size with a known unit.
-
-    Example:
-        >>> parse_bytes("80GiB"), parse_bytes("1.5 GB"), parse_bytes(4096)
-        (85899345920, 1500000000, 4096)
-    """
-    if isinstance(text, int) and not isinstance(text, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
-        if text <= 0:
-            raise ValueError(f"a size must be positive, got {text}")
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else ""
-    if m is None or (unit and unit not in _UNITS) or float(m.group(1)) <= 0:
-        raise ValueError(
-            f"cannot read {text!r} as a size; write a positive number with a unit, like '80GiB', "
-            f"'40GB' or '512MiB'"
-        )
-    return int(float(m.group(1)) * _UNITS[unit or "b"])
 
 
 def axes_bandwidth(mesh_axes: Mapping[str, int], axes: tuple[str, ...], hw: Hardware, /) -> float:

@@ -12,53 +12,26 @@ import functools
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
 from funcshard._src import tree
+from funcshard._src.dtypes import dtype_name, dtype_of
 from funcshard._src.plan import explain as _explain
+from funcshard._src.plan.cost_model import CostModel
+from funcshard._src.plan.estimates import Estimate
+from funcshard._src.plan.leaf import LeafPlan as LeafPlan
 from funcshard._src.plan.strategy import Strategy, check_strategy
 from funcshard._src.plan.units import Unit
 from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.named_sharding import NamedSharding
 from funcshard._src.spec.partition_spec import P
 
-if TYPE_CHECKING:
-    from funcshard._src.plan.cost import CostModel
-
 Default = Literal["largest_dim"] | P | None
 Requested = Strategy | Literal["auto"]
 _JSON_VERSION = 1
-
-
-@dataclass(frozen=True)
-class LeafPlan:
-    """One leaf's placement: path, global shape, dtype, spec and unit."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    spec: P
-    unit: str
-
-    def sharding(self, mesh: Mesh, /) -> NamedSharding:
-        """The leaf's :class:`NamedSharding` on ``mesh``."""
-        return NamedSharding(mesh, self.spec)
-
-    @property
-    def numel(self) -> int:
-        """Elements of the whole leaf."""
-        n = 1
-        for size in self.shape:
-            n *= size
-        return n
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element."""
-        return self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -73,8 +46,11 @@ class Plan:
         strategy: the strategy requested for the plan (``"auto"``: chosen per unit).
         notes: remarks made while planning (rules that matched no leaf, ...).
         reasons: per unit, why it has its strategy (``(unit name, reason)``).
-        cost: the cost model the plan was made with, used by :meth:`explain`.
+        cost: the cost model the plan was made with.
         memory_budget: the bytes per rank the plan was asked to fit, if any.
+        estimate: what the plan costs each rank under ``cost`` (AdamW in the stored
+            dtypes by default), as :func:`funcshard.plan` computed it; :meth:`explain`
+            reports it. Not part of the plan's identity (equality, JSON, fingerprint).
     """
 
     mesh: Mesh
@@ -86,6 +62,7 @@ class Plan:
     reasons: tuple[tuple[str, str], ...] = ()
     cost: CostModel | None = None
     memory_budget: int | None = None
+    estimate: Estimate | None = field(default=None, compare=False, repr=False)
 
     @property
     def specs(self) -> Any:
@@ -174,12 +151,11 @@ class Plan:
         except KeyError:
             raise KeyError(f"no unit {name!r}; units are {[u.name for u in self.units]}") from None
 
-    def explain(self, cost: CostModel | None = None, /) -> str:
+    def explain(self) -> str:
         """A readable report: per leaf its spec and shard; per unit its strategy and why; per rank memory and communication.
 
-        Args:
-            cost: the cost model for the memory and communication section; default
-                the one the plan was made with, else AdamW in the stored dtypes.
+        The per-rank section is the plan's :attr:`estimate`; a plan read back with
+        :meth:`from_json` has none until ``fs.cost.estimate`` gives it one.
 
         Example:
             >>> from funcshard._src.plan.planner import plan
@@ -188,7 +164,7 @@ class Plan:
             Plan on Mesh({'fsdp': 2}) (2 ranks), strategy full_shard
             ...
         """
-        return _explain.explain(self, cost)
+        return _explain.explain(self)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as JSON-ready data; :meth:`from_json` inverts it."""
@@ -201,7 +177,7 @@ class Plan:
                 {
                     "path": leaf.path,
                     "shape": list(leaf.shape),
-                    "dtype": str(leaf.dtype).removeprefix("torch."),
+                    "dtype": dtype_name(leaf.dtype),
                     "spec": leaf.spec.to_json(),
                     "unit": leaf.unit,
                 }
@@ -272,8 +248,8 @@ class Plan:
 
 
 def _dtype(name: object) -> torch.dtype:
-    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
-    if not isinstance(dtype, torch.dtype):
+    dtype = dtype_of(name)
+    if dtype is None:
         raise ValueError(f"unknown dtype {name!r}")
     return dtype
 
