@@ -70,13 +70,14 @@ def _funcshard(strategy: Any, cfg: Config, params: Any, device: torch.device) ->
     sparams = fs.shard(params, plan, device=device)
     opt = fs.optim.adamw(lr=LR, weight_decay=WEIGHT_DECAY)
     state = opt.init(sparams)
-    step = fs.value_and_grad(lambda p, x, y: loss_fn(p, x, y, cfg.heads), plan)
+    # each call's gradients are done with once the update ran: reuse their buffers
+    step = fs.value_and_grad(lambda p, x, y: loss_fn(p, x, y, cfg.heads), plan, donate_grads=True)
     held: dict[str, Any] = {"params": sparams, "state": state, "grads": None}
 
     def run(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         step.ledger.reset()
         loss, grads = step(held["params"], tokens, targets)
-        held["params"], held["state"] = opt.update(grads, held["state"], held["params"])
+        held["params"], held["state"] = opt.update_(grads, held["state"], held["params"])
         held["grads"] = grads
         return loss
 

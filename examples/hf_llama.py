@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     for i in range(args.steps):
         loss, grads = step(sparams, batch(args, i, rank))
         grads, _ = fs.optim.clip_by_global_norm(grads, 1.0)
-        sparams, state = opt.update(grads, state, sparams)
+        sparams, state = opt.update_(grads, state, sparams)
         losses.append(float(loss))
         if rank == 0 and (i + 1) % max(1, args.steps // 10) == 0:
             print(f"step {i + 1}/{args.steps}  loss {losses[-1]:.3f}", flush=True)

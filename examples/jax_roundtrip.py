@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     losses: list[float] = []
     for i in range(args.steps):
         loss, grads = step(sparams, *batch(args, i, rank))
-        sparams, state = opt.update(grads, state, sparams)
+        sparams, state = opt.update_(grads, state, sparams)
         losses.append(float(loss))
 
     # funcshard's loss and gradients on held-out batches (one per rank), then the same in JAX

@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         if args.bf16
         else None
     )
-    step = fs.value_and_grad(loss_fn, plan, mixed_precision=mp)
+    # gradients are done with after each update: the next step may reuse their buffers
+    step = fs.value_and_grad(loss_fn, plan, mixed_precision=mp, donate_grads=True)
 
     losses: list[float] = []
     start = time.perf_counter()
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         tokens, targets = batch(cfg, i, rank)
         loss, grads = step(sparams, tokens, targets, cfg.heads)
         grads, norm = fs.optim.clip_by_global_norm(grads, 1.0)
-        sparams, state = opt.update(grads, state, sparams)
+        sparams, state = opt.update_(grads, state, sparams)
         losses.append(float(loss))
         if rank == 0:
             rate = (i + 1) * cfg.batch * cfg.seq * world / (time.perf_counter() - start)

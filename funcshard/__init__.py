@@ -39,6 +39,7 @@ from funcshard._src.plan.strategy import Strategy as Strategy
 from funcshard._src.plan.units import Unit as Unit
 from funcshard._src.shard.shard import shard as shard
 from funcshard._src.shard.shard import unshard as unshard
+from funcshard._src.shard.sharded import DonatedError as DonatedError
 from funcshard._src.shard.sharded import ShardedTensor as ShardedTensor
 from funcshard._src.spec.mesh import Mesh as Mesh
 from funcshard._src.spec.named_sharding import NamedSharding as NamedSharding
@@ -58,6 +59,7 @@ __all__ = [
     "CollectiveError",
     "CostModel",
     "DesyncError",
+    "DonatedError",
     "Estimate",
     "Hardware",
     "LeafPlan",

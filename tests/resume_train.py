@@ -93,7 +93,7 @@ def main() -> None:
     for t in range(start, args.steps):
         now["step"] = t + 1
         _, grads = step(sparams, *MODEL.batch_for(100 * t + fs.rank()))
-        sparams, state = opt.update(grads, state, sparams)
+        sparams, state = opt.update_(grads, state, sparams)
         if (t + 1) % 2 == 0:
             fs.checkpoint.save(
                 checkpoints / f"step{t + 1:04d}",

@@ -43,7 +43,7 @@ def main() -> None:
     for t in range(steps):
         _, grads = step(sparams, *MODEL.batch_for(100 * t + fs.rank()))
         grads, _ = fs.optim.clip_by_global_norm(grads, 1.0)
-        sparams, state = opt.update(grads, state, sparams)
+        sparams, state = opt.update_(grads, state, sparams)
         if (t + 1) % 10 == 0:
             fs.checkpoint.save(
                 directory / f"step{t + 1:04d}", {"params": sparams, "opt": state, "step": t + 1},

@@ -273,29 +273,57 @@ def test_output_dtype_casts_call_outputs():
         fs.MixedPrecision(param_dtype=torch.int32)
 
 
-def _grad_buffers_recycle(strategy: Any) -> tuple[bool, bool, bool]:
+def _held_gradients(strategy: Any, donate: bool) -> tuple[bool, bool, str]:
+    """Keeps the first step's gradients and runs three more steps and updates."""
     params = params_()
     plan = fs.plan(
         params, fs.Mesh({"fsdp": fs.world_size()}), units=["blocks/*"], strategy=strategy
     )
-    step = fs.value_and_grad(lambda p, x: fs.call(layer, p["blocks"][0], p["embed"][x]).sum(), plan)
+    step = fs.value_and_grad(
+        lambda p, x: fs.call(layer, p["blocks"][0], p["embed"][x]).sum(),
+        plan,
+        donate_grads=donate,
+    )
     sparams = fs.shard(params, plan)
     opt = fs.optim.sgd(lr=0.1)
     state = opt.init(sparams)
-    _, kept = step(sparams, X)
-    kept_values = kept["blocks"][0]["w"].local.clone()
-    _, grads = step(sparams, X)  # `kept` was not donated: new buffers, `kept` untouched
-    fresh = (
-        grads["blocks"][0]["w"].flat.data.data_ptr() != kept["blocks"][0]["w"].flat.data.data_ptr()
-    )
-    untouched = torch.equal(kept["blocks"][0]["w"].local, kept_values)
-    before = grads["blocks"][0]["w"].flat.data.data_ptr()
-    sparams, state = opt.update(grads, state, sparams)  # donates grads
-    _, again = step(sparams, X)
-    return fresh, untouched, again["blocks"][0]["w"].flat.data.data_ptr() == before
+    _, held = step(sparams, X)
+    if donate:
+        first_buffer = held["blocks"][0]["w"].flat.data.data_ptr()
+    kept = fs.tree_map(lambda g: g.local.clone(), held)  # what the held tree says now
+    sparams, state = opt.update_(held, state, sparams)
+    _, grads = step(sparams, X)
+    reused = donate and grads["blocks"][0]["w"].flat.data.data_ptr() == first_buffer
+    for _ in range(2):
+        sparams, state = opt.update_(grads, state, sparams)
+        _, grads = step(sparams, X)
+    try:
+        unchanged = all(
+            torch.equal(g.local, k) for g, k in zip(fs.tree_leaves(held), fs.tree_leaves(kept))
+        )
+        error = ""
+    except fs.DonatedError as e:
+        unchanged, error = False, str(e)
+    return reused, unchanged, error
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
-def test_donated_gradients_are_reused_by_the_next_step(pools, strategy):
-    """An optimizer update donates the gradients; the next step writes into those buffers, never into kept ones."""
-    assert pools.run(2, _grad_buffers_recycle, strategy) == [(True, True, True)] * 2
+def test_a_held_gradient_tree_is_never_written_by_later_steps(pools, strategy):
+    """Reference: the held tree's own values, cloned when it was returned; mesh of one rank and W=2."""
+    assert _held_gradients(strategy, False) == (False, True, "")
+    assert pools.run(2, _held_gradients, strategy, False) == [(False, True, "")] * 2
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+def test_donated_gradients_are_reused_and_raise_when_read(pools, strategy):
+    """donate_grads=True: the next call writes into the returned buffers, and the old tree is dead."""
+    for reused, unchanged, error in [
+        _held_gradients(strategy, True),
+        *pools.run(2, _held_gradients, strategy, True),
+    ]:
+        assert reused
+        assert not unchanged
+        assert (
+            "unit 'blocks/0': this tree's buffers were donated (a step with donate_grads=True"
+            in error
+        )

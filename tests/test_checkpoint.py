@@ -44,7 +44,7 @@ def _save(directory: str, variant: int) -> Any:
     state = opt.init(sparams)
     step = fs.value_and_grad(MODEL.loss_fn, plan)
     _, grads = step(sparams, *MODEL.batch_for(fs.rank()))
-    sparams, state = opt.update(grads, state, sparams)
+    sparams, state = opt.update_(grads, state, sparams)
     fs.checkpoint.save(
         directory,
         {"params": sparams, "opt": state, "step": 1, "rng": fs.checkpoint.rng_states()},
@@ -102,7 +102,7 @@ def _train(directory: str, steps: range, resume: bool) -> Any:
         )  # global batch: micro-batches 0..3 of step t, split over the ranks
         batches = [MODEL.batch_for(100 * t + fs.rank() * per_rank + m) for m in range(per_rank)]
         _, grads = step.accumulate(sparams, batches)  # the same global batch at every world size
-        sparams, state = opt.update(grads, state, sparams)
+        sparams, state = opt.update_(grads, state, sparams)
         if not resume and t + 1 == 3:
             fs.checkpoint.save(
                 os.path.join(directory, f"step{t + 1}"),

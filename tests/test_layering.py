@@ -38,7 +38,7 @@ ORDER = {
         "plan", "resolve", "cost", "auto", "planner",
     ],
     "comm": ["runtime", "channel", "agree", "settle", "lifecycle", "ledger", "groups", "collectives"],
-    "shard": ["aliasing", "digest", "flat", "sharded", "donation", "shard"],
+    "shard": ["aliasing", "digest", "flat", "sharded", "shard"],
     "execute": ["desync", "unit_state", "run", "call", "value_and_grad"],
     "optim": ["base", "sgd", "adamw", "clip", "nonfinite"],
     "checkpoint": ["errors", "chunks", "manifest", "commit", "dcp_io", "rng", "save", "load", "export"],

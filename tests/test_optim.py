@@ -79,7 +79,7 @@ def test_updates_equal_torch_optim_on_full_tensors(case):
         grads_full = fs.tree_map(lambda t, step=step: torch.sin(t * (step + 1)) + 0.1, params)
         grads = [shard_for_rank(grads_full, plan, r) for r in ranks]
         for r in ranks:
-            sparams[r], states[r] = opt.update(grads[r], states[r], sparams[r])
+            sparams[r], states[r] = opt.update_(grads[r], states[r], sparams[r])
         for leaf, g in zip(leaves, fs.tree_leaves(grads_full)):
             leaf.grad = g.clone()
         reference.step()
@@ -94,19 +94,29 @@ def test_schedules_count_earlier_updates():
     sparams = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
     state = opt.init(sparams)
     for _ in range(3):
-        sparams, state = opt.update(sparams, state, sparams)
+        sparams, state = opt.update_(sparams, state, sparams)
     assert seen == [0, 1, 2]
     assert int(state.count) == 3
 
 
-def test_update_donates_its_inputs():
+def test_update_writes_params_and_state_in_place():
     params = {"w": torch.ones(3), "b": torch.ones(2)}
     sparams = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
     opt = fs.optim.adamw(lr=0.1)
     state = opt.init(sparams)
     before = (sparams["w"].flat.data.data_ptr(), state.mu["w"].flat.data.data_ptr())
-    new_params, new_state = opt.update(sparams, state, sparams)
+    new_params, new_state = opt.update_(sparams, state, sparams)
     assert (new_params["w"].flat.data.data_ptr(), new_state.mu["w"].flat.data.data_ptr()) == before
+
+
+def test_the_old_name_update_warns():
+    params = {"w": torch.ones(2)}
+    sparams = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
+    opt = fs.optim.sgd(lr=0.5)
+    with pytest.warns(DeprecationWarning, match=r"Optimizer.update is now Optimizer.update_"):
+        update = opt.update
+    sparams, _ = update(sparams, opt.init(sparams), sparams)
+    assert torch.equal(sparams["w"].local, torch.full((2,), 0.5))
 
 
 class _CountOps(TorchFunctionMode):
@@ -129,7 +139,7 @@ def test_update_does_not_loop_over_leaves(name):
         opt = OPTIMIZERS[name][0]()
         state = opt.init(sparams)
         with _CountOps() as mode:
-            opt.update(sparams, state, sparams)
+            opt.update_(sparams, state, sparams)
         return mode.calls
 
     assert ops(2) == ops(60)
@@ -143,7 +153,7 @@ def test_grads_of_another_plan_are_refused():
     with pytest.raises(
         ValueError, match=r"grads is not sharded like params \(different units, dtypes or plan\)"
     ):
-        opt.update(other, opt.init(sparams), sparams)
+        opt.update_(other, opt.init(sparams), sparams)
 
 
 @pytest.mark.parametrize(
@@ -191,12 +201,12 @@ def test_a_schedule_that_returns_a_bad_rate_fails_the_update(bad):
     sparams = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
     opt = fs.optim.sgd(lr=lambda count: 0.1 if count == 0 else bad)
     state = opt.init(sparams)
-    sparams, state = opt.update(sparams, state, sparams)
+    sparams, state = opt.update_(sparams, state, sparams)
     with pytest.raises(
         ValueError,
         match=rf"schedule returned {bad} for update 1; a learning rate must be a finite number >= 0",
     ):
-        opt.update(sparams, state, sparams)
+        opt.update_(sparams, state, sparams)
 
 
 def _clip(mesh: dict[str, int], max_norm: float) -> tuple[torch.Tensor, Any]:

@@ -118,7 +118,7 @@ def train_sharded(case: Case) -> tuple[list[torch.Tensor], Any]:
             loss, grads = step.accumulate(sparams, batches, mode=case.accumulate)
         if case.clip is not None:
             grads, _ = fs.optim.clip_by_global_norm(grads, case.clip)
-        sparams, state = opt.update(grads, state, sparams)
+        sparams, state = opt.update_(grads, state, sparams)
         losses.append(loss)
     return losses, fs.unshard(sparams, rank0_only=True)
 

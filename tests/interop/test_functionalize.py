@@ -351,7 +351,7 @@ def _train_sharded(strategy: Any, optimizer: str, steps: int) -> tuple[list[torc
     losses = []
     for t in range(steps):
         loss, grads = step(sparams, *batch(100 * t + fs.rank()))
-        sparams, state = opt.update(grads, state, sparams)
+        sparams, state = opt.update_(grads, state, sparams)
         losses.append(loss)
     return losses, fs.unshard(sparams)
 

@@ -101,7 +101,7 @@ def _train_sharded(strategy: Any, remat: bool) -> tuple[list[torch.Tensor], Any]
     losses = []
     for t in range(STEPS):
         loss, grads = step(sparams, tokens(100 * t + fs.rank()))
-        sparams, state = opt.update(grads, state, sparams)
+        sparams, state = opt.update_(grads, state, sparams)
         losses.append(loss)
     return losses, fs.unshard(sparams)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -18,7 +17,6 @@ from funcshard._src.execute.run import Run, current_run
 from funcshard._src.execute.unit_state import Memory, UnitRuntime
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
-from funcshard._src.shard.donation import take_donated
 from funcshard._src.shard.shard import plan_layouts
 from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of, map_flats
 
@@ -44,6 +42,7 @@ class Step:
         has_aux: bool,
         mixed_precision: MixedPrecision,
         prefetch: int,
+        donate_grads: bool = False,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be at least 0, got {prefetch}")
@@ -52,13 +51,12 @@ class Step:
         self.has_aux = has_aux
         self.mixed_precision = mixed_precision
         self.prefetch = prefetch
+        self.donate_grads = donate_grads
         self.ledger = Ledger()
         self.memory = Memory()
         self._layouts = plan_layouts(plan)
         self._units: list[UnitRuntime] | None = None
-        self._returned: dict[
-            tuple[str, int], weakref.ref[torch.Tensor]
-        ] = {}  # last call's gradient buffers
+        self._last: list[FlatShard] = []  # the gradients last returned, with donate_grads
         self._order = [u.name for u in plan.units if not u.is_root]
 
     @property
@@ -141,7 +139,7 @@ class Step:
                 order=self._order,
             )
         )
-        self._reuse_donated(units)
+        self._take_donated(units)
         grads: dict[tuple[str, int], torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         auxes: list[Any] = []
@@ -177,19 +175,21 @@ class Step:
         if len(batches) > 1:
             floating = [g for g in grads.values() if g.is_floating_point()]
             torch._foreach_mul_(floating, 1.0 / len(batches))
-        self._returned = {key: weakref.ref(buf) for key, buf in grads.items()}
         sharded_grads = map_flats(lambda flat: flat.with_data(grads[part_of[id(flat)][0]]), sparams)
+        if self.donate_grads:
+            self._last = flats_of(sharded_grads)
         return (losses, auxes), sharded_grads
 
-    def _reuse_donated(self, units: list[UnitRuntime]) -> None:
-        """Hands the gradient buffers the last call returned, if since donated, back to their parts."""
+    def _take_donated(self, units: list[UnitRuntime]) -> None:
+        """With ``donate_grads``: the last call's gradient buffers become this call's; see [Note: donation].
+
+        Mutates the last returned gradient tree (it is donated: reading it raises).
+        """
+        spares = {flat.layout: flat.donate() for flat in self._last if not flat.donated}
+        self._last = []
         for unit in units:
-            for k, part in enumerate(unit.parts):
-                buffer = self._returned.get((unit.name, k))
-                tensor = buffer() if buffer is not None else None
-                if tensor is not None and take_donated(tensor):
-                    part.spare = tensor
-        self._returned = {}
+            for part in unit.parts:
+                part.spare = spares.get(part.layout)
 
     def _check(
         self, sparams: Any
@@ -260,6 +260,7 @@ def value_and_grad(
     has_aux: bool = False,
     mixed_precision: MixedPrecision | None = None,
     prefetch: int = 1,
+    donate_grads: bool = False,
 ) -> Step:
     """A training step ``step(sparams, *args) -> (loss, grads)`` for the pure ``loss_fn(params, *args)``.
 
@@ -277,6 +278,11 @@ def value_and_grad(
         prefetch: units whose all-gather starts ahead of use (forward and backward);
             gathered parameters alive at once are at most the root unit plus
             ``1 + prefetch`` units.
+        donate_grads: donate the gradients each call returns to the next call, which
+            writes its gradients into those buffers instead of fresh memory (faster:
+            no new pages each step). The donated tree is dead: reading it raises
+            ``DonatedError``; clone what you keep. Without it, no tree a call
+            returned is ever written again.
 
     Returns:
         A :class:`Step`; also see :meth:`Step.accumulate` for several micro-batches.
@@ -296,6 +302,7 @@ def value_and_grad(
         has_aux=has_aux,
         mixed_precision=mixed_precision or FULL_PRECISION,
         prefetch=prefetch,
+        donate_grads=donate_grads,
     )
 
 

@@ -16,7 +16,6 @@ from funcshard._src.optim.base import (
     learning_rate,
     zeros_like_tree,
 )
-from funcshard._src.shard.donation import donate
 
 
 @tree.register_namedtuple  # checkpoints name it in their tree structure
@@ -48,14 +47,14 @@ def adamw(
             numerics of ``torch.optim.AdamW``'s default implementation.
 
     Returns:
-        An :class:`Optimizer`; ``update`` donates grads, state and params.
+        An :class:`Optimizer` whose ``update_`` writes into params and state in place.
 
     Example:
         >>> import funcshard as fs
         >>> params = {"w": torch.ones(2)}
         >>> sparams = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
         >>> opt = adamw(lr=0.1, weight_decay=0.0)
-        >>> sparams, state = opt.update(sparams, opt.init(sparams), sparams)  # grads = params
+        >>> sparams, state = opt.update_(sparams, opt.init(sparams), sparams)  # grads = params
         >>> sparams["w"].local
         tensor([0.9000, 0.9000])
     """
@@ -72,7 +71,7 @@ def adamw(
             torch.zeros((), dtype=torch.int64), zeros_like_tree(sparams), zeros_like_tree(sparams)
         )
 
-    def update(grads: Any, state: AdamWState, sparams: Any, /) -> tuple[Any, AdamWState]:
+    def update_(grads: Any, state: AdamWState, sparams: Any, /) -> tuple[Any, AdamWState]:
         count = int(state.count)
         step_lr = learning_rate(lr, count)
         params, g, mu, nu = floating_flats(
@@ -83,7 +82,6 @@ def adamw(
             _fused_update(
                 params, g, mu, nu, t, lr=step_lr, betas=betas, eps=eps, weight_decay=weight_decay
             )
-            donate(grads)
             state.count.add_(1)
             return sparams, state
         bias_correction1 = 1 - beta1**t
@@ -99,11 +97,10 @@ def adamw(
             torch._foreach_div_(denom, bias_correction2**0.5)
             torch._foreach_add_(denom, eps)
             torch._foreach_addcdiv_(params, mu, denom, -(step_lr / bias_correction1))
-        donate(grads)
         state.count.add_(1)
         return sparams, state
 
-    return Optimizer(init, update)
+    return Optimizer(init, update_)
 
 
 def _fused_update(

@@ -1,13 +1,17 @@
-"""The optimizer contract, like optax: ``init(sparams) -> state``, ``update(grads, state, sparams)``.
+"""The optimizer contract: ``init(sparams) -> state`` and ``update_(grads, state, sparams)``, in place.
 
 Optimizers work on the flat buffers behind sharded trees: one foreach op per
-step over every unit's flat shard, never a Python loop over leaves. ``update``
-donates its inputs: parameters and state are updated in place and returned.
+step over every unit's flat shard, never a Python loop over leaves. Where
+optax's ``update`` returns updates for ``optax.apply_updates``, ``update_`` is
+both in one, in place (the trailing underscore says so, as in ``torch.add_``):
+it writes the new parameters and state into the buffers of ``sparams`` and
+``state`` and returns those same trees; ``grads`` are only read.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, TypeAlias
 
@@ -29,7 +33,7 @@ class InitFn(Protocol):
 
 
 class UpdateFn(Protocol):
-    """Applies one update; donates (mutates and returns) ``state`` and ``sparams``."""
+    """Applies one update in place: writes into and returns ``sparams`` and ``state``; reads ``grads``."""
 
     def __call__(
         self, grads: Updates, state: OptState, sparams: Params, /
@@ -37,10 +41,21 @@ class UpdateFn(Protocol):
 
 
 class Optimizer(NamedTuple):
-    """A functional optimizer: ``init`` and ``update``."""
+    """A functional optimizer: ``init`` builds its state, ``update_`` applies one update in place."""
 
     init: InitFn
-    update: UpdateFn
+    update_: UpdateFn
+
+    @property
+    def update(self) -> UpdateFn:
+        """Deprecated: ``update_``, whose name says that it updates in place."""
+        warnings.warn(
+            "Optimizer.update is now Optimizer.update_ (it updates params and state in place); "
+            "the old name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.update_
 
 
 def learning_rate(lr: LearningRate, count: int, /) -> float:

@@ -13,7 +13,7 @@ from funcshard._src.shard.sharded import flats_of
 
 
 def clip_by_global_norm(grads: Any, max_norm: float, /) -> tuple[Any, torch.Tensor]:
-    """Scales ``grads`` so that their global L2 norm is at most ``max_norm``; donates ``grads``.
+    """Scales ``grads`` in place so that their global L2 norm is at most ``max_norm``.
 
     The norm covers every leaf across all ranks with one agreement of every
     rank's sum of squares (see [Note: agreements]); a leaf replicated over some

@@ -53,7 +53,7 @@ def skip_nonfinite(optimizer: Optimizer, /) -> Optimizer:
         >>> sp = fs.shard(p, fs.plan(p, fs.Mesh({"x": 1})))
         >>> opt = skip_nonfinite(fs.optim.sgd(lr=0.1))
         >>> bad = fs.shard({"w": torch.tensor([float("inf"), 0.0])}, fs.plan(p, fs.Mesh({"x": 1})))
-        >>> sp, state = opt.update(bad, opt.init(sp), sp)
+        >>> sp, state = opt.update_(bad, opt.init(sp), sp)
         >>> int(state.skipped), sp["w"].local
         (1, tensor([1., 1.]))
     """
@@ -61,11 +61,11 @@ def skip_nonfinite(optimizer: Optimizer, /) -> Optimizer:
     def init(sparams: Any, /) -> SkipState:
         return SkipState(optimizer.init(sparams), torch.zeros((), dtype=torch.int64))
 
-    def update(grads: Any, state: SkipState, sparams: Any, /) -> tuple[Any, SkipState]:
+    def update_(grads: Any, state: SkipState, sparams: Any, /) -> tuple[Any, SkipState]:
         if not all_finite(grads):
             state.skipped.add_(1)
             return sparams, state
-        sparams, inner = optimizer.update(grads, state.inner, sparams)
+        sparams, inner = optimizer.update_(grads, state.inner, sparams)
         return sparams, SkipState(inner, state.skipped)
 
-    return Optimizer(init, update)
+    return Optimizer(init, update_)

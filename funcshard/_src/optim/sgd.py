@@ -16,7 +16,6 @@ from funcshard._src.optim.base import (
     learning_rate,
     zeros_like_tree,
 )
-from funcshard._src.shard.donation import donate
 
 
 @tree.register_namedtuple  # checkpoints name it in their tree structure
@@ -39,14 +38,14 @@ def sgd(
         weight_decay: L2 penalty added to the gradient, as ``torch.optim.SGD`` does.
 
     Returns:
-        An :class:`Optimizer`; ``update`` donates grads, state and params.
+        An :class:`Optimizer` whose ``update_`` writes into params and state in place.
 
     Example:
         >>> import funcshard as fs
         >>> params = {"w": torch.ones(2)}
         >>> sparams = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
         >>> opt = sgd(lr=0.5)
-        >>> sparams, state = opt.update(sparams, opt.init(sparams), sparams)  # grads = params
+        >>> sparams, state = opt.update_(sparams, opt.init(sparams), sparams)  # grads = params
         >>> sparams["w"].local
         tensor([0.5000, 0.5000])
     """
@@ -62,7 +61,7 @@ def sgd(
             torch.zeros((), dtype=torch.int64), zeros_like_tree(sparams) if momentum else None
         )
 
-    def update(grads: Any, state: SGDState, sparams: Any, /) -> tuple[Any, SGDState]:
+    def update_(grads: Any, state: SGDState, sparams: Any, /) -> tuple[Any, SGDState]:
         count = int(state.count)
         step_lr = learning_rate(lr, count)
         trees = (sparams, grads, state.momentum) if momentum else (sparams, grads)
@@ -80,8 +79,7 @@ def sgd(
                 else:
                     g = buf
             torch._foreach_add_(params, g, alpha=-step_lr)
-        donate(grads)
         state.count.add_(1)
         return sparams, state
 
-    return Optimizer(init, update)
+    return Optimizer(init, update_)

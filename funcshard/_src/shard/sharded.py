@@ -9,24 +9,70 @@ whole flat buffers, never leaf by leaf.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from funcshard._src import tree
+from funcshard._src.dtypes import dtype_name
 from funcshard._src.shard.flat import FlatLayout, Slot, local_view, padded_view
 from funcshard._src.spec.named_sharding import NamedSharding
 from funcshard._src.spec.partition_spec import P
 
 
-@dataclass(frozen=True, eq=False)
-class FlatShard:
-    """One rank's flat buffer (``data``, shape ``(layout.numel,)``) of one unit and dtype."""
+class DonatedError(RuntimeError):
+    """A tree whose buffers were donated was used again (JAX: "Array has been deleted")."""
 
-    layout: FlatLayout
-    data: torch.Tensor
-    rank: int
+
+class FlatShard:
+    """One rank's flat buffer (``data``, shape ``(layout.numel,)``) of one unit and dtype.
+
+    Immutable but for one transition: :meth:`donate` hands the buffer to a new
+    owner, after which reading ``data`` (through any leaf of the tree) raises
+    :class:`DonatedError`. See [Note: donation].
+
+    [Note: donation]
+    A buffer is reused only where its owner handed it over at the call site, as
+    with ``jax.jit(..., donate_argnums=...)``: ``fs.value_and_grad(...,
+    donate_grads=True)`` donates the gradients a call returned to the next call,
+    which writes its gradients into them. The donated tree is then dead: every
+    read raises, so nothing holding it can see values change underneath it. A
+    tree that was not donated is never written by funcshard.
+    """
+
+    __slots__ = ("_data", "layout", "rank")
+
+    def __init__(self, layout: FlatLayout, data: torch.Tensor, rank: int) -> None:
+        self.layout = layout
+        self._data: torch.Tensor | None = data
+        self.rank = rank
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The flat buffer.
+
+        Raises:
+            DonatedError: the buffer was donated.
+        """
+        if self._data is None:
+            raise DonatedError(
+                f"unit {self.layout.unit!r}: this tree's buffers were donated (a step with "
+                f"donate_grads=True reused these gradients for the next call's), so they are no "
+                f"longer this tree's; use the tree that call returned, or clone what you keep "
+                f"before the next step"
+            )
+        return self._data
+
+    @property
+    def donated(self) -> bool:
+        """Whether :meth:`donate` was called."""
+        return self._data is None
+
+    def donate(self) -> torch.Tensor:
+        """Hands over the buffer; mutates this flat shard, whose ``data`` raises from now on."""
+        data = self.data
+        self._data = None
+        return data
 
     def with_data(self, data: torch.Tensor, /) -> FlatShard:
         """A flat shard of the same layout and rank holding ``data``."""
@@ -118,14 +164,9 @@ class ShardedTensor:
     def __repr__(self) -> str:
         return (
             f"ShardedTensor(path={self.path!r}, shape={self.shape}, "
-            f"dtype={str(self.dtype).removeprefix('torch.')}, spec={self.spec!r}, "
-            f"local_shape={tuple(self.local.shape)})"
+            f"dtype={dtype_name(self.dtype)}, spec={self.spec!r}, "
+            f"local_shape={'<donated>' if self.flat.donated else tuple(self.local.shape)})"
         )
-
-
-def is_sharded(x: object, /) -> bool:
-    """Whether ``x`` is a :class:`ShardedTensor`."""
-    return isinstance(x, ShardedTensor)
 
 
 def flats_of(sharded: Any, /) -> list[FlatShard]:
