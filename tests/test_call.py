@@ -192,7 +192,7 @@ def test_a_failed_step_leaves_nothing_gathered():
     )
     with pytest.raises(ZeroDivisionError):
         step(sparams, X)
-    assert all(u.state.value == "sharded" and u.refs == 0 for u in step._runtimes())
+    assert all(u.state.value == "sharded" and u.holders == 0 for u in step._runtimes())
     assert (
         fs.call(layer, params_()["blocks"][0], torch.ones(4)) is not None
     )  # no step context left behind

@@ -39,7 +39,7 @@ ORDER = {
     ],
     "comm": ["runtime", "channel", "agree", "settle", "lifecycle", "ledger", "groups", "collectives"],
     "shard": ["aliasing", "digest", "flat", "sharded", "shard"],
-    "execute": ["desync", "unit_state", "run", "call", "value_and_grad"],
+    "execute": ["desync", "unit_state", "reduce", "run", "call", "value_and_grad"],
     "optim": ["base", "sgd", "adamw", "clip", "nonfinite"],
     "checkpoint": ["errors", "chunks", "manifest", "commit", "dcp_io", "rng", "save", "load", "export"],
     "interop": ["host", "module_units", "module", "jax", "orbax"],

@@ -58,10 +58,9 @@ def call(fn: Callable[..., _R], unit: Any, /, *args: Any, remat: bool = False, *
         )
     runtime, leaves, treedef = _identify(run, unit)
     record, full = run.enter_call(runtime)
-    position = {
-        slot.index: i for i, slot in enumerate(s for p in runtime.parts for s in p.layout.slots)
-    }
-    full_tree = tree.unflatten(treedef, [full[position[leaf.slot.index]] for leaf in leaves])
+    full_tree = tree.unflatten(
+        treedef, [full[runtime.position[leaf.slot.index]] for leaf in leaves]
+    )
     run.active = record
     try:
         if remat:

@@ -1,13 +1,14 @@
-"""Run: one forward and backward of a step, driving every unit through gather, free and reduce.
+"""Run: one forward and backward of a step, moving every call through its phases.
 
-Forward: the root unit is gathered first and kept until its backward; each
-``fs.call`` gathers its unit (waiting for a prefetch when there is one), starts
-the prefetch of the next unit, runs the function and frees the unit
-(``full_shard``). Backward: a hook on a call's outputs fires before the call's
-backward runs and re-gathers the unit (and prefetches the one before it); the
-unit's gather node receives all gradients of its full leaves at once and starts
-their reduce-scatter. :meth:`Run.finish` waits for the reductions and adds them
-to the sharded gradients.
+Forward: the root unit is gathered first and held until its backward; each
+``fs.call`` acquires its unit (waiting for a prefetch when there is one),
+prefetches the next unit, runs the function and, for ``full_shard``, releases
+the unit. Backward: a hook on a call's outputs fires before the call's backward
+runs and acquires the unit again (and prefetches the one before it); the unit's
+gather node receives all gradients of its full leaves at once and hands them to
+the :class:`Reducer`. :meth:`Run.finish` reduces what no gradient reached and
+waits for every reduction. A call's phase (:class:`CallPhase`) says which unit
+it holds and what it waits for; docs/executor.md draws it.
 
 [Note: collective order]
 Every rank must issue the same collectives in the same order. The order here
@@ -25,6 +26,7 @@ the wrong ones.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -41,16 +43,31 @@ from funcshard._src.execute.desync import (
     check_reduction,
     check_unreached,
 )
-from funcshard._src.execute.unit_state import Reduction, UnitRuntime, UnitState
+from funcshard._src.execute.reduce import Reducer
+from funcshard._src.execute.unit_state import UnitRuntime, UnitState
 from funcshard._src.shard.sharded import ShardedTensor
 
 _CURRENT: ContextVar[Run | None] = ContextVar("funcshard_run", default=None)
-MAX_PENDING_REDUCTIONS = 4  # full-gradient buffers in flight before the oldest is waited for
 
 
 def current_run() -> Run | None:
     """The run whose forward is executing in this context, if any."""
     return _CURRENT.get()
+
+
+class CallPhase(enum.Enum):
+    """Where one use of a unit is in its step; it holds its unit gathered in FORWARD, KEPT and BACKWARD."""
+
+    FORWARD = "forward"  # running its function, unit held
+    KEPT = "kept"  # forward done, unit held until backward (shard_grad_op, no_shard, the root)
+    WAITING = "waiting"  # forward done, unit released (full_shard): re-gathered for backward
+    BACKWARD = "backward"  # its backward began, unit held
+    DONE = "done"  # its gradients went to the reducer, unit released
+
+    @property
+    def holds(self) -> bool:
+        """Whether a call in this phase holds its unit gathered."""
+        return self in (CallPhase.FORWARD, CallPhase.KEPT, CallPhase.BACKWARD)
 
 
 @dataclass(eq=False)
@@ -59,10 +76,8 @@ class CallRecord:
 
     index: int
     unit: UnitRuntime
-    holds: bool = False  # holds a reference that keeps the unit gathered until its backward
+    phase: CallPhase = CallPhase.FORWARD
     expects_backward: bool = False  # outputs that require grad were hooked
-    backward_started: bool = False
-    backward_done: bool = False
 
 
 class _Gather(torch.autograd.Function):
@@ -93,19 +108,18 @@ class Run:
         order_hint: Sequence[str],
         prefetch: int,
         defer: bool,
-        grads: dict[tuple[str, int], torch.Tensor],  # filled by reductions: (unit, part) -> flat
+        reducer: Reducer,
         output_dtype: torch.dtype | None = None,
     ) -> None:
         self.units = {u.name: u for u in units}
         self.order_hint = list(order_hint)
         self.prefetch = prefetch
         self.defer = defer
-        self.grads = grads
+        self.reducer = reducer
         self.output_dtype = output_dtype
         self.calls: list[CallRecord] = []
         self.root: CallRecord | None = None
         self.active: CallRecord | None = None
-        self.pending: list[tuple[str, Reduction]] = []
         self.on_track = True  # the calls so far follow order_hint
         self.dummy = torch.zeros((), requires_grad=True)
         self.root_leaf_ids: set[int] = set()
@@ -126,11 +140,10 @@ class Run:
         root_unit = next((u for u in self.units.values() if u.unit.is_root), None)
         root_leaves: dict[int, torch.Tensor] = {}
         if root_unit is not None:
-            root_unit.gather()  # before any prefetch: one unit's all-gather buffer at a time
-            root_unit.refs += 1
-            self.root = CallRecord(-1, root_unit, holds=True)
+            root_unit.acquire()  # before any prefetch: one unit's all-gather buffer at a time
+            self.root = CallRecord(-1, root_unit, CallPhase.KEPT)
             outs = _Gather.apply(self, self.root, self.dummy)
-            for slot, leaf in zip((s for p in root_unit.parts for s in p.layout.slots), outs):
+            for slot, leaf in zip(root_unit.slots, outs):
                 root_leaves[slot.index] = leaf
                 self.root_leaf_ids.add(id(leaf))
         self._prefetch_forward(0)
@@ -145,7 +158,7 @@ class Run:
         )
 
     def enter_call(self, unit: UnitRuntime) -> tuple[CallRecord, list[torch.Tensor]]:
-        """Gathers ``unit`` for a new call and returns its record and full leaves (part, slot order)."""
+        """Acquires ``unit`` for a new call (FORWARD); its record and full leaves in the unit's order."""
         record = CallRecord(len(self.calls), unit)
         self.calls.append(record)
         k = record.index
@@ -154,17 +167,18 @@ class Run:
         )
         if not self.on_track:  # see [Note: collective order]
             check_call(k, unit.name)
-        unit.gather()
-        unit.refs += 1
-        record.holds = True
+        unit.acquire()
         if self.on_track:
             self._prefetch_forward(k + 1)
         return record, list(_Gather.apply(self, record, self.dummy))
 
     def exit_call(self, record: CallRecord, out: Any) -> None:
-        """After a call's forward: frees ``full_shard`` units and hooks the outputs for backward."""
+        """FORWARD -> WAITING (``full_shard``: released) or KEPT; hooks the outputs for backward."""
         if record.unit.frees_after_forward:
-            self._release(record)
+            record.unit.release()
+            record.phase = CallPhase.WAITING
+        else:
+            record.phase = CallPhase.KEPT
         tensors = [
             t for t in tree.flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
@@ -178,15 +192,14 @@ class Run:
             _CURRENT.reset(self._token)
             self._token = None
         for unit in self.units.values():
-            if unit.refs == 0 and unit.state is not UnitState.SHARDED:
-                unit.free()
+            unit.drop_unused()
         self._next_backward = len(self.calls) - 1
         return [c.unit.name for c in self.calls]
 
     # -- backward ----------------------------------------------------------------
 
     def pre_backward(self, record: CallRecord) -> None:
-        """Before a call's backward: make sure its unit is gathered; prefetch the call before it."""
+        """-> BACKWARD: before a call's backward, its unit is held gathered; prefetches the call before it."""
         while self._next_backward >= 0 and not self._awaits_backward(
             self.calls[self._next_backward]
         ):
@@ -194,52 +207,42 @@ class Run:
         if record.index != self._next_backward:  # see [Note: collective order]
             skipped = [c.index for c in self.calls[record.index + 1 :] if self._awaits_backward(c)]
             check_backward(record.index, record.unit.name, skipped)
-        record.backward_started = True
+        if record.phase is CallPhase.WAITING:
+            record.unit.acquire()
+        record.phase = CallPhase.BACKWARD
         self._in_backward.add(record.index)
-        if not record.holds:
-            record.unit.gather()
-            record.unit.refs += 1
-            record.holds = True
         for j in range(record.index - 1, max(-1, record.index - 1 - self.prefetch), -1):
             earlier = self.calls[j]
-            if not earlier.backward_started and earlier.unit.state is UnitState.SHARDED:
-                earlier.unit.start_gather()
+            if earlier.phase is CallPhase.WAITING and earlier.unit.state is UnitState.SHARDED:
+                earlier.unit.prefetch()
 
     def post_backward(
         self, record: CallRecord, grads: Sequence[torch.Tensor | None], *, agreed: bool = False
     ) -> None:
-        """All gradients of one call's full leaves are ready: reduce them, release the unit."""
+        """-> DONE: all gradients of one call's full leaves are ready: reduce them, release the unit."""
         self._in_backward.discard(record.index)
         later = sorted(i for i in self._in_backward if i > record.index)
-        if (
-            later and not agreed
-        ):  # reductions out of reverse call order; see [Note: collective order]
+        if later and not agreed:  # reductions out of reverse call order; [Note: collective order]
             check_reduction(record.index, record.unit.name, later)
-        record.backward_done = True
-        for reduction in record.unit.reduce(grads, defer=self.defer):
-            self.pending.append((record.unit.name, reduction))
-        while len(self.pending) > MAX_PENDING_REDUCTIONS:
-            self._finish_oldest()
-        if record.holds:
-            self._release(record)
+        self.reducer.reduce(record.unit, grads, defer=self.defer)
+        if record.phase.holds:
+            record.unit.release()
+        record.phase = CallPhase.DONE
 
     def finish(self) -> None:
         """After backward: reduce calls whose backward never ran, wait for every reduction, free all."""
         unreached = [
             r
             for r in [*reversed(self.calls), *([self.root] if self.root else [])]
-            if not r.backward_done
+            if r.phase is not CallPhase.DONE
         ]
         if unreached:  # which calls no gradient reached may differ between ranks
             check_unreached([r.index for r in unreached])
         for record in unreached:  # their gradients are zero
-            n = sum(len(p.layout.slots) for p in record.unit.parts)
-            self.post_backward(record, [None] * n, agreed=True)
-        while self.pending:
-            self._finish_oldest()
+            self.post_backward(record, [None] * len(record.unit.slots), agreed=True)
+        self.reducer.finish()
         for unit in self.units.values():
-            unit.refs = 0
-            unit.free()
+            unit.release_all()
 
     def abort(self) -> list[Pending]:
         """After an error: leaves the forward context and drops everything, waiting for nothing.
@@ -251,8 +254,7 @@ class Run:
         if self._token is not None:
             _CURRENT.reset(self._token)
             self._token = None
-        inflight = [reduction.stage for _, reduction in self.pending]
-        self.pending.clear()
+        inflight = self.reducer.abandon()
         for unit in self.units.values():
             inflight.extend(unit.discard())
         return inflight
@@ -263,19 +265,7 @@ class Run:
         for name in self.order_hint[start : start + self.prefetch]:
             unit = self.units.get(name)
             if unit is not None and unit.state is UnitState.SHARDED:
-                unit.start_gather()
+                unit.prefetch()
 
     def _awaits_backward(self, record: CallRecord) -> bool:
-        return record.expects_backward and not record.backward_started
-
-    def _release(self, record: CallRecord) -> None:
-        record.holds = False
-        record.unit.refs -= 1
-        if record.unit.refs == 0:
-            record.unit.free()
-
-    def _finish_oldest(self) -> None:
-        name, reduction = self.pending.pop(0)
-        reduction.finish(
-            self.grads, (name, reduction.part), self.units[name].parts[reduction.part].layout.dtype
-        )
+        return record.expects_backward and record.phase in (CallPhase.KEPT, CallPhase.WAITING)

@@ -1,12 +1,13 @@
-"""One unit on this rank: its shards, its gathered storage, and the collectives that move them.
+"""One unit on this rank: its shards, its gathered storage, and the transitions between them.
 
-A unit moves SHARDED -> GATHERING -> GATHERED -> SHARDED, one method per
-transition: :meth:`UnitRuntime.start_gather` issues the all-gather (possibly
-ahead of time, as a prefetch), :meth:`UnitRuntime.finish_gather` waits for it
-and copies every full leaf into the unit's persistent storage, and
-:meth:`UnitRuntime.free` releases that storage. :meth:`UnitRuntime.reduce`
-turns the full gradients of one call into a pending reduce-scatter (and
-all-reduce across replicas) of the sharded gradient.
+A unit is SHARDED, GATHERING (an all-gather in flight) or GATHERED, and only
+its own methods move it (docs/executor.md draws the states and who calls
+what): :meth:`UnitRuntime.prefetch` issues the all-gather ahead of use,
+:meth:`UnitRuntime.acquire` makes the unit GATHERED and counts a holder,
+:meth:`UnitRuntime.release` drops one and frees the storage with the last,
+:meth:`UnitRuntime.drop_unused` frees a prefetch nobody used. A transition from
+the wrong state is an internal error (:class:`UnitStateError`), never silently
+allowed.
 
 [Note: persistent gathered storage]
 Every full leaf a unit hands to autograd is a view of one persistent buffer per
@@ -29,6 +30,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -39,8 +41,11 @@ from funcshard._src.comm.ledger import Ledger
 from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.strategy import shard_axes
 from funcshard._src.plan.units import Unit
-from funcshard._src.shard.flat import FlatLayout, pack_into, unpack_into
+from funcshard._src.shard.flat import FlatLayout, Slot, unpack_into
 from funcshard._src.shard.sharded import FlatShard
+
+
+_T = TypeVar("_T")
 
 
 class UnitState(enum.Enum):
@@ -51,8 +56,12 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"  # every full leaf is materialized
 
 
+class UnitStateError(AssertionError):
+    """A unit was asked for a transition its state does not allow: a bug in funcshard."""
+
+
 @dataclass
-class Memory:
+class GatheredMemory:
     """Bytes of gathered parameters alive on this rank, and their peak; optionally a trace.
 
     With ``events`` a list, every unit transition appends ``(event, unit name)``:
@@ -78,9 +87,9 @@ class Memory:
         self.current -= nbytes
 
 
-@dataclass
+@dataclass(eq=False)
 class Part:
-    """One dtype of a unit: its layout, full storage and full leaf views."""
+    """One dtype of a unit: its layout, persistent full storage and full leaf views."""
 
     layout: FlatLayout
     compute_dtype: torch.dtype
@@ -88,44 +97,17 @@ class Part:
     aliased: bool
     full: torch.Tensor | None = None  # persistent, see [Note: persistent gathered storage]
     views: list[torch.Tensor] = field(default_factory=list)
-    inflight: Pending | None = None
-    deferred: torch.Tensor | None = None  # packed gradients kept locally, (group_size, numel)
-    spare: torch.Tensor | None = None  # a donated gradient buffer, (numel,), for the next reduction
+    inflight: Pending | None = None  # this part's all-gather, while the unit is GATHERING
 
     @property
     def full_numel(self) -> int:
         """Elements of all full leaves of this part."""
         return sum(math.prod(s.shape) for s in self.layout.slots)
 
-
-@dataclass
-class Reduction:
-    """A gradient reduction in flight for one part; :meth:`finish` adds it to the sharded gradient."""
-
-    part: int  # index of the part in its unit
-    stage: Pending
-    then_all_reduce: tuple[str, ...]
-    bound: BoundMesh
-    ledger: Ledger | None
-    unit: str = ""
-
-    def finish(
-        self, grads: dict[tuple[str, int], torch.Tensor], key: tuple[str, int], dtype: torch.dtype
-    ) -> None:
-        """Waits, then adds the reduced gradient to ``grads[key]``; mutates ``grads``.
-
-        The first reduction of a key becomes its gradient buffer as it is (cast to
-        the stored ``dtype`` if need be): no zero-filled buffer and no extra pass.
-        """
-        out = self.stage.wait()
-        if self.then_all_reduce:
-            out = collectives.all_reduce(
-                out, self.bound, self.then_all_reduce, ledger=self.ledger, tag=self.unit
-            ).wait()
-        if key not in grads:
-            grads[key] = out if out.dtype == dtype else out.to(dtype)
-        else:
-            grads[key].add_(out if out.dtype == dtype else out.to(dtype))
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of this part's gathered storage (none of its own when aliased)."""
+        return 0 if self.aliased else self.full_numel * self.compute_dtype.itemsize
 
 
 class UnitRuntime:
@@ -138,7 +120,7 @@ class UnitRuntime:
         bound: BoundMesh,
         precision: MixedPrecision,
         ledger: Ledger | None,
-        memory: Memory,
+        memory: GatheredMemory,
     ) -> None:
         self.unit = unit
         self.bound = bound
@@ -150,6 +132,7 @@ class UnitRuntime:
         self.axes = shard_axes(unit.strategy, mesh)
         self.replica_axes = tuple(a for a in mesh.axis_names if a not in self.axes)
         self.group_size = collectives.group_size(bound, self.axes)
+        self.replica_size = collectives.group_size(bound, self.replica_axes)
         self.parts = [
             Part(
                 layout,
@@ -160,9 +143,12 @@ class UnitRuntime:
             )
             for layout in layouts
         ]
+        # the unit's leaf order, computed once: parts in turn, slots within each
+        self.slots: tuple[Slot, ...] = tuple(s for p in self.parts for s in p.layout.slots)
+        self.position = {slot.index: i for i, slot in enumerate(self.slots)}
         self.state = UnitState.SHARDED
-        self.refs = 0
         self.flats: list[FlatShard] = []
+        self._holders = 0
 
     @property
     def name(self) -> str:
@@ -177,21 +163,42 @@ class UnitRuntime:
     @property
     def gathered_bytes(self) -> int:
         """Bytes of this unit's full leaves when gathered (aliased parts hold none of their own)."""
-        return sum(p.full_numel * p.compute_dtype.itemsize for p in self.parts if not p.aliased)
+        return sum(p.full_bytes for p in self.parts)
+
+    @property
+    def holders(self) -> int:
+        """How many calls (or the root) hold the unit gathered now."""
+        return self._holders
+
+    def split(self, leaves: Sequence[_T], /) -> list[Sequence[_T]]:
+        """``leaves`` in the unit's leaf order, cut into one sequence per part."""
+        out: list[Sequence[_T]] = []
+        i = 0
+        for part in self.parts:
+            out.append(leaves[i : i + len(part.layout.slots)])
+            i += len(part.layout.slots)
+        return out
 
     def bind(self, flats: Sequence[FlatShard], /) -> None:
-        """Uses ``flats`` (one per part, same layouts) as this step's shards; mutates."""
+        """Uses ``flats`` (one per part, same layouts) as this step's shards; mutates.
+
+        Raises:
+            UnitStateError: the unit is not SHARDED (a step is still using it).
+        """
+        self._expect(UnitState.SHARDED, "bind")
         self.flats = list(flats)
         for part, flat in zip(self.parts, self.flats):
-            if part.aliased:
+            if part.aliased:  # see [Note: aliased units]
                 part.views = [
                     flat.data[s.offset : s.offset + s.numel].view(s.shape)
                     for s in part.layout.slots
                 ]
 
-    def start_gather(self) -> None:
-        """SHARDED -> GATHERING: issues the all-gather of every part (asynchronously)."""
-        assert self.state is UnitState.SHARDED, (self.name, self.state)
+    # -- transitions ---------------------------------------------------------------
+
+    def prefetch(self) -> None:
+        """SHARDED -> GATHERING: issues the all-gather of every part, to be waited for by :meth:`acquire`."""
+        self._expect(UnitState.SHARDED, "prefetch")
         for part, flat in zip(self.parts, self.flats):
             if part.aliased:
                 continue
@@ -200,24 +207,79 @@ class UnitRuntime:
                 if flat.data.dtype == part.compute_dtype
                 else flat.data.to(part.compute_dtype)
             )
-            out = torch.empty(
+            out = torch.empty(  # (group_size * numel,)
                 self.group_size * local.numel(), dtype=local.dtype, device=local.device
             )
             self.memory.add(out.numel() * out.element_size())
             part.inflight = collectives.all_gather(
-                local,
-                self.bound,
-                self.axes,
-                out=out,
-                ledger=self.ledger,
-                tag=self.name,
+                local, self.bound, self.axes, out=out, ledger=self.ledger, tag=self.name
             )
         self.memory.log("start", self.name)
         self.state = UnitState.GATHERING
 
-    def finish_gather(self) -> None:
+    def acquire(self) -> None:
+        """-> GATHERED, held once more: waits for a prefetch, or gathers now."""
+        if self.state is UnitState.SHARDED:
+            self.prefetch()
+        if self.state is UnitState.GATHERING:
+            self._finish_gather()
+        self._holders += 1
+
+    def release(self) -> None:
+        """Drops one holder; the last one frees the storage (GATHERED -> SHARDED)."""
+        self._expect(UnitState.GATHERED, "release")
+        if self._holders == 0:
+            raise UnitStateError(f"unit {self.name!r}: released more often than acquired")
+        self._holders -= 1
+        if self._holders == 0:
+            self._free()
+
+    def drop_unused(self) -> None:
+        """Frees a unit that was prefetched but that no call holds (GATHERING/GATHERED -> SHARDED)."""
+        if self._holders or self.state is UnitState.SHARDED:
+            return
+        if self.state is UnitState.GATHERING:
+            self._finish_gather()
+        self._free()
+
+    def release_all(self) -> None:
+        """At the end of a step: drops every holder and frees the storage (-> SHARDED)."""
+        self._holders = 0
+        if self.state is not UnitState.SHARDED:
+            self.drop_unused()
+
+    def discard(self) -> list[Pending]:
+        """After an error: drops gathers in flight without waiting (returns them), frees storage, forgets holders."""
+        dropped: list[Pending] = []
+        for part in self.parts:
+            if part.inflight is not None:
+                self.memory.sub(part.inflight.result.numel() * part.inflight.result.element_size())
+                dropped.append(part.inflight)
+                part.inflight = None
+            if not part.aliased and part.full is not None and part.full.untyped_storage().size():
+                part.full.untyped_storage().resize_(0)
+                self.memory.sub(part.full_bytes)
+        self._holders = 0
+        self.state = UnitState.SHARDED
+        return dropped
+
+    def full_leaves(self) -> list[torch.Tensor]:
+        """The full leaves in the unit's leaf order (the unit must be GATHERED)."""
+        self._expect(UnitState.GATHERED, "full_leaves")
+        return [view.detach() for part in self.parts for view in part.views]
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _expect(self, state: UnitState, what: str) -> None:
+        if self.state is not state:
+            raise UnitStateError(
+                f"internal error: unit {self.name!r} asked to {what} in state {self.state.value}, "
+                f"which needs {state.value}; please report it"
+            )
+
+    def _finish_gather(self) -> None:
         """GATHERING -> GATHERED: waits, then fills every full leaf; see [Note: persistent gathered storage]."""
-        assert self.state is UnitState.GATHERING, (self.name, self.state)
+        self._expect(UnitState.GATHERING, "finish gathering")
         for part in self.parts:
             if part.aliased:
                 continue
@@ -233,129 +295,18 @@ class UnitRuntime:
         self.memory.log("finish", self.name)
         self.state = UnitState.GATHERED
 
-    def gather(self) -> None:
-        """Makes the unit GATHERED, waiting for a prefetch in flight or gathering now."""
-        if self.state is UnitState.SHARDED:
-            self.start_gather()
-        if self.state is UnitState.GATHERING:
-            self.finish_gather()
-
-    def free(self) -> None:
+    def _free(self) -> None:
         """GATHERED -> SHARDED: releases the full storage of every part (aliased parts keep theirs)."""
-        if self.state is UnitState.GATHERING:
-            self.finish_gather()
-        if self.state is UnitState.SHARDED:
-            return
+        self._expect(UnitState.GATHERED, "free")
         for part in self.parts:
             if not part.aliased and part.full is not None:
                 part.full.untyped_storage().resize_(0)
-                self.memory.sub(part.full_numel * part.compute_dtype.itemsize)
+                self.memory.sub(part.full_bytes)
         self.memory.log("free", self.name)
         self.state = UnitState.SHARDED
 
-    def discard(self) -> list[Pending]:
-        """After an error: drops gathers in flight without waiting (returns them), frees storage, forgets references."""
-        dropped: list[Pending] = []
-        for part in self.parts:
-            if part.inflight is not None:
-                self.memory.sub(part.inflight.result.numel() * part.inflight.result.element_size())
-                dropped.append(part.inflight)
-                part.inflight = None
-            part.deferred = None
-            if (
-                not part.aliased
-                and part.full is not None
-                and part.full.untyped_storage().size() > 0
-            ):
-                part.full.untyped_storage().resize_(0)
-                self.memory.sub(part.full_numel * part.compute_dtype.itemsize)
-        self.refs = 0
-        self.state = UnitState.SHARDED
-        return dropped
-
-    def full_leaves(self) -> list[torch.Tensor]:
-        """The full leaves of every part, in part then slot order (the unit must be GATHERED)."""
-        assert self.state is UnitState.GATHERED or all(p.aliased for p in self.parts), (
-            self.name,
-            self.state,
-        )
-        return [view.detach() for part in self.parts for view in part.views]
-
-    def reduce(
-        self, grads: Sequence[torch.Tensor | None], /, *, defer: bool = False
-    ) -> list[Reduction]:
-        """Starts reducing one call's full gradients (part then slot order) to their mean over all ranks.
-
-        With ``defer``, the gradients are packed and kept locally instead (added to
-        what earlier deferred calls kept), to be reduced once by a later call
-        without ``defer``: gradient accumulation without communication, like
-        FSDP's ``no_sync``. Returns one :class:`Reduction` per floating-point
-        part that was reduced.
-        """
-        out: list[Reduction] = []
-        world = self.bound.mesh.size
-        replica = (
-            self.replica_axes if collectives.group_size(self.bound, self.replica_axes) > 1 else ()
-        )
-        i = 0
-        for k, part in enumerate(self.parts):
-            mine = grads[i : i + len(part.layout.slots)]
-            i += len(part.layout.slots)
-            if not part.layout.dtype.is_floating_point:
-                continue
-            device = self.flats[k].data.device
-            # a donated buffer of the last step's gradient takes this one's result; see donation.py
-            spare = None
-            if part.spare is not None and not defer:
-                spare, part.spare = part.spare, None
-                if spare.dtype != part.grad_dtype:
-                    spare = None
-            if spare is not None and self.group_size == 1:
-                rows = spare.view(1, -1)  # no_shard: reduced in place, this becomes the gradient
-                spare = None
-            else:
-                rows = torch.empty(
-                    self.group_size, part.layout.numel, dtype=part.grad_dtype, device=device
-                )
-            # the mean over every data-parallel rank: divide while packing, unless gradients
-            # kept from earlier micro-batches are still to be added
-            direct = part.deferred is None and not defer
-            leaves = [None if g is None else g.to(part.grad_dtype) for g in mine]
-            pack_into(part.layout, leaves, rows, self.axes, scale=1.0 / world if direct else 1.0)
-            if part.deferred is not None:
-                rows.add_(part.deferred)
-                part.deferred = None
-            if defer:
-                part.deferred = rows
-                continue
-            if not direct:
-                rows.div_(world)
-            if self.group_size == 1 and replica:  # no_shard: start the all-reduce now, overlapped
-                stage = collectives.all_reduce(
-                    rows.view(-1),
-                    self.bound,
-                    replica,
-                    ledger=self.ledger,
-                    tag=self.name,
-                )
-                then: tuple[str, ...] = ()
-            else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter
-                stage = collectives.reduce_scatter(
-                    rows,
-                    self.bound,
-                    self.axes,
-                    out=spare,
-                    ledger=self.ledger,
-                    tag=self.name,
-                )
-                then = replica
-            self.memory.log("reduce", self.name)
-            out.append(Reduction(k, stage, then, self.bound, self.ledger, self.name))
-        return out
-
     def _materialize(self, part: Part) -> None:
         """Gives ``part.full`` its storage back (allocating it and the views the first time)."""
-        nbytes = part.full_numel * part.compute_dtype.itemsize
         if part.full is None:
             device = self.flats[self.parts.index(part)].data.device
             part.full = torch.empty(part.full_numel, dtype=part.compute_dtype, device=device)
@@ -365,5 +316,5 @@ class UnitRuntime:
                 part.views.append(part.full[offset : offset + n].view(slot.shape))
                 offset += n
         elif part.full.untyped_storage().size() == 0:
-            part.full.untyped_storage().resize_(nbytes)
-        self.memory.add(nbytes)
+            part.full.untyped_storage().resize_(part.full_bytes)
+        self.memory.add(part.full_bytes)

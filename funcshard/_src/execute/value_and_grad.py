@@ -13,10 +13,12 @@ from funcshard._src.comm import groups, settle
 from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute.desync import check_end, check_forward, check_start, signature
+from funcshard._src.execute.reduce import Reducer
 from funcshard._src.execute.run import Run, current_run
-from funcshard._src.execute.unit_state import Memory, UnitRuntime
+from funcshard._src.execute.unit_state import GatheredMemory, UnitRuntime
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
+from funcshard._src.shard.flat import FlatLayout
 from funcshard._src.shard.shard import plan_layouts
 from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of, map_flats
 
@@ -53,7 +55,7 @@ class Step:
         self.prefetch = prefetch
         self.donate_grads = donate_grads
         self.ledger = Ledger()
-        self.memory = Memory()
+        self.memory = GatheredMemory()
         self._layouts = plan_layouts(plan)
         self._units: list[UnitRuntime] | None = None
         self._last: list[FlatShard] = []  # the gradients last returned, with donate_grads
@@ -129,7 +131,7 @@ class Step:
                 "a step was called inside another step's loss_fn; call steps one after the other"
             )
         units = self._runtimes()
-        by_unit, part_of = self._check(sparams)
+        by_unit = self._check(sparams)
         check_start(
             signature(
                 self.plan,
@@ -139,8 +141,7 @@ class Step:
                 order=self._order,
             )
         )
-        self._take_donated(units)
-        grads: dict[tuple[str, int], torch.Tensor] = {}
+        reducer = Reducer(world_size=self.plan.mesh.size, spares=self._take_donated())
         losses: list[torch.Tensor] = []
         auxes: list[Any] = []
         for i, (args, kwargs) in enumerate(batches):
@@ -150,7 +151,7 @@ class Step:
                 order_hint=self._order,
                 prefetch=self.prefetch,
                 defer=mode == "unsharded" and i < len(batches) - 1,
-                grads=grads,
+                reducer=reducer,
                 output_dtype=self.mixed_precision.output_dtype,
             )
             try:
@@ -169,31 +170,30 @@ class Step:
                 raise
             losses.append(loss.detach())
             auxes.append(aux)
-        for key, flat in part_of.values():  # parts no reduction reached: integer leaves
-            if key not in grads:
-                grads[key] = torch.zeros_like(flat.data)
+        grads = reducer.grads
+        for flats in by_unit.values():  # parts no reduction reached: integer leaves
+            for flat in flats:
+                if flat.layout not in grads:
+                    grads[flat.layout] = torch.zeros_like(flat.data)
         if len(batches) > 1:
             floating = [g for g in grads.values() if g.is_floating_point()]
             torch._foreach_mul_(floating, 1.0 / len(batches))
-        sharded_grads = map_flats(lambda flat: flat.with_data(grads[part_of[id(flat)][0]]), sparams)
+        sharded_grads = map_flats(lambda flat: flat.with_data(grads[flat.layout]), sparams)
         if self.donate_grads:
             self._last = flats_of(sharded_grads)
         return (losses, auxes), sharded_grads
 
-    def _take_donated(self, units: list[UnitRuntime]) -> None:
-        """With ``donate_grads``: the last call's gradient buffers become this call's; see [Note: donation].
+    def _take_donated(self) -> dict[FlatLayout, torch.Tensor]:
+        """With ``donate_grads``: the last call's gradient buffers, for this call's; see [Note: donation].
 
         Mutates the last returned gradient tree (it is donated: reading it raises).
         """
         spares = {flat.layout: flat.donate() for flat in self._last if not flat.donated}
         self._last = []
-        for unit in units:
-            for part in unit.parts:
-                part.spare = spares.get(part.layout)
+        return spares
 
-    def _check(
-        self, sparams: Any
-    ) -> tuple[dict[str, list[FlatShard]], dict[int, tuple[tuple[str, int], FlatShard]]]:
+    def _check(self, sparams: Any) -> dict[str, list[FlatShard]]:
+        """``sparams``' flat shards by unit (one per part, in part order), if sharded with this plan."""
         paths, leaves, treedef = tree.flatten_with_paths(sparams)
         if treedef != self.plan.treedef:
             raise ValueError(
@@ -208,7 +208,6 @@ class Step:
                 )
         bound = groups.bind(self.plan.mesh)
         by_unit: dict[str, list[FlatShard]] = {}
-        part_of: dict[int, tuple[tuple[str, int], FlatShard]] = {}
         expected = {(layout.unit, layout.dtype): layout for layout in self._layouts}
         for flat in flats_of(sparams):
             layout = expected.get((flat.layout.unit, flat.layout.dtype))
@@ -221,10 +220,8 @@ class Step:
                     f"unit {flat.layout.unit!r}: the params were sharded with another plan or rank than "
                     f"this step's (plan fingerprint {self.plan.fingerprint()}); shard them with this plan"
                 )
-            parts = by_unit.setdefault(flat.layout.unit, [])
-            part_of[id(flat)] = ((flat.layout.unit, len(parts)), flat)
-            parts.append(flat)
-        return by_unit, part_of
+            by_unit.setdefault(flat.layout.unit, []).append(flat)
+        return by_unit
 
     def _split(self, out: Any) -> tuple[torch.Tensor, Any]:
         if self.has_aux:

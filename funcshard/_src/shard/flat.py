@@ -16,6 +16,7 @@ its end too, so narrowing the gathered dim to the leaf's size drops it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +54,13 @@ class FlatLayout:
     mesh: Mesh
     slots: tuple[Slot, ...]
     numel: int  # per rank
+
+    def __hash__(self) -> int:  # gradients are keyed by layout: hash the slots once
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.unit, self.dtype, self.mesh, self.slots, self.numel))
 
     @property
     def nbytes(self) -> int:
