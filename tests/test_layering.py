@@ -42,7 +42,7 @@ ORDER = {
     "execute": ["desync", "unit_state", "reduce", "run", "call", "value_and_grad"],
     "optim": ["base", "sgd", "adamw", "clip", "nonfinite"],
     "checkpoint": ["errors", "chunks", "manifest", "commit", "dcp_io", "rng", "save", "load", "export"],
-    "interop": ["host", "module_units", "module", "jax", "orbax"],
+    "interop": ["host", "module_tree", "module_units", "apply", "module", "jax", "orbax"],
 }  # fmt: skip
 DISTRIBUTED_OK = {"comm", "execute", "optim", "checkpoint", "interop"}
 TORCH_FREE = {"spec"}  # pure index math
