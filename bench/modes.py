@@ -89,7 +89,7 @@ def _funcshard(strategy: Any, cfg: Config, params: Any, device: torch.device) ->
         }
 
     return Trainer(
-        run, state_bytes, lambda: step.ledger.total(), sum(fs.estimate(plan).comm.values())
+        run, state_bytes, lambda: step.ledger.total(), sum(fs.cost.estimate(plan).comm.values())
     )
 
 

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     back = fs.interop.from_jax(jax.device_put(jax_grads, jax.devices()[0]))
     grad_error = max(
         float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-        for a, b in zip(fs.tree_leaves(back), fs.tree_leaves(torch_grads))
+        for a, b in zip(fs.tree.leaves(back), fs.tree.leaves(torch_grads))
     )
     if rank == 0:
         print(

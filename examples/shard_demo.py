@@ -41,15 +41,15 @@ def main() -> None:
         print(plan.explain())
     sparams = fs.shard(params, plan)
     local = sum(
-        leaf.padded.numel() * leaf.padded.element_size() for leaf in fs.tree_leaves(sparams)
+        leaf.padded.numel() * leaf.padded.element_size() for leaf in fs.tree.leaves(sparams)
     )
-    total = sum(t.numel() * t.element_size() for t in fs.tree_leaves(params))
+    total = sum(t.numel() * t.element_size() for t in fs.tree.leaves(params))
     print(
         f"rank {fs.rank()}: holds {local:,} of {total:,} parameter bytes ({local / total:.1%})",
         flush=True,
     )
     full = fs.unshard(sparams)
-    same = all(torch.equal(a, b) for a, b in zip(fs.tree_leaves(full), fs.tree_leaves(params)))
+    same = all(torch.equal(a, b) for a, b in zip(fs.tree.leaves(full), fs.tree.leaves(params)))
     print(f"rank {fs.rank()}: unshard(shard(params)) == params: {same}", flush=True)
     if not same:
         raise SystemExit(1)

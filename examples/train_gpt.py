@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> list[float]:
             )
     if rank == 0:
         held = sum(
-            leaf.padded.numel() * leaf.padded.element_size() for leaf in fs.tree_leaves(sparams)
+            leaf.padded.numel() * leaf.padded.element_size() for leaf in fs.tree.leaves(sparams)
         )
         print(
             f"\nloss {losses[0]:.3f} -> {losses[-1]:.3f} over {args.steps} steps on {world} rank(s); "

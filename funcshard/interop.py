@@ -4,9 +4,9 @@
 (``pip install 'funcshard[jax]'``) and ``load_orbax`` TensorStore (``'funcshard[orbax]'``).
 """
 
+from funcshard._src.interop.apply import Apply as Apply
 from funcshard._src.interop.jax import from_jax as from_jax
 from funcshard._src.interop.jax import to_jax as to_jax
-from funcshard._src.interop.apply import Apply as Apply
 from funcshard._src.interop.module import functionalize as functionalize
 from funcshard._src.interop.orbax import load_orbax as load_orbax
 

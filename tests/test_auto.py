@@ -140,7 +140,7 @@ def test_hybrid_shard_comes_before_shard_grad_op_when_it_sends_less_time():
     }
     comm: dict[Strategy, Any] = {s: estimate(plan).comm for s, plan in plans.items()}
     by_bytes = _by_communication(list(ladder(mesh)), comm, mesh, None)
-    on_a100 = _by_communication(list(ladder(mesh)), comm, mesh, fs.hardware("a100-80gb"))
+    on_a100 = _by_communication(list(ladder(mesh)), comm, mesh, fs.cost.hardware("a100-80gb"))
     assert by_bytes == ["no_shard", "shard_grad_op", "hybrid_shard", "full_shard"]
     assert on_a100 == ["no_shard", "hybrid_shard", "shard_grad_op", "full_shard"]
 

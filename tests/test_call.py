@@ -290,7 +290,7 @@ def _held_gradients(strategy: Any, donate: bool) -> tuple[bool, bool, str]:
     _, held = step(sparams, X)
     if donate:
         first_buffer = held["blocks"][0]["w"].flat.data.data_ptr()
-    kept = fs.tree_map(lambda g: g.local.clone(), held)  # what the held tree says now
+    kept = fs.tree.map(lambda g: g.local.clone(), held)  # what the held tree says now
     sparams, state = opt.update_(held, state, sparams)
     _, grads = step(sparams, X)
     reused = donate and grads["blocks"][0]["w"].flat.data.data_ptr() == first_buffer
@@ -299,7 +299,7 @@ def _held_gradients(strategy: Any, donate: bool) -> tuple[bool, bool, str]:
         _, grads = step(sparams, X)
     try:
         unchanged = all(
-            torch.equal(g.local, k) for g, k in zip(fs.tree_leaves(held), fs.tree_leaves(kept))
+            torch.equal(g.local, k) for g, k in zip(fs.tree.leaves(held), fs.tree.leaves(kept))
         )
         error = ""
     except fs.DonatedError as e:

@@ -161,7 +161,9 @@ DEEPSPEED = CostModel(
 def _llama_7b_one_unit_per_module(gpus: int, strategy: Any) -> fs.Plan:
     """LLaMA-7B in fp16 with every weight its own unit (DeepSpeed's "layer" is one module)."""
     params = get_preset("llama-7b").params(dtype=torch.float16)
-    return fs.plan(params, fs.Mesh({"fsdp": gpus}), units=fs.leaf_paths(params), strategy=strategy)
+    return fs.plan(
+        params, fs.Mesh({"fsdp": gpus}), units=fs.tree.leaf_paths(params), strategy=strategy
+    )
 
 
 @pytest.mark.parametrize("gpus", [8, 64, 256])
@@ -258,20 +260,22 @@ def test_one_big_leaf_costs_one_eighth_on_eight_ranks():
 # The paper gives no configs for its 611M and 2.28B T5s; here they are T5-3B's shape
 # (d_model 1024, 32 heads of 128, 24 + 24 layers) with a narrower feed-forward.
 
-A100_80GB = fs.hardware("a100-80gb").memory_bytes
+A100_80GB = fs.cost.hardware("a100-80gb").memory_bytes
 PAPER_T5 = fs.MixedPrecision(torch.bfloat16, torch.float32)
 
 
-def _t5(d_ff: int) -> fs.Preset:
-    config = fs.ModelConfig("t5", 48, 1024, d_ff, 32, 32, 128, 32128, 512, n_encoder_layers=24)
-    return fs.Preset(f"t5 d_ff={d_ff}", config)
+def _t5(d_ff: int) -> fs.presets.Preset:
+    config = fs.presets.ModelConfig(
+        "t5", 48, 1024, d_ff, 32, 32, 128, 32128, 512, n_encoder_layers=24
+    )
+    return fs.presets.Preset(f"t5 d_ff={d_ff}", config)
 
 
-def _per_gpu(model: fs.Preset, strategy: Any, remat: bool) -> int:
+def _per_gpu(model: fs.presets.Preset, strategy: Any, remat: bool) -> int:
     plan = fs.plan(
         model.params(), fs.Mesh({"fsdp": 8}), units=[model.unit_pattern], strategy=strategy
     )
-    workload = fs.Workload(model.config, batch_size=8, seq_len=512, remat=remat)
+    workload = fs.cost.Workload(model.config, batch_size=8, seq_len=512, remat=remat)
     return estimate(plan, CostModel(mixed_precision=PAPER_T5, workload=workload)).memory.total
 
 
@@ -288,6 +292,6 @@ def test_ddp_runs_out_of_memory_above_about_2_3b_parameters_on_an_80gb_a100():
 
 def test_full_sharding_trains_t5_11b_on_eight_80gb_a100s_where_ddp_cannot():
     """§5.4's setup: full sharding, activation checkpointing, BF16, Adam, 8 x 512 tokens."""
-    t5_11b = fs.preset("t5-11b")
+    t5_11b = fs.presets.get("t5-11b")
     assert _per_gpu(t5_11b, "full_shard", remat=True) <= A100_80GB
     assert _per_gpu(t5_11b, "no_shard", remat=True) > 2 * A100_80GB

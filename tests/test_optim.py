@@ -73,14 +73,14 @@ def test_updates_equal_torch_optim_on_full_tensors(case):
     ranks = range(plan.mesh.size)
     sparams = [shard_for_rank(params, plan, r) for r in ranks]
     states = [opt.init(s) for s in sparams]
-    leaves = [leaf.clone().requires_grad_() for leaf in fs.tree_leaves(params)]
+    leaves = [leaf.clone().requires_grad_() for leaf in fs.tree.leaves(params)]
     reference = make_torch(leaves)
     for step in range(3):
-        grads_full = fs.tree_map(lambda t, step=step: torch.sin(t * (step + 1)) + 0.1, params)
+        grads_full = fs.tree.map(lambda t, step=step: torch.sin(t * (step + 1)) + 0.1, params)
         grads = [shard_for_rank(grads_full, plan, r) for r in ranks]
         for r in ranks:
             sparams[r], states[r] = opt.update_(grads[r], states[r], sparams[r])
-        for leaf, g in zip(leaves, fs.tree_leaves(grads_full)):
+        for leaf, g in zip(leaves, fs.tree.leaves(grads_full)):
             leaf.grad = g.clone()
         reference.step()
     for ours, ref in zip(_full(sparams), leaves):

@@ -75,7 +75,7 @@ def test_sharded_state_is_a_wth_of_the_total(pools, world_size, mesh):
     """Parameters, gradients and AdamW state per rank: total/W plus padding (and replicated scalars)."""
     for model in (EVEN, UNEVEN):
         params = model.init(0)
-        total = sum(t.numel() * t.element_size() for t in fs.tree_leaves(params))
+        total = sum(t.numel() * t.element_size() for t in fs.tree.leaves(params))
         plan = fs.plan(params, fs.Mesh(mesh), units=model.units)
         padding = sum(
             (math.prod(leaf.sharding(plan.mesh).shard_shape(leaf.shape)) * world_size - leaf.numel)
@@ -127,7 +127,7 @@ def test_full_shard_moves_three_times_w_minus_1_over_w_of_the_parameters(pools, 
     )
     params = model.init(0)
     plan = fs.plan(params, fs.Mesh({"fsdp": world_size}), units=model.units)
-    param_bytes = sum(t.numel() * t.element_size() for t in fs.tree_leaves(params))
+    param_bytes = sum(t.numel() * t.element_size() for t in fs.tree.leaves(params))
     stored = world_size * param_bytes_per_rank(plan)
     assert stored == param_bytes + (world_size - 1) * 4
     for strategy, factor, moved in [

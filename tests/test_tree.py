@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from funcshard import leaf_paths, register_dataclass
 from funcshard._src import tree
+from funcshard.tree import leaf_paths, register_dataclass
 from tests.strategies import pytrees
 
 Point = namedtuple("Point", ["y", "x"])

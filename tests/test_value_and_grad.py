@@ -126,14 +126,14 @@ def train_sharded(case: Case) -> tuple[list[torch.Tensor], Any]:
 def train_reference(case: Case) -> tuple[list[torch.Tensor], Any]:
     """One process, full tensors: torch.func gradients of the mean loss and torch.optim."""
     params = case.model.init(0)
-    leaves, treedef = fs.tree_flatten(params)
+    leaves, treedef = fs.tree.flatten(params)
     leaves = [leaf.clone().requires_grad_() for leaf in leaves]
     opt, schedule = case.torch_optimizer(leaves)
     compute = case.precision.param_dtype if case.precision is not None else None
 
     def loss_fn(p: Any, *batch: torch.Tensor) -> torch.Tensor:
         if compute is not None:  # the sharded run gathers and computes every float leaf in bf16
-            p = fs.tree_map(lambda t: t.to(compute), p)
+            p = fs.tree.map(lambda t: t.to(compute), p)
         return case.model.loss_fn(p, *batch)
 
     losses = []
@@ -141,9 +141,9 @@ def train_reference(case: Case) -> tuple[list[torch.Tensor], Any]:
         batches = [
             case.batch(t, r, m) for r in range(case.world_size) for m in range(case.micro_batches)
         ]
-        full = fs.tree_unflatten(treedef, [leaf.detach() for leaf in leaves])
+        full = fs.tree.unflatten(treedef, [leaf.detach() for leaf in leaves])
         loss, grads = reference_value_and_grad(loss_fn, full, batches)
-        for leaf, grad in zip(leaves, fs.tree_leaves(grads)):
+        for leaf, grad in zip(leaves, fs.tree.leaves(grads)):
             leaf.grad = grad.clone()
         if case.clip is not None:
             torch.nn.utils.clip_grad_norm_(leaves, case.clip)
@@ -151,7 +151,7 @@ def train_reference(case: Case) -> tuple[list[torch.Tensor], Any]:
         if schedule is not None:
             schedule.step()
         losses.append(loss)
-    return losses, fs.tree_unflatten(treedef, [leaf.detach() for leaf in leaves])
+    return losses, fs.tree.unflatten(treedef, [leaf.detach() for leaf in leaves])
 
 
 @contextlib.contextmanager
@@ -235,7 +235,7 @@ def test_an_automatic_plan_that_mixes_strategies_trains_like_one_device(pools):
         model = Model(layers=3)
         params = model.init(0)
         totals = [
-            fs.estimate(fs.plan(params, fs.Mesh(dict(mesh)), units=model.units, strategy=s))
+            fs.cost.estimate(fs.plan(params, fs.Mesh(dict(mesh)), units=model.units, strategy=s))
             for s in ("full_shard", "no_shard")
         ]
         budget = (totals[0].memory.total + totals[1].memory.total) // 2

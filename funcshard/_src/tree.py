@@ -384,6 +384,6 @@ def _known(name: Any) -> type:
             f"tree node type {_short(name)} is not known to funcshard, which never imports a "
             f"module that a file names. Import and register the type before loading: "
             f"fs.register_namedtuple({qualname or 'YourType'}) for a namedtuple, "
-            f"fs.register_dataclass for a dataclass"
+            f"fs.tree.register_dataclass for a dataclass"
         )
     return cls

@@ -83,7 +83,7 @@ def test_paths_follow_module_names_with_lists_for_module_lists():
     params, apply = functionalize(model)
     assert isinstance(params["blocks"], list)
     assert len(params["blocks"]) == 11
-    paths = fs.leaf_paths(params)
+    paths = fs.tree.leaf_paths(params)
     assert paths[:5] == [
         "blocks/0/fc1/bias",
         "blocks/0/fc1/weight",
@@ -98,7 +98,7 @@ def test_paths_follow_module_names_with_lists_for_module_lists():
     assert "head/weight" not in paths
     assert "blocks/0/gain" not in paths
     assert "scale" not in paths  # frozen: state
-    assert fs.leaf_paths(apply.state) == ["calls", "pos", "scale"]
+    assert fs.tree.leaf_paths(apply.state) == ["calls", "pos", "scale"]
     assert (
         params["embed"]["weight"].data_ptr() == model.embed.weight.data_ptr()
     )  # a view, not a copy
@@ -111,7 +111,7 @@ def test_entries_without_parameters_are_none_in_lists():
     params, _ = functionalize(net)
     assert isinstance(params, list)
     assert params[1] is None
-    assert fs.leaf_paths(params) == ["0/bias", "0/weight", "2/bias", "2/weight"]
+    assert fs.tree.leaf_paths(params) == ["0/bias", "0/weight", "2/bias", "2/weight"]
 
 
 def test_apply_equals_the_module_with_tied_gradients_summed():
@@ -128,7 +128,7 @@ def test_apply_equals_the_module_with_tied_gradients_summed():
         "gain": model.gain.grad,  # root use plus both blocks (borrowed inside the units)
         "blocks/1/fc1/weight": model.block(1).fc1.weight.grad,
     }
-    by_path = dict(zip(fs.leaf_paths(grads), fs.tree_leaves(grads)))
+    by_path = dict(zip(fs.tree.leaf_paths(grads), fs.tree.leaves(grads)))
     for path, grad in expected.items():
         torch.testing.assert_close(by_path[path], grad, **FP32_TOL)
     assert model.scale.grad is None
@@ -138,7 +138,7 @@ def test_state_dict_round_trips_into_the_module():
     """apply.state_dict(params) has the module's keys (tied and buffers too) and loads into it."""
     model = TinyLM()
     params, apply = functionalize(model)
-    changed = fs.tree_map(lambda t: t + 1, params)
+    changed = fs.tree.map(lambda t: t + 1, params)
     state = apply.state_dict(changed)
     assert sorted(state) == sorted(model.state_dict())
     fresh = TinyLM(seed=1)
@@ -218,7 +218,7 @@ def test_a_tied_parameter_used_outside_its_unit_is_an_error():
         functionalize(model, units=["blocks/0"])
     # the leaf in the root unit: the unit of blocks/1 borrows it, as it borrows `gain`
     params, apply = functionalize(model, units=["blocks/1"])
-    assert "blocks/1/fc1/weight" not in fs.leaf_paths(params)
+    assert "blocks/1/fc1/weight" not in fs.tree.leaf_paths(params)
     torch.testing.assert_close(apply(params, *batch(0)), model(*batch(0)))
 
 
@@ -244,9 +244,9 @@ def test_overlapping_views_of_one_storage_are_an_error():
 
 def test_identical_views_are_one_leaf_and_disjoint_views_two():
     params, _ = functionalize(Views(slice(0, 6), slice(0, 6)))
-    assert fs.leaf_paths(params) == ["a"]
+    assert fs.tree.leaf_paths(params) == ["a"]
     params, _ = functionalize(Views(slice(0, 6), slice(6, 12)))  # a fused weight split in two
-    assert fs.leaf_paths(params) == ["a", "b"]
+    assert fs.tree.leaf_paths(params) == ["a", "b"]
 
 
 # -- apply's errors ---------------------------------------------------------------------
@@ -322,7 +322,7 @@ def test_unit_outputs_in_unknown_containers_are_regathered_for_backward(pools):
     xs = [torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(r)) for r in range(2)]
     torch.stack([model(x) for x in xs]).mean().backward()
     expected = {name.replace(".", "/"): p.grad for name, p in model.named_parameters()}
-    by_path = dict(zip(fs.leaf_paths(results[0]), fs.tree_leaves(results[0])))
+    by_path = dict(zip(fs.tree.leaf_paths(results[0]), fs.tree.leaves(results[0])))
     assert by_path.keys() == expected.keys()
     for path, grad in expected.items():
         torch.testing.assert_close(by_path[path], grad, **FP32_TOL, msg=path)

@@ -50,13 +50,13 @@ def tokens(seed: int) -> torch.Tensor:
 
 def test_paths_units_and_state_of_a_llama():
     params, apply = functionalize(llama(), units=["LlamaDecoderLayer"])
-    paths = fs.leaf_paths(params)
+    paths = fs.tree.leaf_paths(params)
     assert "model/layers/1/self_attn/q_proj/weight" in paths
     assert isinstance(params["model"]["layers"], list)
     assert "lm_head/weight" not in paths  # tied to model/embed_tokens/weight: one leaf
     assert "model/layers/0/post_attention_layernorm/weight" not in paths  # frozen
     assert apply.units == ("model/layers/*",)
-    assert fs.leaf_paths(apply.state) == [
+    assert fs.tree.leaf_paths(apply.state) == [
         "model/layers/0/post_attention_layernorm/weight",
         "model/rotary_emb/inv_freq",
         "model/rotary_emb/original_inv_freq",
@@ -83,7 +83,7 @@ def test_apply_equals_the_model_and_its_gradients():
     )
     torch.testing.assert_close(loss, out.loss.detach(), **FP32_TOL)
     by_name = {n.replace(".", "/"): p.grad for n, p in model.named_parameters()}
-    for path, grad in zip(fs.leaf_paths(grads), fs.tree_leaves(grads)):
+    for path, grad in zip(fs.tree.leaf_paths(grads), fs.tree.leaves(grads)):
         torch.testing.assert_close(grad, by_name[path], **FP32_TOL, msg=path)
 
 

@@ -164,26 +164,26 @@ def test_plan_shardings_place_each_rank_shard_on_its_device(axes, rules):
     mesh = fs.Mesh(axes)
     plan = fs.plan(p, mesh, rules=rules, units=["blocks/*"], strict=True)
     shardings = plan.to_jax_shardings(jax_mesh(mesh))
-    assert fs.tree_flatten(shardings)[1] == fs.tree_flatten(p)[1]
-    for leaf, sharding in zip(plan.leaves, fs.tree_leaves(shardings)):
+    assert fs.tree.flatten(shardings)[1] == fs.tree.flatten(p)[1]
+    for leaf, sharding in zip(plan.leaves, fs.tree.leaves(shardings)):
         assert sharding.spec == JaxP(*leaf.spec)
         expected = {d.id: i for d, i in sharding.devices_indices_map(leaf.shape).items()}
         assert leaf.sharding(mesh).indices(leaf.shape) == expected
     arrays = jax.device_put(to_jax(p), shardings)
     for rank in range(mesh.size):
         mine = from_jax(arrays, rank=rank)
-        local = fs.tree_map(lambda s: s.local, shard_for_rank(p, plan, rank))
-        for a, b in zip(fs.tree_leaves(mine), fs.tree_leaves(local)):
+        local = fs.tree.map(lambda s: s.local, shard_for_rank(p, plan, rank))
+        for a, b in zip(fs.tree.leaves(mine), fs.tree.leaves(local)):
             assert torch.equal(a, b)
         # and back: this rank's shards as JAX arrays
         back = to_jax(shard_for_rank(p, plan, rank))
-        for a, b in zip(fs.tree_leaves(back), fs.tree_leaves(local)):
+        for a, b in zip(fs.tree.leaves(back), fs.tree.leaves(local)):
             np.testing.assert_array_equal(np.asarray(a), b.numpy())
     total = jax.jit(
         lambda t: sum(jnp.sum(x) for x in jax.tree.leaves(t)), in_shardings=(shardings,)
     )
     np.testing.assert_allclose(
-        float(total(arrays)), sum(float(x.sum()) for x in fs.tree_leaves(p)), rtol=1e-5
+        float(total(arrays)), sum(float(x.sum()) for x in fs.tree.leaves(p)), rtol=1e-5
     )
 
 

@@ -126,7 +126,7 @@ class Block:
     name: str = "blk"
 
 
-fs.register_dataclass(Block, data_fields=["w", "b"], meta_fields=["name"])
+fs.tree.register_dataclass(Block, data_fields=["w", "b"], meta_fields=["name"])
 jax.tree_util.register_dataclass(Block, data_fields=["w", "b"], meta_fields=["name"])
 
 CORPUS = [

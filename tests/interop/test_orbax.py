@@ -49,9 +49,9 @@ BF16 = {"params/blocks/0/w", "params/blocks/1/w"}
 
 
 def expected() -> dict[str, Any]:
-    leaves, treedef = fs.tree_flatten(arrays())
-    paths = fs.leaf_paths(arrays())
-    return fs.tree_unflatten(
+    leaves, treedef = fs.tree.flatten(arrays())
+    paths = fs.tree.leaf_paths(arrays())
+    return fs.tree.unflatten(
         treedef,
         [
             torch.from_numpy(x).to(torch.bfloat16) if p in BF16 else torch.from_numpy(x)
@@ -65,9 +65,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ocp = pytest.importorskip("orbax.checkpoint", reason="Orbax writes the test checkpoints")
     import jax.numpy as jnp
 
-    leaves, treedef = fs.tree_flatten(arrays())
-    paths = fs.leaf_paths(arrays())
-    state = fs.tree_unflatten(
+    leaves, treedef = fs.tree.flatten(arrays())
+    paths = fs.tree.leaf_paths(arrays())
+    state = fs.tree.unflatten(
         treedef,
         [jnp.asarray(x, jnp.bfloat16 if p in BF16 else x.dtype) for p, x in zip(paths, leaves)],
     )
@@ -92,10 +92,10 @@ def test_the_whole_checkpoint_loads_as_torch_tensors(checkpoints, layout):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_a_subtree_loads_into_like(checkpoints, layout):
     want = expected()["params"]
-    like = fs.tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), want)
+    like = fs.tree.map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), want)
     loaded = load_orbax(checkpoints[layout], like, prefix="params")
     assert_trees_close(loaded, want, rtol=0, atol=0)
-    assert all(t.device.type == "cpu" for t in fs.tree_leaves(loaded))
+    assert all(t.device.type == "cpu" for t in fs.tree.leaves(loaded))
 
 
 def test_like_that_does_not_fit_is_an_error_listing_every_problem(checkpoints):
@@ -129,10 +129,10 @@ def _load_sharded(directory: str) -> list[torch.Tensor]:
         rules=[("blocks/*/w", P(None, "fsdp"))],
         units=["blocks/*"],
     )
-    like = fs.shard(fs.tree_map(torch.zeros_like, want), plan)
+    like = fs.shard(fs.tree.map(torch.zeros_like, want), plan)
     loaded = load_orbax(directory, like, prefix="params")
-    assert all(torch.count_nonzero(s.local) == 0 for s in fs.tree_leaves(like))  # like unchanged
-    return [s.local.clone() for s in fs.tree_leaves(loaded)]
+    assert all(torch.count_nonzero(s.local) == 0 for s in fs.tree.leaves(like))  # like unchanged
+    return [s.local.clone() for s in fs.tree.leaves(loaded)]
 
 
 def test_each_rank_reads_its_own_shards(pools, checkpoints):
@@ -143,7 +143,7 @@ def test_each_rank_reads_its_own_shards(pools, checkpoints):
         want, fs.Mesh({"fsdp": 2}), rules=[("blocks/*/w", P(None, "fsdp"))], units=["blocks/*"]
     )
     for rank, shards in enumerate(results):
-        for got, ref in zip(shards, fs.tree_leaves(shard_for_rank(want, plan, rank))):
+        for got, ref in zip(shards, fs.tree.leaves(shard_for_rank(want, plan, rank))):
             assert torch.equal(got, ref.local), ref.path
 
 

@@ -127,7 +127,7 @@ def load_full(path: str | os.PathLike[str], /, *, verify: bool = True) -> Any:
     """The whole saved tree as full tensors, in one process (no torch.distributed needed).
 
     Tree nodes that are namedtuples or dataclasses come back only if this process
-    knows their types (``fs.register_namedtuple``, ``fs.register_dataclass``);
+    knows their types (``fs.register_namedtuple``, ``fs.tree.register_dataclass``);
     funcshard's own optimizer states are known.
 
     Raises:

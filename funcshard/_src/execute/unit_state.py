@@ -44,7 +44,6 @@ from funcshard._src.plan.units import Unit
 from funcshard._src.shard.flat import FlatLayout, Slot, unpack_into
 from funcshard._src.shard.sharded import FlatShard
 
-
 _T = TypeVar("_T")
 
 

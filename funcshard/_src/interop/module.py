@@ -66,7 +66,7 @@ def functionalize(
         >>> from torch import nn
         >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
         >>> params, apply = functionalize(net, units=[nn.Linear])
-        >>> fs.leaf_paths(params)
+        >>> fs.tree.leaf_paths(params)
         ['0/bias', '0/weight', '2/bias', '2/weight']
         >>> apply.unit_paths, apply.units
         (('0', '2'), ('*',))

@@ -132,7 +132,7 @@ def _check_budget(budget: int | str | None, strategy: Requested) -> int | None:
         if strategy == "auto":
             raise ValueError(
                 "strategy='auto' needs memory_budget: the bytes per rank to fit, e.g. "
-                "memory_budget='80GiB' (with cost=fs.CostModel(...) describing the training)"
+                "memory_budget='80GiB' (with cost=fs.cost.CostModel(...) describing the training)"
             )
         return None
     if isinstance(budget, bool) or not isinstance(budget, (int, str)):  # pyright: ignore[reportUnnecessaryIsInstance]
