@@ -25,25 +25,18 @@ class Ledger:
     """
 
     bytes_by_key: Counter[tuple[str, tuple[str, ...]]] = field(default_factory=Counter)
-    calls_by_key: Counter[tuple[str, tuple[str, ...]]] = field(default_factory=Counter)
 
     def record(self, op: str, axes: tuple[str, ...], *, group_size: int, full_bytes: int) -> None:
         """Counts one collective of ``op`` over ``axes`` on a full buffer of ``full_bytes``."""
         self.bytes_by_key[(op, axes)] += sent_bytes(op, group_size, full_bytes)
-        self.calls_by_key[(op, axes)] += 1
 
     def total(self, op: str | None = None) -> int:
         """Bytes sent, over every op or only ``op``."""
         return sum(n for (o, _), n in self.bytes_by_key.items() if op is None or o == op)
 
-    def calls(self, op: str | None = None) -> int:
-        """Collectives issued, over every op or only ``op``."""
-        return sum(n for (o, _), n in self.calls_by_key.items() if op is None or o == op)
-
     def reset(self) -> None:
         """Forgets everything counted so far; mutates the ledger."""
         self.bytes_by_key.clear()
-        self.calls_by_key.clear()
 
 
 def sent_bytes(op: str, group_size: int, full_bytes: int) -> int:

@@ -148,6 +148,9 @@ def unpack_into(
 ) -> None:
     """Writes every full leaf of ``layout`` from ``gathered`` into ``outs`` (slot order); mutates ``outs``.
 
+    Each leaf is its chunks, concatenated and narrowed to the leaf's size, which
+    drops the padding (see [Note: padding]).
+
     One copy per leaf when its dims divide evenly, two when they are padded.
     """
     axes = tuple(layout.mesh.axis_names if axes is None else axes)
