@@ -9,9 +9,13 @@ import pytest
 
 from tests.docs import run_blocks
 
-pytest.importorskip("transformers", reason="docs/interop.md builds a Hugging Face model: nox -s interop")
+pytest.importorskip(
+    "transformers", reason="docs/interop.md builds a Hugging Face model: nox -s interop"
+)
 pytest.importorskip("jax", reason="docs/interop.md exchanges arrays with JAX: nox -s interop")
-pytest.importorskip("orbax.checkpoint", reason="docs/interop.md writes an Orbax checkpoint: nox -s interop")
+pytest.importorskip(
+    "orbax.checkpoint", reason="docs/interop.md writes an Orbax checkpoint: nox -s interop"
+)
 
 
 def test_interop_doc_blocks_run(tmp_path):
