@@ -17,7 +17,7 @@ __all__ = ["assert_trees_close", "held_bytes", "reference_value_and_grad"]
 def held_bytes(tree_: Any, /) -> int:
     """Bytes this rank holds for ``tree_``: its flat shard buffers (each once) and plain tensors.
 
-    What :func:`funcshard.estimate` predicts for params, grads and optimizer state
+    What :func:`funcshard.cost.estimate` predicts for params, grads and optimizer state
     (``memory.params``, ``memory.grads``, ``memory.optimizer``) is exactly this.
 
     Example:

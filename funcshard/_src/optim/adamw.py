@@ -35,7 +35,9 @@ def adamw(
     *,
     fused: bool = True,
 ) -> Optimizer:
-    """AdamW with ``torch.optim.AdamW``'s numerics, on all flat buffers at once.
+    """AdamW whose ``update_`` writes params and state in place, with ``torch.optim.AdamW``'s numerics.
+
+    One pass over all flat buffers at once.
 
     Args:
         lr: a learning rate, or a schedule ``lr(count)`` of the number of earlier updates.

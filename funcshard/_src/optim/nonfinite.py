@@ -1,4 +1,4 @@
-"""Non-finite gradients: detect NaN/Inf across every shard with one all-reduce, and skip such steps."""
+"""Non-finite gradients: detect NaN/Inf across every shard with one agreement, and skip such steps."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class SkipState(NamedTuple):
 
 
 def skip_nonfinite(optimizer: Optimizer, /) -> Optimizer:
-    """Wraps ``optimizer`` so that an update whose gradients hold NaN or Inf on any rank is skipped.
+    """Wraps ``optimizer`` (in place, as it updates) so that an update with NaN or Inf gradients on any rank is skipped.
 
     A skipped update leaves params and the inner state as they were and counts
     itself in ``state.skipped``. Collective: one all-reduce per update.

@@ -29,7 +29,7 @@ class SGDState(NamedTuple):
 def sgd(
     lr: LearningRate, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0
 ) -> Optimizer:
-    """Stochastic gradient descent with ``torch.optim.SGD``'s numerics (dampening 0).
+    """SGD whose ``update_`` writes params and state in place, with ``torch.optim.SGD``'s numerics (dampening 0).
 
     Args:
         lr: a learning rate, or a schedule ``lr(count)`` of the number of earlier updates.
