@@ -9,6 +9,7 @@ import hashlib
 import json
 import struct
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,13 +17,16 @@ import torch
 from funcshard._src.comm import runtime
 from funcshard._src.comm.channel import (
     Kind,
+    Message,
+    Posted,
     all_gather_single,
     channel,
     describe_abort,
     ensure_in_step,
-    exchange,
     kind_name,
     mark_out_of_step,
+    post,
+    receive,
     wait,
 )
 from funcshard._src.comm.runtime import CollectiveError, DesyncError
@@ -50,28 +54,65 @@ def agree(
     if ch is None:
         return None
     ensure_in_step(what)
-    messages = exchange(ch, kind, digest, payload, what, timeout=runtime.collective_timeout())
-    mine = (int(kind), ch.seq - 1)
-    aborted = [(r, m) for r, m in enumerate(messages) if m[0] == int(Kind.ABORT)]
-    if aborted:
-        ch.peer_aborted = True
-        mark_out_of_step(f"rank {aborted[0][0]} gave up during {what}")
-        gave_up = "; ".join(f"rank {r}: {describe_abort(m)}" for r, m in aborted)
-        raise CollectiveError(
-            f"{what} on rank {ch.rank}: a peer gave up instead ({gave_up}). This rank is now out of "
-            f"step; restart the job and resume from the latest checkpoint"
-        )
-    if any((m[0], m[1]) != mine for m in messages):
-        mark_out_of_step(f"ranks were at different operations during {what}")
-        listing = "; ".join(
-            f"rank {r}: {kind_name(m[0])} (operation #{m[1]})" for r, m in enumerate(messages)
-        )
-        raise DesyncError(
-            f"ranks are at different operations ({listing}), rank {ch.rank} at {what}. Every rank "
-            f"must run the same funcshard operations in the same order (the same steps, shard, "
-            f"unshard, clipping and checkpoint calls)"
-        )
-    return [(m[2], tuple(m[3])) for m in messages]
+    posted = post(ch, kind, digest, payload, what)
+    return _check_kinds(
+        ch, kind, ch.seq - 1, receive(ch, posted, timeout=runtime.collective_timeout()), what
+    )
+
+
+@dataclass(eq=False)
+class Agreement:
+    """An agreement on fields in flight (see :func:`start`): :meth:`finish` waits and compares."""
+
+    kind: Kind
+    what: str
+    fields: Mapping[str, Any]
+    hint: str
+    seq: int
+    posted: Posted | None  # None outside a distributed run
+    digest: bytes
+
+    def finish(self) -> None:
+        """Waits for every rank's message and checks that their fields equal this rank's.
+
+        Raises:
+            DesyncError, CollectiveError: as :func:`agree_on`.
+        """
+        ch = channel()
+        if self.posted is None or ch is None:
+            return
+        messages = receive(ch, self.posted, timeout=runtime.collective_timeout())
+        everyone = _check_kinds(ch, self.kind, self.seq, messages, self.what)
+        if all(d == self.digest for d, _ in everyone):
+            return
+        details = all_gather_json(dict(self.fields), f"the details of {self.what}")
+        reference = details[0]
+        differences = [
+            f"rank {r}: {name} {value} (rank 0: {reference.get(name)})"
+            for r, theirs in enumerate(details)
+            for name, value in theirs.items()
+            if value != reference.get(name)
+        ]
+        hint = f". {self.hint}" if self.hint else ""
+        raise DesyncError(f"ranks disagree at {self.what}: " + "; ".join(differences) + hint)
+
+
+def start(kind: Kind, what: str, fields: Mapping[str, Any], /, *, hint: str = "") -> Agreement:
+    """Posts this rank's part of an agreement on ``fields`` and returns at once; collective.
+
+    Work that issues no collective may run until :meth:`Agreement.finish`; any
+    other agreement or data collective must wait for it.
+
+    Raises:
+        CollectiveError: this process is out of step.
+    """
+    digest = digest_of(fields)
+    ch = channel()
+    if ch is None:
+        return Agreement(kind, what, fields, hint, 0, None, digest)
+    ensure_in_step(what)
+    posted = post(ch, kind, digest, (), what)
+    return Agreement(kind, what, fields, hint, ch.seq - 1, posted, digest)
 
 
 def agree_on(kind: Kind, what: str, fields: Mapping[str, Any], /, *, hint: str = "") -> None:
@@ -82,20 +123,33 @@ def agree_on(kind: Kind, what: str, fields: Mapping[str, Any], /, *, hint: str =
             that differs from rank 0, every field and both values, then ``hint``.
         CollectiveError: see :func:`agree`.
     """
-    everyone = agree(kind, what, digest_of(fields))
-    if everyone is None or all(d == everyone[0][0] for d, _ in everyone):
-        return
-    details = all_gather_json(dict(fields), f"the details of {what}")
-    reference = details[0]
-    differences = [
-        f"rank {r}: {name} {value} (rank 0: {reference.get(name)})"
-        for r, theirs in enumerate(details)
-        for name, value in theirs.items()
-        if value != reference.get(name)
-    ]
-    raise DesyncError(
-        f"ranks disagree at {what}: " + "; ".join(differences) + (f". {hint}" if hint else "")
-    )
+    start(kind, what, fields, hint=hint).finish()
+
+
+def _check_kinds(
+    ch: Any, kind: Kind, seq: int, messages: list[Message], what: str
+) -> list[tuple[bytes, tuple[int, ...]]]:
+    """Every rank's ``(digest, payload)`` if every rank is at this agreement; else raises."""
+    aborted = [(r, m) for r, m in enumerate(messages) if m[0] == int(Kind.ABORT)]
+    if aborted:
+        ch.peer_aborted = True
+        mark_out_of_step(f"rank {aborted[0][0]} gave up during {what}")
+        gave_up = "; ".join(f"rank {r}: {describe_abort(m)}" for r, m in aborted)
+        raise CollectiveError(
+            f"{what} on rank {ch.rank}: a peer gave up instead ({gave_up}). This rank is now out of "
+            f"step; restart the job and resume from the latest checkpoint"
+        )
+    if any((m[0], m[1]) != (int(kind), seq) for m in messages):
+        mark_out_of_step(f"ranks were at different operations during {what}")
+        listing = "; ".join(
+            f"rank {r}: {kind_name(m[0])} (operation #{m[1]})" for r, m in enumerate(messages)
+        )
+        raise DesyncError(
+            f"ranks are at different operations ({listing}), rank {ch.rank} at {what}. Every rank "
+            f"must run the same funcshard operations in the same order (the same steps, shard, "
+            f"unshard, clipping and checkpoint calls)"
+        )
+    return [(m[2], tuple(m[3])) for m in messages]
 
 
 def sum_over_ranks(values: Sequence[float], what: str, /) -> list[float]:

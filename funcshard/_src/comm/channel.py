@@ -159,20 +159,21 @@ def trace_digest() -> bytes:
     return b"\0" * 16 if ch is None else ch.trace.copy().digest()[:16]
 
 
-def exchange(
-    ch: Channel,
-    kind: Kind,
-    digest: bytes,
-    payload: Sequence[int],
-    what: str,
-    *,
-    timeout: float | None,
-) -> list[Message]:
-    """One all-gather of control messages on ``ch``; ``(kind, seq, digest, payload)`` per rank.
+@dataclass(eq=False)
+class Posted:
+    """A control message in flight: :func:`receive` waits for every rank's."""
+
+    what: str
+    work: Any
+    out: torch.Tensor  # (WORDS * world_size,) every rank's message, once done
+    message: torch.Tensor  # (WORDS,) this rank's
+
+
+def post(ch: Channel, kind: Kind, digest: bytes, payload: Sequence[int], what: str) -> Posted:
+    """Issues one all-gather of control messages on ``ch`` (this rank's is ``(kind, seq, digest, payload)``).
 
     Raises:
-        CollectiveError: the all-gather failed or outlived ``timeout``; this
-            process is then out of step.
+        CollectiveError: it could not be issued; this process is then out of step.
     """
     if len(payload) > PAYLOAD_WORDS:
         raise ValueError(
@@ -186,23 +187,37 @@ def exchange(
     message[4 : 4 + len(payload)] = torch.tensor(list(payload), dtype=torch.int64)
     ch.seq += 1
     out = torch.empty(WORDS * ch.world_size, dtype=torch.int64)
-    work = None
     try:
         work = all_gather_single(out, message, group=ch.group("control"), async_op=True)
-        wait(work, timeout)
     except Exception as e:
-        if work is not None:
-            ch.abandoned.append((work, out, message))  # gloo may still write into them
-        mark_out_of_step(f"the agreement at {what} did not complete")
+        mark_out_of_step(f"the agreement at {what} could not be issued")
+        raise CollectiveError(
+            f"{what} on rank {ch.rank}: could not reach the other ranks ({e})"
+        ) from e
+    return Posted(what, work, out, message)
+
+
+def receive(ch: Channel, posted: Posted, /, *, timeout: float | None) -> list[Message]:
+    """Every rank's message of ``posted``: ``(kind, seq, digest, payload)`` per rank.
+
+    Raises:
+        CollectiveError: the all-gather failed or outlived ``timeout``; this
+            process is then out of step.
+    """
+    try:
+        wait(posted.work, timeout)
+    except Exception as e:
+        ch.abandoned.append((posted.work, posted.out, posted.message))  # gloo may still write
+        mark_out_of_step(f"the agreement at {posted.what} did not complete")
         timed_out = timeout is not None and "timed out" in str(e).lower()
         problem = (
             f"did not reach it within {timeout:g} s" if timed_out else f"could not be reached ({e})"
         )
         raise CollectiveError(
-            f"{what} on rank {ch.rank}: the other ranks {problem}. A peer rank died or is stuck "
-            f"in another collective; check the other ranks' logs.{peer_reports()}"
+            f"{posted.what} on rank {ch.rank}: the other ranks {problem}. A peer rank died or is "
+            f"stuck in another collective; check the other ranks' logs.{peer_reports()}"
         ) from e
-    rows = out.view(ch.world_size, WORDS).tolist()
+    rows = posted.out.view(ch.world_size, WORDS).tolist()
     messages: list[Message] = []
     for row in rows:
         magic_kind = int(row[0])
@@ -210,6 +225,19 @@ def exchange(
         kind_value = magic_kind - _MAGIC if magic_kind - _MAGIC in KINDS else -1
         messages.append((kind_value, int(row[1]), raw, [int(w) for w in row[4:]]))
     return messages
+
+
+def exchange(
+    ch: Channel,
+    kind: Kind,
+    digest: bytes,
+    payload: Sequence[int],
+    what: str,
+    *,
+    timeout: float | None,
+) -> list[Message]:
+    """One all-gather of control messages on ``ch``, waited for: :func:`post` then :func:`receive`."""
+    return receive(ch, post(ch, kind, digest, payload, what), timeout=timeout)
 
 
 def wait(work: Any, timeout: float | None) -> None:

@@ -99,9 +99,13 @@ def check_unreached(indices: Sequence[int], /) -> None:
     )
 
 
-def check_forward(calls: Sequence[str], /) -> None:
-    """Agrees on the units called in forward and on the collectives issued so far; collective."""
-    agree.agree_on(
+def start_forward_check(calls: Sequence[str], /) -> agree.Agreement:
+    """Starts agreeing on the units called in forward and the collectives issued; collective.
+
+    Backward may compute while it is in flight; :meth:`Agreement.finish` must run
+    before backward's first collective (see [Note: collective order] in ``run.py``).
+    """
+    return agree.start(
         Kind.FORWARD,
         "the end of forward",
         {

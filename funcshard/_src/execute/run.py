@@ -15,7 +15,9 @@ Every rank must issue the same collectives in the same order. The order here
 depends only on the order of ``fs.call`` s and on autograd's backward order,
 both the same on every rank running the same code; prefetch decisions use the
 call order of the previous step, which the step's first agreement compares.
-Where a rank could leave that order, it agrees with the others first (see
+The agreement at the end of forward runs while backward computes, and is
+finished before backward's first collective. Where a rank could leave that
+order, it agrees with the others first (see
 [Note: agreements] in ``comm/channel.py``): a call that is not the one the last
 step made at its position; a backward that passes over calls whose backward
 has not run; a reduction while a later call's backward has begun and not
@@ -36,6 +38,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 
 from funcshard._src import tree
+from funcshard._src.comm.agree import Agreement
 from funcshard._src.comm.collectives import Pending
 from funcshard._src.execute.desync import (
     check_backward,
@@ -126,6 +129,7 @@ class Run:
         self.flat_owner: dict[int, UnitRuntime] = {}
         self._next_backward = -1  # set by end_forward: the call whose backward should come next
         self._in_backward: set[int] = set()  # calls whose backward began and has not reduced
+        self.forward_check: Agreement | None = None  # finished before backward's first collective
         self._token: Any = None
 
     # -- forward -----------------------------------------------------------------
@@ -200,6 +204,7 @@ class Run:
 
     def pre_backward(self, record: CallRecord) -> None:
         """-> BACKWARD: before a call's backward, its unit is held gathered; prefetches the call before it."""
+        self._finish_forward_check()
         while self._next_backward >= 0 and not self._awaits_backward(
             self.calls[self._next_backward]
         ):
@@ -220,6 +225,7 @@ class Run:
         self, record: CallRecord, grads: Sequence[torch.Tensor | None], *, agreed: bool = False
     ) -> None:
         """-> DONE: all gradients of one call's full leaves are ready: reduce them, release the unit."""
+        self._finish_forward_check()
         self._in_backward.discard(record.index)
         later = sorted(i for i in self._in_backward if i > record.index)
         if later and not agreed:  # reductions out of reverse call order; [Note: collective order]
@@ -231,6 +237,7 @@ class Run:
 
     def finish(self) -> None:
         """After backward: reduce calls whose backward never ran, wait for every reduction, free all."""
+        self._finish_forward_check()
         unreached = [
             r
             for r in [*reversed(self.calls), *([self.root] if self.root else [])]
@@ -266,6 +273,11 @@ class Run:
             unit = self.units.get(name)
             if unit is not None and unit.state is UnitState.SHARDED:
                 unit.prefetch()
+
+    def _finish_forward_check(self) -> None:
+        if self.forward_check is not None:
+            check, self.forward_check = self.forward_check, None
+            check.finish()
 
     def _awaits_backward(self, record: CallRecord) -> bool:
         return record.expects_backward and record.phase in (CallPhase.KEPT, CallPhase.WAITING)

@@ -12,7 +12,7 @@ from funcshard._src import tree
 from funcshard._src.comm import groups, settle
 from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.execute.desync import check_end, check_forward, check_start, signature
+from funcshard._src.execute.desync import check_end, check_start, signature, start_forward_check
 from funcshard._src.execute.reduce import Reducer
 from funcshard._src.execute.run import Run, current_run
 from funcshard._src.execute.unit_state import GatheredMemory, UnitRuntime
@@ -160,7 +160,7 @@ class Step:
                     out = self.loss_fn(view, *args, **kwargs)
                     calls = run.end_forward()
                     loss, aux = self._split(out)
-                    check_forward(calls)
+                    run.forward_check = start_forward_check(calls)
                     self._order = calls
                     torch.autograd.backward(loss)
                 run.finish()
