@@ -11,6 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import funcshard as fs
 from funcshard import Mesh, P, Plan, SpecError, plan
 from tests.strategies import Pair, meshes, rules_for, tensor_trees, units_for
 
@@ -270,3 +271,23 @@ def test_plan_json_is_untrusted_input(change, message):
     change(data)
     with pytest.raises(ValueError, match=message):
         Plan.from_json(data)
+
+
+def test_frozen_patterns_mark_leaves_and_subtrees_and_round_trip_through_json():
+    params = {"base": {"w": torch.zeros(4, 2), "b": torch.zeros(2)}, "lora": torch.zeros(2, 2)}
+    plan = fs.plan(params, fs.Mesh({"fsdp": 2}), frozen=["base"])
+    assert [(leaf.path, leaf.frozen) for leaf in plan.leaves] == [
+        ("base/b", True), ("base/w", True), ("lora", False),
+    ]  # fmt: skip
+    again = fs.Plan.from_json(json.dumps(plan.to_json()))
+    assert again == plan
+    assert again.fingerprint() == plan.fingerprint()
+    assert plan.fingerprint() != fs.plan(params, fs.Mesh({"fsdp": 2})).fingerprint()
+    with pytest.raises(ValueError, match=r"frozen\[0\] 'bsae' matches no leaf or subtree"):
+        fs.plan(params, fs.Mesh({"fsdp": 2}), frozen=["bsae"])
+    with pytest.raises(TypeError, match=r"frozen must be a list of patterns"):
+        fs.plan(params, fs.Mesh({"fsdp": 2}), frozen="base")
+    data = plan.to_json()
+    data["leaves"][0]["frozen"] = "yes"
+    with pytest.raises(ValueError, match=r"leaves\[0\]\.frozen must be true or false"):
+        fs.Plan.from_json(data)

@@ -69,7 +69,7 @@ class Reducer:
         kept) to be reduced by a later call without ``defer``.
         """
         for part, mine in zip(unit.parts, unit.split(grads)):
-            if part.layout.dtype.is_floating_point:
+            if part.layout.dtype.is_floating_point and not part.layout.frozen:
                 self._reduce_part(unit, part, mine, defer=defer)
         while len(self.pending) > MAX_PENDING:
             self._finish_oldest()

@@ -145,6 +145,12 @@ class UnitRuntime:
         # the unit's leaf order, computed once: parts in turn, slots within each
         self.slots: tuple[Slot, ...] = tuple(s for p in self.parts for s in p.layout.slots)
         self.position = {slot.index: i for i, slot in enumerate(self.slots)}
+        # per leaf in the unit's order: whether it gets a gradient (floating, not frozen)
+        self.trained: tuple[bool, ...] = tuple(
+            p.layout.dtype.is_floating_point and not p.layout.frozen
+            for p in self.parts
+            for _ in p.layout.slots
+        )
         self.state = UnitState.SHARDED
         self.flats: list[FlatShard] = []
         self._holders = 0

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import torch
 
-from funcshard._src.shard.sharded import FlatShard, flats_of, map_flats
+from funcshard._src.shard.sharded import FlatShard, flats_of, map_flats, trainable
 
 Params: TypeAlias = Any  # a sharded pytree (leaves: ShardedTensor)
 Updates: TypeAlias = Any  # gradients, sharded like the params
@@ -102,18 +102,23 @@ def check_hyperparameter(name: str, value: float, /, *, low: float, high: float 
 
 
 def zeros_like_tree(sparams: Params, /) -> Any:
-    """A sharded tree like ``sparams`` whose flat buffers are new zeros (state buffers)."""
-    return map_flats(lambda flat: flat.with_data(torch.zeros_like(flat.data)), sparams)
+    """A sharded tree like ``sparams`` whose flat buffers are new zeros (state buffers).
+
+    Frozen leaves have no state: ``None`` there, as in the gradients.
+    """
+    return map_flats(lambda flat: flat.with_data(torch.zeros_like(flat.data)), trainable(sparams))
 
 
 def floating_flats(*trees: Any, names: Sequence[str]) -> list[list[torch.Tensor]]:
-    """For each tree, the data of its floating-point flat buffers, aligned across trees.
+    """For each tree, the data of its trainable floating-point flat buffers, aligned across trees.
+
+    Frozen buffers are left out: they have no gradient and no state.
 
     Raises:
         ValueError: the trees do not hold flat buffers of the same layouts (e.g. grads
             of another plan); ``names`` name the trees in the message.
     """
-    per_tree = [flats_of(t) for t in trees]
+    per_tree = [[f for f in flats_of(t) if not f.layout.frozen] for t in trees]
     first = per_tree[0]
     for name, flats in zip(names[1:], per_tree[1:]):
         if len(flats) != len(first) or any(not _same_layout(a, b) for a, b in zip(first, flats)):

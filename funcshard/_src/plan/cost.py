@@ -16,9 +16,11 @@ import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from funcshard._src import tree
 from funcshard._src.dtypes import dtype_name
 from funcshard._src.plan.activations import activations_of
 from funcshard._src.plan.cost_model import COUNTER_BYTES, PASSES, STATE_COPIES, CostModel
@@ -72,6 +74,7 @@ class UnitCost:
     strategy: Strategy
     is_root: bool
     params: int
+    frozen: int
     grads: int
     optimizer: int
     mixed_precision: int
@@ -92,30 +95,35 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     r = math.prod(mesh.axis_size(a) for a in replica)
     gathers = 2 if unit.strategy == "full_shard" and not unit.is_root else 1
     copies = STATE_COPIES[model.optimizer]
-    params = grads = optimizer = master = gathered = unreduced = deferred = 0
+    params = frozen = grads = optimizer = master = gathered = unreduced = deferred = 0
     comm: Counter[Key] = Counter()
-    full = full_numel(plan, unit)
-    for dtype, n in shard_numel(plan, unit).items():
+    full = _numel_by_part(plan, unit, whole=True)
+    for (dtype, is_frozen), n in _numel_by_part(plan, unit, whole=False).items():
         compute, grad = mp.compute_dtype(dtype), mp.gradient_dtype(dtype)
-        params += n * dtype.itemsize
-        if not dtype.is_floating_point:
+        trained = dtype.is_floating_point and not is_frozen
+        if is_frozen:
+            frozen += n * dtype.itemsize  # no gradient, no optimizer state
+        elif not dtype.is_floating_point:
+            params += n * dtype.itemsize
             grads += n * dtype.itemsize  # zeros, as the executor returns
             optimizer += copies * n * dtype.itemsize
         elif model.master_weights:
+            params += n * dtype.itemsize
             grads += n * 4  # the fp32 gradient partition
             optimizer += copies * n * 4
             master += n * 4 if dtype.itemsize < 4 else 0
         else:
+            params += n * dtype.itemsize
             grads += n * dtype.itemsize  # reduced in ``grad``, returned in the stored dtype
             optimizer += copies * n * dtype.itemsize
         if g > 1 or compute != dtype:
-            gathered += full[dtype] * compute.itemsize
-        if dtype.is_floating_point:
-            unreduced += full[dtype] * compute.itemsize
+            gathered += full[(dtype, is_frozen)] * compute.itemsize
+        if trained:
+            unreduced += full[(dtype, is_frozen)] * compute.itemsize
             deferred += g * n * grad.itemsize
         if g > 1:
             comm[("all_gather", axes)] += gathers * (g - 1) * n * compute.itemsize
-        if not dtype.is_floating_point:
+        if not trained:
             continue
         if g > 1:
             comm[("reduce_scatter", axes)] += (g - 1) * n * grad.itemsize
@@ -126,6 +134,7 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
         unit.strategy,
         unit.is_root,
         params,
+        frozen,
         grads,
         optimizer,
         master,
@@ -135,6 +144,18 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
         comm,
         sum(full.values()),
     )
+
+
+def _numel_by_part(
+    plan: Plan, unit: Unit, /, *, whole: bool
+) -> dict[tuple[torch.dtype, bool], int]:
+    """Elements of ``unit`` per ``(dtype, frozen)``: on one rank (padded), or whole."""
+    out: dict[tuple[torch.dtype, bool], int] = {}
+    for path in unit.paths:
+        leaf = plan.leaf(path)
+        n = leaf.numel if whole else math.prod(leaf.sharding(plan.mesh).shard_shape(leaf.shape))
+        out[(leaf.dtype, leaf.frozen)] = out.get((leaf.dtype, leaf.frozen), 0) + n
+    return out
 
 
 def comm_bytes_per_step(
@@ -179,11 +200,16 @@ def memory_of(costs: list[UnitCost], model: CostModel, /) -> Memory:
         mixed_precision=sum(c.mixed_precision for c in costs),
         gathered=root + kept + alive + grads_alive,
         activations=0,
+        frozen=sum(c.frozen for c in costs),
     )
 
 
-def estimate(plan: Plan, model: CostModel | None = None, /) -> Estimate:
+def estimate(plan: Plan, model: CostModel | None = None, /, *, state: Any = None) -> Estimate:
     """What ``plan`` costs one rank per step under ``model`` (default: AdamW, stored dtypes).
+
+    Frozen leaves are counted in ``memory.frozen`` (sharded, no gradient or optimizer
+    state); ``state`` is a pytree of the tensors every rank holds whole besides the
+    params (an ``nn.Module``'s buffers: ``apply.state``), counted in ``memory.buffers``.
 
     Example:
         >>> from funcshard._src.plan.planner import plan as make_plan
@@ -198,6 +224,8 @@ def estimate(plan: Plan, model: CostModel | None = None, /) -> Estimate:
     for c in costs:
         comm.update(c.comm)
     memory = memory_of(costs, model)
+    if state is not None:
+        memory = dataclasses.replace(memory, buffers=_tensor_bytes(state))
     assumptions = [
         f"optimizer {model.optimizer}"
         + (" with fp32 master weights (DeepSpeed/Megatron layout)" if model.master_weights else ""),
@@ -242,6 +270,18 @@ def estimate(plan: Plan, model: CostModel | None = None, /) -> Estimate:
             f"{'except one unit' if model.prefetch else 'not at all (prefetch 0)'}"
         )
     return Estimate(memory, dict(comm), time, tuple(assumptions))
+
+
+def _tensor_bytes(state: Any) -> int:
+    total = 0
+    for path, leaf in zip(*tree.flatten_with_paths(state)[:2]):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"estimate: state leaf {path or '<root>'!r} is a {type(leaf).__name__}, not a "
+                f"tensor; pass a pytree of tensors (apply.state)"
+            )
+        total += leaf.numel() * leaf.element_size()
+    return total
 
 
 def _describe_mp(mp: MixedPrecision | None) -> str:

@@ -26,6 +26,9 @@ class Memory:
             of the largest other units, and one unit's unreduced gradients in the
             compute dtype (all of them with ``accumulate="unsharded"``).
         activations: estimated from the workload (0 without one).
+        frozen: sharded frozen parameters as stored (no gradient, no optimizer state).
+        buffers: tensors every rank holds whole besides the params (buffers), when
+            ``fs.cost.estimate(..., state=...)`` is told them; else 0.
     """
 
     params: int
@@ -34,6 +37,8 @@ class Memory:
     mixed_precision: int
     gathered: int
     activations: int
+    frozen: int = 0
+    buffers: int = 0
 
     @property
     def model_state(self) -> int:

@@ -1,4 +1,4 @@
-"""One leaf's placement: its path, shape, dtype, spec and unit."""
+"""One leaf's placement: its path, shape, dtype, spec, unit and whether it is frozen."""
 
 from __future__ import annotations
 
@@ -13,13 +13,18 @@ from funcshard._src.spec.partition_spec import P
 
 @dataclass(frozen=True)
 class LeafPlan:
-    """One leaf's placement: path, global shape, dtype, spec and unit."""
+    """One leaf's placement: path, global shape, dtype, spec, unit, and whether it is frozen.
+
+    A frozen leaf is sharded, gathered and freed like any other, but gets no
+    gradient and no optimizer state.
+    """
 
     path: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     spec: P
     unit: str
+    frozen: bool = False
 
     def sharding(self, mesh: Mesh, /) -> NamedSharding:
         """The leaf's :class:`NamedSharding` on ``mesh``."""

@@ -180,6 +180,7 @@ class Plan:
                     "dtype": dtype_name(leaf.dtype),
                     "spec": leaf.spec.to_json(),
                     "unit": leaf.unit,
+                    **({"frozen": True} if leaf.frozen else {}),
                 }
                 for leaf in self.leaves
             ],
@@ -260,6 +261,12 @@ def _int(x: object, what: str) -> int:
     return x
 
 
+def _bool(x: object, what: str) -> bool:
+    if not isinstance(x, bool):
+        raise ValueError(f"{what} must be true or false, got {x!r}")
+    return x
+
+
 def _str(x: object, what: str) -> str:
     if not isinstance(x, str):
         raise ValueError(f"{what} must be a string, got {x!r}")
@@ -288,6 +295,7 @@ def _plan_from_json(d: Mapping[str, Any]) -> Plan:
             dtype=_dtype(x["dtype"]),
             spec=spec,
             unit=_str(x["unit"], f"{where}.unit"),
+            frozen=_bool(x.get("frozen", False), f"{where}.frozen"),
         )
         NamedSharding(mesh, spec).validate(leaf.shape, path=leaf.path or "<root>")
         leaves.append(leaf)

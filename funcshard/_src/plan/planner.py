@@ -34,6 +34,7 @@ def plan(
     *,
     rules: Sequence[tuple[Any, P]] = (),
     units: Sequence[Any] | Literal["auto"] = (),
+    frozen: Sequence[Any] = (),
     strategy: Requested = "full_shard",
     default: Default = "largest_dim",
     strict: bool = False,
@@ -53,6 +54,9 @@ def plan(
             under no unit form the root unit. ``"auto"`` chooses them: the elements
             of every stack of like layers, plus subtrees as large as a layer (see
             ``docs/planner.md``).
+        frozen: patterns naming leaves (or subtrees) that are not trained: sharded,
+            gathered and freed per unit like the others, with no gradient and no
+            optimizer state (a LoRA base; ``frozen=apply.frozen`` for an ``nn.Module``).
         strategy: ``"full_shard"``, ``"shard_grad_op"``, ``"no_shard"``,
             ``"hybrid_shard"``, or ``"auto"``: per unit, the one with the least
             communication that fits ``memory_budget``.
@@ -116,8 +120,20 @@ def plan(
         notes.append(f"units='auto': {rule}")
     else:
         patterns = [check_pattern(u, what=f"units[{i}]") for i, u in enumerate(units)]
+    if isinstance(frozen, (str, bytes)) or not isinstance(frozen, Sequence):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise TypeError(f"frozen must be a list of patterns, e.g. [{frozen!r}]; got {frozen!r}")
+    frozen_patterns = tuple(check_pattern(f, what=f"frozen[{i}]") for i, f in enumerate(frozen))
     spec = Spec(
-        paths, leaves, treedef, mesh, checked_rules, patterns, default, strict, tuple(notes)
+        paths,
+        leaves,
+        treedef,
+        mesh,
+        checked_rules,
+        patterns,
+        default,
+        strict,
+        tuple(notes),
+        frozen_patterns,
     )
     if strategy == "auto" or budget is not None:
         assert budget is not None

@@ -34,6 +34,7 @@ class Spec:
     default: Default
     strict: bool
     notes: tuple[str, ...]
+    frozen: Sequence[Any] = ()  # patterns of leaves (or subtrees) with no gradient
 
 
 def build(
@@ -54,6 +55,7 @@ def build(
         return strategy[unit] if isinstance(strategy, Mapping) else strategy
 
     used = [False] * len(spec.rules)
+    frozen = frozen_paths(spec.paths, spec.frozen)
     planned: list[LeafPlan] = []
     for path, leaf in zip(spec.paths, spec.leaves):
         shape = tuple(leaf.shape)
@@ -62,7 +64,7 @@ def build(
             path, shape, spec.rules, used, strategy_of(unit), mesh, spec.default
         )
         NamedSharding(mesh, leaf_spec).validate(shape, path=path or "<root>", strict=spec.strict)
-        planned.append(LeafPlan(path, shape, leaf.dtype, leaf_spec, unit))
+        planned.append(LeafPlan(path, shape, leaf.dtype, leaf_spec, unit, path in frozen))
 
     unit_paths: dict[str, list[str]] = {}
     for leaf in planned:
@@ -88,6 +90,34 @@ def build(
         cost=cost,
         memory_budget=memory_budget,
     )
+
+
+def frozen_paths(paths: Sequence[str], patterns: Sequence[Any], /) -> set[str]:
+    """The leaf ``paths`` that a pattern of ``frozen`` matches (the leaf or a subtree above it).
+
+    Raises:
+        ValueError: a pattern that matches no leaf or subtree; the message shows paths.
+
+    Example:
+        >>> sorted(frozen_paths(["embed/w", "head/w", "head/b"], ["head"]))
+        ['head/b', 'head/w']
+    """
+    out: set[str] = set()
+    for i, pattern in enumerate(patterns):
+        hits = {p for p in paths if any(matches(pattern, a) for a in _prefixes(p))}
+        if not hits:
+            examples = ", ".join(repr(p) for p in paths[:6])
+            raise ValueError(
+                f"frozen[{i}] {pattern!r} matches no leaf or subtree of the params (leaf paths "
+                f"look like {examples}); fix the pattern, or drop it"
+            )
+        out |= hits
+    return out
+
+
+def _prefixes(path: str) -> list[str]:
+    parts = path.split("/") if path else [""]
+    return ["/".join(parts[:k]) for k in range(1, len(parts) + 1)]
 
 
 def _unused_rule(i: int, spec: Spec) -> str:

@@ -47,20 +47,21 @@ class Slot:
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """The flat buffer of one unit and one dtype: its slots and size per rank."""
+    """The flat buffer of one unit and one dtype (trainable or frozen): its slots and size per rank."""
 
     unit: str
     dtype: torch.dtype
     mesh: Mesh
     slots: tuple[Slot, ...]
     numel: int  # per rank
+    frozen: bool = False  # its leaves get no gradient and no optimizer state
 
     def __hash__(self) -> int:  # gradients are keyed by layout: hash the slots once
         return self._hash
 
     @functools.cached_property
     def _hash(self) -> int:
-        return hash((self.unit, self.dtype, self.mesh, self.slots, self.numel))
+        return hash((self.unit, self.dtype, self.mesh, self.slots, self.numel, self.frozen))
 
     @property
     def nbytes(self) -> int:
@@ -70,6 +71,9 @@ class FlatLayout:
 
 def layouts(plan: Plan, /) -> tuple[FlatLayout, ...]:
     """The flat layouts of ``plan``: per unit in unit order, per dtype in leaf order.
+
+    Frozen leaves of a unit get flat buffers of their own, after the trainable
+    ones, so that gradients and optimizer state cover whole buffers.
 
     Example:
         >>> from funcshard._src.plan.planner import plan as make_plan
@@ -81,11 +85,12 @@ def layouts(plan: Plan, /) -> tuple[FlatLayout, ...]:
     position = {leaf.path: i for i, leaf in enumerate(plan.leaves)}
     out: list[FlatLayout] = []
     for unit in plan.units:
-        by_dtype: dict[torch.dtype, list[tuple[int, LeafPlan]]] = {}
+        by_dtype: dict[tuple[bool, torch.dtype], list[tuple[int, LeafPlan]]] = {}
         for path in unit.paths:
             i = position[path]
-            by_dtype.setdefault(plan.leaves[i].dtype, []).append((i, plan.leaves[i]))
-        for dtype, members in by_dtype.items():
+            key = (plan.leaves[i].frozen, plan.leaves[i].dtype)
+            by_dtype.setdefault(key, []).append((i, plan.leaves[i]))
+        for (frozen, dtype), members in sorted(by_dtype.items(), key=lambda kv: kv[0][0]):
             slots: list[Slot] = []
             offset = 0
             for index, leaf in members:
@@ -95,7 +100,7 @@ def layouts(plan: Plan, /) -> tuple[FlatLayout, ...]:
                 )
                 slots.append(slot)
                 offset += slot.numel
-            out.append(FlatLayout(unit.name, dtype, plan.mesh, tuple(slots), offset))
+            out.append(FlatLayout(unit.name, dtype, plan.mesh, tuple(slots), offset, frozen))
     return tuple(out)
 
 

@@ -202,16 +202,20 @@ def check_params(params: Any, plan: Plan, /) -> list[torch.Tensor]:
             f"derive the other inside loss_fn (for example params[...].T); or .clone() one of "
             f"them to untie"
         )
-    floating = [(p, t) for p, t in zip(paths, leaves) if t.is_floating_point()]
+    floating = [
+        (p, t)
+        for p, t, lp in zip(paths, leaves, plan.leaves)
+        if t.is_floating_point() and not lp.frozen
+    ]
     if any(t.requires_grad for _, t in floating):
         frozen = [p or "<root>" for p, t in floating if not t.requires_grad]
         if frozen:
             raise ValueError(
                 f"{frozen[:5]} have requires_grad=False while other leaves require grad: "
-                f"funcshard computes gradients for every floating-point leaf of params and "
-                f"optimizers update them all, so requires_grad=False would be ignored. Keep "
-                f"frozen tensors out of params (pass them to loss_fn as arguments), or give "
-                f"every leaf the same requires_grad"
+                f"funcshard computes gradients for every leaf of params that the plan does not "
+                f"freeze, so requires_grad=False would be ignored. Freeze them in the plan: "
+                f"fs.plan(..., frozen={frozen[:2]!r}) (sharded, no gradient, no optimizer "
+                f"state), or give every leaf the same requires_grad"
             )
     return leaves
 

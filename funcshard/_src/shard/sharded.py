@@ -118,6 +118,11 @@ class ShardedTensor:
         return self.slot.path
 
     @property
+    def frozen(self) -> bool:
+        """Whether the leaf is frozen (no gradient, no optimizer state)."""
+        return self.flat.layout.frozen
+
+    @property
     def unit(self) -> str:
         """The name of the leaf's unit."""
         return self.flat.layout.unit
@@ -202,6 +207,21 @@ def map_flats(fn: Callable[[FlatShard], FlatShard], sharded: Any, /) -> Any:
         return ShardedTensor(new, leaf.slot)
 
     return tree.tree_map(leaf_fn, sharded)
+
+
+def trainable(sharded: Any, /) -> Any:
+    """``sharded`` with ``None`` in place of every frozen leaf: the structure of its gradients.
+
+    Example:
+        >>> import funcshard as fs
+        >>> params = {"base": torch.ones(2), "lora": torch.zeros(2)}
+        >>> s = fs.shard(params, fs.plan(params, fs.Mesh({"fsdp": 1}), frozen=["base"]))
+        >>> trainable(s)["base"] is None
+        True
+    """
+    return tree.tree_map(
+        lambda x: None if isinstance(x, ShardedTensor) and x.frozen else x, sharded
+    )
 
 
 def _refuse(op: str) -> Callable[..., Any]:
