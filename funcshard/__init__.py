@@ -2,11 +2,12 @@
 
 A model is a pure function over a parameter pytree; :func:`plan` turns
 declarative rules into per-leaf placement specs (JAX ``PartitionSpec``
-semantics); :func:`shard` keeps each rank's shards in one flat buffer per unit.
+semantics); :func:`shard` keeps each rank's shards in one flat buffer per unit,
+and :func:`materialize` generates them, for models no rank can hold whole.
 The core is at the root; the rest by namespace, as in JAX: ``fs.tree`` (pytrees),
 ``fs.sharding`` (the types of a plan), ``fs.cost`` (what a plan costs),
-``fs.presets`` (published models), ``fs.optim``, ``fs.checkpoint``, ``fs.interop``
-and ``fs.testing``.
+``fs.presets`` (published models), ``fs.initializers`` (for :func:`materialize`),
+``fs.optim``, ``fs.checkpoint``, ``fs.interop`` and ``fs.testing``.
 """
 
 import importlib
@@ -15,6 +16,7 @@ from typing import Any
 
 from funcshard import checkpoint as checkpoint
 from funcshard import cost as cost
+from funcshard import initializers as initializers
 from funcshard import interop as interop
 from funcshard import optim as optim
 from funcshard import presets as presets
@@ -28,6 +30,7 @@ from funcshard._src.comm.runtime import rank as rank
 from funcshard._src.comm.runtime import set_collective_timeout as set_collective_timeout
 from funcshard._src.comm.runtime import world_size as world_size
 from funcshard._src.execute.call import call as call
+from funcshard._src.execute.forward import forward as forward
 from funcshard._src.execute.value_and_grad import Step as Step
 from funcshard._src.execute.value_and_grad import StepStats as StepStats
 from funcshard._src.execute.value_and_grad import value_and_grad as value_and_grad
@@ -35,6 +38,7 @@ from funcshard._src.plan.auto import BudgetError as BudgetError
 from funcshard._src.plan.plan import Plan as Plan
 from funcshard._src.plan.planner import plan as plan
 from funcshard._src.plan.precision import MixedPrecision as MixedPrecision
+from funcshard._src.shard.materialize import materialize as materialize
 from funcshard._src.shard.shard import shard as shard
 from funcshard._src.shard.shard import unshard as unshard
 from funcshard._src.shard.sharded import DonatedError as DonatedError
@@ -61,8 +65,11 @@ __all__ = [
     "call",
     "checkpoint",
     "cost",
+    "forward",
     "init",
+    "initializers",
     "interop",
+    "materialize",
     "optim",
     "plan",
     "presets",

@@ -8,11 +8,14 @@ import funcshard as fs
 
 CORE = {
     "init", "rank", "world_size", "set_collective_timeout", "Mesh", "P", "NamedSharding",
-    "plan", "Plan", "shard", "unshard", "ShardedTensor", "call", "value_and_grad", "Step",
-    "StepStats", "MixedPrecision", "BudgetError", "CollectiveError", "DesyncError",
+    "plan", "Plan", "shard", "unshard", "materialize", "ShardedTensor", "call", "value_and_grad",
+    "forward",
+    "Step", "StepStats", "MixedPrecision", "BudgetError", "CollectiveError", "DesyncError",
     "DonatedError", "SpecError",
 }  # fmt: skip
-NAMESPACES = {"tree", "sharding", "cost", "presets", "optim", "checkpoint", "interop", "testing"}
+NAMESPACES = {
+    "tree", "sharding", "cost", "presets", "initializers", "optim", "checkpoint", "interop", "testing",
+}  # fmt: skip
 
 
 def test_the_root_holds_the_core_and_the_namespaces():

@@ -47,6 +47,7 @@ class Case:
     rule: bool = False
     steps: int = 3
     budget: int | None = None  # with strategy="auto"
+    frozen: tuple[str, ...] = ()  # fs.plan(frozen=...): sharded, no gradient, never updated
 
     @property
     def world_size(self) -> int:
@@ -95,6 +96,7 @@ class Case:
             fs.Mesh(dict(self.mesh)),
             rules=rules,
             units=self.model.units,
+            frozen=self.frozen,
             strategy=self.strategy,
             memory_budget=self.budget,
         )
@@ -128,7 +130,8 @@ def train_reference(case: Case) -> tuple[list[torch.Tensor], Any]:
     params = case.model.init(0)
     leaves, treedef = fs.tree.flatten(params)
     leaves = [leaf.clone().requires_grad_() for leaf in leaves]
-    opt, schedule = case.torch_optimizer(leaves)
+    trained = [not leaf.frozen for leaf in case.plan(params).leaves]
+    opt, schedule = case.torch_optimizer([x for x, t in zip(leaves, trained) if t])
     compute = case.precision.param_dtype if case.precision is not None else None
 
     def loss_fn(p: Any, *batch: torch.Tensor) -> torch.Tensor:
@@ -143,10 +146,10 @@ def train_reference(case: Case) -> tuple[list[torch.Tensor], Any]:
         ]
         full = fs.tree.unflatten(treedef, [leaf.detach() for leaf in leaves])
         loss, grads = reference_value_and_grad(loss_fn, full, batches)
-        for leaf, grad in zip(leaves, fs.tree.leaves(grads)):
-            leaf.grad = grad.clone()
+        for leaf, grad, t in zip(leaves, fs.tree.leaves(grads), trained):
+            leaf.grad = grad.clone() if t else None
         if case.clip is not None:
-            torch.nn.utils.clip_grad_norm_(leaves, case.clip)
+            torch.nn.utils.clip_grad_norm_([x for x, t in zip(leaves, trained) if t], case.clip)
         opt.step()
         if schedule is not None:
             schedule.step()
@@ -190,6 +193,11 @@ def cases(draw: st.DrawFn) -> Case:
         accumulate=draw(st.sampled_from(["sharded", "unsharded"])),
         clip=draw(st.sampled_from([None, None, 0.5])),
         rule=draw(st.booleans()),
+        frozen=draw(
+            st.sampled_from(
+                [(), (), ("embed",), ("blocks/0",), ("head/temp",), ("embed", "blocks/0")]
+            )
+        ),
     )
 
 
@@ -211,6 +219,15 @@ def check(pools: Any, case: Case) -> None:
         )
     assert_trees_close(results[0][1], ref_params, **tol)
     assert all(params is None for _, params in results[1:])
+    initial = case.model.init(0)
+    for leaf in case.plan(initial).leaves:
+        if leaf.frozen:  # bit for bit: a frozen leaf is never written
+            path = leaf.path.split("/")
+            final, first = results[0][1], initial
+            for key in path:
+                final = final[int(key)] if isinstance(final, list) else final[key]
+                first = first[int(key)] if isinstance(first, list) else first[key]
+            assert torch.equal(final, first), f"frozen {leaf.path} changed"
 
 
 @settings(max_examples=40)
@@ -227,6 +244,58 @@ def test_every_strategy_on_every_mesh(pools):
                 pools,
                 Case(Model(), mesh, strategy, mixed_precision=False, optimizer="adamw", steps=2),
             )
+
+
+def test_frozen_leaves_train_like_one_device_on_every_strategy(pools):
+    """Frozen leaves are sharded and gathered, get no update, and the rest trains as in one process."""
+    for strategy in ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"]:
+        mesh = (("dp", 2), ("fsdp", 2)) if strategy == "hybrid_shard" else (("fsdp", 2),)
+        for mixed_precision in (False, True):
+            check(
+                pools,
+                Case(
+                    Model(embed_unit=True),
+                    mesh,
+                    strategy,
+                    mixed_precision=mixed_precision,
+                    optimizer="adamw",
+                    steps=2,
+                    frozen=("embed", "blocks/0"),
+                ),
+            )
+
+
+def _frozen_bytes(frozen: tuple[str, ...]) -> tuple[int, int, int]:
+    """Worker body: bytes this rank holds of frozen params, of params, of optimizer state."""
+    model = Model(embed_unit=True)
+    params = model.init(0)
+    plan = fs.plan(params, fs.Mesh({"fsdp": fs.world_size()}), units=model.units, frozen=frozen)
+    sparams = fs.shard(params, plan)
+    frozen_bytes = sum(
+        x.padded.numel() * x.padded.element_size() for x in fs.tree.leaves(sparams) if x.frozen
+    )
+    state = fs.optim.adamw(1e-3).init(sparams)
+    return frozen_bytes, fs.testing.held_bytes(sparams), fs.testing.held_bytes(state)
+
+
+def test_frozen_leaves_cost_one_over_w_and_have_no_optimizer_state(pools):
+    model = Model(embed_unit=True)
+    params = model.init(0)
+    frozen = ("embed", "blocks")
+    whole = sum(
+        t.numel() * 4 for t in [params["embed"]["tokens"], *fs.tree.leaves(params["blocks"])]
+    )
+    (one,) = pools.run(1, _frozen_bytes, frozen)
+    two = pools.run(2, _frozen_bytes, frozen)
+    assert one[0] == whole
+    for frozen_bytes, _, state in two:  # padding aside, half each
+        assert whole / 2 <= frozen_bytes <= whole / 2 + 4 * 64
+        trained = one[1] - one[0]
+        assert state <= 2 * trained + 8  # mu and nu of the trained leaves and a counter only
+    estimate = fs.cost.estimate(
+        fs.plan(params, fs.Mesh({"fsdp": 2}), units=model.units, frozen=frozen)
+    )
+    assert estimate.memory.frozen == two[0][0]
 
 
 def test_an_automatic_plan_that_mixes_strategies_trains_like_one_device(pools):

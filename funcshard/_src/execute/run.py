@@ -92,7 +92,9 @@ class _Gather(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         ctx.run, ctx.record = run, record
         leaves = record.unit.full_leaves()
-        ctx.mark_non_differentiable(*(t for t in leaves if not t.is_floating_point()))
+        ctx.mark_non_differentiable(
+            *(t for t, trained in zip(leaves, record.unit.trained) if not trained)
+        )
         return tuple(leaves)
 
     @staticmethod
@@ -113,8 +115,10 @@ class Run:
         defer: bool,
         reducer: Reducer,
         output_dtype: torch.dtype | None = None,
+        evaluation: bool = False,
     ) -> None:
         self.units = {u.name: u for u in units}
+        self.evaluation = evaluation  # forward only: every call frees its unit, none is hooked
         self.order_hint = list(order_hint)
         self.prefetch = prefetch
         self.defer = defer
@@ -177,7 +181,15 @@ class Run:
         return record, list(_Gather.apply(self, record, self.dummy))
 
     def exit_call(self, record: CallRecord, out: Any) -> None:
-        """FORWARD -> WAITING (``full_shard``: released) or KEPT; hooks the outputs for backward."""
+        """FORWARD -> WAITING (``full_shard``: released) or KEPT; hooks the outputs for backward.
+
+        In an evaluation, FORWARD -> DONE: the unit is released whatever its
+        strategy, as no backward will need it.
+        """
+        if self.evaluation:
+            record.unit.release()
+            record.phase = CallPhase.DONE
+            return
         if record.unit.frees_after_forward:
             record.unit.release()
             record.phase = CallPhase.WAITING
@@ -248,6 +260,11 @@ class Run:
         for record in unreached:  # their gradients are zero
             self.post_backward(record, [None] * len(record.unit.slots), agreed=True)
         self.reducer.finish()
+        for unit in self.units.values():
+            unit.release_all()
+
+    def close_evaluation(self) -> None:
+        """After an evaluation's forward: frees every unit (the root unit's hold included)."""
         for unit in self.units.values():
             unit.release_all()
 

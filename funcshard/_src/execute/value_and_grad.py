@@ -20,7 +20,13 @@ from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
 from funcshard._src.shard.flat import FlatLayout
 from funcshard._src.shard.shard import plan_layouts
-from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of, map_flats
+from funcshard._src.shard.sharded import (
+    FlatShard,
+    ShardedTensor,
+    flats_of,
+    map_flats,
+    trainable,
+)
 
 Accumulation = Literal["sharded", "unsharded"]
 
@@ -71,7 +77,7 @@ class Step:
         """``(loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``) for this rank's batch.
 
         ``loss`` is this rank's loss; ``grads`` are sharded like ``sparams`` and are the
-        mean over every rank of the mesh.
+        mean over every rank of the mesh (``None`` at frozen leaves).
         """
         (losses, auxes), grads = self._run(sparams, [(args, kwargs)], "sharded")
         return ((losses[0], auxes[0]) if self.has_aux else losses[0]), grads
@@ -103,6 +109,53 @@ class Step:
         (losses, auxes), grads = self._run(sparams, batches, mode)
         loss = torch.stack(losses).mean()
         return ((loss, auxes) if self.has_aux else loss), grads
+
+    def forward(self, sparams: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """What ``loss_fn(sparams, *args, **kwargs)`` returns, evaluated without gradients.
+
+        The same gather, compute, free schedule and prefetch as a step's forward,
+        under ``torch.no_grad``: each unit call gathers its unit (prefetching the
+        next) and frees it right after, whatever its strategy; no activation is
+        kept for backward and nothing is re-gathered or reduced. Collective:
+        every rank calls it, as a step.
+        """
+        if current_run() is not None:
+            raise RuntimeError(
+                "an evaluation was called inside a step's loss_fn; call them one after the other"
+            )
+        units = self._runtimes()
+        by_unit = self._check(sparams)
+        check_start(
+            signature(
+                self.plan,
+                mixed_precision=self.mixed_precision,
+                prefetch=self.prefetch,
+                accumulation="forward only",
+                order=self._order,
+            )
+        )
+        self.memory.peak = self.memory.current
+        run = Run(
+            units,
+            order_hint=self._order,
+            prefetch=self.prefetch,
+            defer=False,
+            reducer=Reducer(world_size=self.plan.mesh.size, spares={}),
+            output_dtype=self.mixed_precision.output_dtype,
+            evaluation=True,
+        )
+        try:
+            with torch.no_grad():
+                view = run.begin(sparams, by_unit)
+                out = self.loss_fn(view, *args, **kwargs)
+                calls = run.end_forward()
+            start_forward_check(calls).finish()
+            self._order = calls
+            run.close_evaluation()
+        except BaseException as error:
+            _settle(run.abort(), error)
+            raise
+        return out
 
     # -- internals ---------------------------------------------------------------
 
@@ -173,12 +226,14 @@ class Step:
         grads = reducer.grads
         for flats in by_unit.values():  # parts no reduction reached: integer leaves
             for flat in flats:
-                if flat.layout not in grads:
+                if flat.layout not in grads and not flat.layout.frozen:
                     grads[flat.layout] = torch.zeros_like(flat.data)
         if len(batches) > 1:
             floating = [g for g in grads.values() if g.is_floating_point()]
             torch._foreach_mul_(floating, 1.0 / len(batches))
-        sharded_grads = map_flats(lambda flat: flat.with_data(grads[flat.layout]), sparams)
+        sharded_grads = map_flats(
+            lambda flat: flat.with_data(grads[flat.layout]), trainable(sparams)
+        )
         if self.donate_grads:
             self._last = flats_of(sharded_grads)
         return (losses, auxes), sharded_grads
@@ -193,7 +248,7 @@ class Step:
         return spares
 
     def _check(self, sparams: Any) -> dict[str, list[FlatShard]]:
-        """``sparams``' flat shards by unit (one per part, in part order), if sharded with this plan."""
+        """``sparams``' flat shards by unit (one per part, in the plan's layout order), if sharded with this plan."""
         paths, leaves, treedef = tree.flatten_with_paths(sparams)
         if treedef != self.plan.treedef:
             raise ValueError(
@@ -207,10 +262,10 @@ class Step:
                     f"{type(leaf).__name__}"
                 )
         bound = groups.bind(self.plan.mesh)
-        by_unit: dict[str, list[FlatShard]] = {}
-        expected = {(layout.unit, layout.dtype): layout for layout in self._layouts}
+        found: dict[FlatLayout, FlatShard] = {}
+        expected = {(lt.unit, lt.dtype, lt.frozen): lt for lt in self._layouts}
         for flat in flats_of(sparams):
-            layout = expected.get((flat.layout.unit, flat.layout.dtype))
+            layout = expected.get((flat.layout.unit, flat.layout.dtype, flat.layout.frozen))
             if (
                 layout is None
                 or (flat.layout is not layout and flat.layout != layout)
@@ -220,7 +275,11 @@ class Step:
                     f"unit {flat.layout.unit!r}: the params were sharded with another plan or rank than "
                     f"this step's (plan fingerprint {self.plan.fingerprint()}); shard them with this plan"
                 )
-            by_unit.setdefault(flat.layout.unit, []).append(flat)
+            found[layout] = flat
+        by_unit: dict[str, list[FlatShard]] = {}
+        for layout in self._layouts:  # each unit's parts in the order of its runtime's
+            if layout in found:
+                by_unit.setdefault(layout.unit, []).append(found[layout])
         return by_unit
 
     def _split(self, out: Any) -> tuple[torch.Tensor, Any]:
@@ -265,7 +324,9 @@ def value_and_grad(
     full tensors; each unit's subtree is used through :func:`funcshard.call`, which
     gathers it just before it runs and frees it after. Backward re-gathers units as
     it reaches them and reduce-scatters their gradients, so ``grads`` are sharded
-    like ``sparams`` and equal the mean over every rank's batch.
+    like ``sparams`` and equal the mean over every rank's batch. Frozen leaves
+    (``fs.plan(..., frozen=...)``) are gathered like the others but get no
+    gradient: ``grads`` holds ``None`` there, and optimizers skip them.
 
     Args:
         loss_fn: ``loss_fn(params, *args)`` returning a scalar loss (or ``(loss, aux)``).
