@@ -38,11 +38,17 @@ ORDER = {
         "plan", "resolve", "cost", "auto", "planner",
     ],
     "comm": ["runtime", "channel", "agree", "settle", "lifecycle", "ledger", "groups", "collectives"],
-    "shard": ["aliasing", "digest", "flat", "sharded", "shard"],
-    "execute": ["desync", "unit_state", "reduce", "run", "call", "value_and_grad"],
+    "shard": [
+        "aliasing", "digest", "counter_rng", "fill", "initializers", "fans", "orthogonal", "flat",
+        "sharded", "shard", "materialize",
+    ],
+    "execute": ["desync", "unit_state", "reduce", "run", "call", "value_and_grad", "forward"],
     "optim": ["base", "sgd", "adamw", "clip", "nonfinite"],
     "checkpoint": ["errors", "chunks", "manifest", "commit", "dcp_io", "rng", "save", "load", "export"],
-    "interop": ["host", "module_tree", "module_units", "apply", "module", "jax", "orbax"],
+    "interop": [
+        "host", "module_tree", "module_units", "module_init", "hf_checkpointing",
+        "safetensors_format", "safetensors_io", "hf_export", "forwards", "apply", "module", "jax", "orbax",
+    ],
 }  # fmt: skip
 DISTRIBUTED_OK = {"comm", "execute", "optim", "checkpoint", "interop"}
 TORCH_FREE = {"spec"}  # pure index math
