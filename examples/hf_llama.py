@@ -77,7 +77,13 @@ def main(argv: list[str] | None = None) -> list[float]:
     rank, world = fs.rank(), fs.world_size()
     model = build_model(args)
     params, apply = fs.interop.functionalize(model, units=["LlamaDecoderLayer"])
-    plan = fs.plan(params, fs.Mesh({"fsdp": world}), units=apply.units, strategy=args.strategy)
+    plan = fs.plan(
+        params,
+        fs.Mesh({"fsdp": world}),
+        units=apply.units,
+        frozen=apply.frozen,
+        strategy=args.strategy,
+    )
     if args.explain and rank == 0:
         print(plan.explain())
     sparams = fs.shard(params, plan)

@@ -241,8 +241,34 @@ def test_export_safetensors(tmp_path):
     directory, _ = _small(tmp_path)
     out = fs.checkpoint.export_safetensors(directory, tmp_path / "model.safetensors")
     tensors = safetensors.load_file(str(out))
-    assert torch.equal(tensors["params.w"], torch.arange(12.0).reshape(4, 3))
-    assert set(tensors) == {"params.w", "params.b"}
+    assert torch.equal(tensors["w"], torch.arange(12.0).reshape(4, 3))
+    assert set(tensors) == {"w", "b"}  # the params, keyed from inside them
+    everything = fs.checkpoint.export_safetensors(
+        directory, tmp_path / "all.safetensors", subtree=None
+    )
+    assert set(safetensors.load_file(str(everything))) == {"params.w", "params.b"}
+
+
+def test_export_safetensors_names_and_its_errors(tmp_path):
+    """The name map (a mapping or a function) and the errors naming the fix."""
+    safetensors = pytest.importorskip(
+        "safetensors.torch", reason="safetensors is an optional extra"
+    )
+    directory, _ = _small(tmp_path)
+    out = fs.checkpoint.export_safetensors(
+        directory, tmp_path / "a.safetensors", names={"w": "model.weight"}
+    )
+    assert set(safetensors.load_file(str(out))) == {"model.weight", "b"}
+    out = fs.checkpoint.export_safetensors(
+        directory, tmp_path / "b.safetensors", names=lambda p: f"lm.{p}"
+    )
+    assert set(safetensors.load_file(str(out))) == {"lm.w", "lm.b"}
+    with pytest.raises(ValueError, match=r"no top-level 'opt' \(it has \['n', 'params'\]\)"):
+        fs.checkpoint.export_safetensors(directory, tmp_path / "c.safetensors", subtree="opt")
+    with pytest.raises(ValueError, match=r"names maps \['v'\], which are not tensor leaves"):
+        fs.checkpoint.export_safetensors(directory, tmp_path / "d.safetensors", names={"v": "x"})
+    with pytest.raises(ValueError, match=r"gets the same key as 'b'"):
+        fs.checkpoint.export_safetensors(directory, tmp_path / "e.safetensors", names=lambda p: "x")
 
 
 def test_leaves_a_checkpoint_cannot_hold(tmp_path):

@@ -78,7 +78,7 @@ def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_paths_follow_module_names_with_lists_for_module_lists():
-    """Paths are named_parameters names with '/'; ModuleList is a list; ties and frozen are not leaves."""
+    """Paths are named_parameters names with '/'; ModuleList is a list; ties are one leaf, buffers none."""
     model = TinyLM(layers=11)
     params, apply = functionalize(model)
     assert isinstance(params["blocks"], list)
@@ -94,11 +94,11 @@ def test_paths_follow_module_names_with_lists_for_module_lists():
     assert paths[6].startswith(
         "blocks/1/"
     )  # a list keeps 1 before 10 (dict keys would sort "10" first)
-    assert paths[-2:] == ["embed/weight", "gain"]
+    assert paths[-3:] == ["embed/weight", "gain", "scale"]
     assert "head/weight" not in paths
     assert "blocks/0/gain" not in paths
-    assert "scale" not in paths  # frozen: state
-    assert fs.tree.leaf_paths(apply.state) == ["calls", "pos", "scale"]
+    assert apply.frozen == ("scale",)  # a leaf, planned frozen: sharded, no gradient
+    assert fs.tree.leaf_paths(apply.state) == ["calls", "pos"]
     assert (
         params["embed"]["weight"].data_ptr() == model.embed.weight.data_ptr()
     )  # a view, not a copy
@@ -274,10 +274,31 @@ def test_apply_refuses_another_structure_and_sharded_leaves_outside_a_step():
 )
 def test_a_plan_with_other_units_is_an_error_naming_apply_units(plan_units, message):
     params, apply = functionalize(TinyLM(), units=[Block])
-    plan = fs.plan(params, fs.Mesh({"fsdp": 1}), units=plan_units)
+    plan = fs.plan(params, fs.Mesh({"fsdp": 1}), units=plan_units, frozen=apply.frozen)
     step = fs.value_and_grad(lambda p, *b: apply(p, *b), plan)
     with pytest.raises(ValueError, match=message + r".*units=apply.units"):
         step(fs.shard(params, plan), *batch(0))
+
+
+@pytest.mark.parametrize("units", [[], ["blocks/*"]])
+def test_a_plan_that_trains_a_frozen_parameter_is_an_error_naming_apply_frozen(units):
+    """requires_grad=False is never silently trained: the plan must freeze what the module froze."""
+    model = TinyLM()
+    model.blocks[0].fc1.weight.requires_grad_(False)  # in a unit, besides the root's "scale"
+    params, apply = functionalize(model, units=[Block])
+    plan = fs.plan(
+        params, fs.Mesh({"fsdp": 1}), units=apply.units, frozen=["scale"] if units else []
+    )
+    step = fs.value_and_grad(lambda p, *b: apply(p, *b), plan)
+    leaf = "blocks/0/fc1/weight" if units else "scale"
+    with pytest.raises(
+        ValueError, match=rf"{leaf}: the plan makes this leaf trainable.*frozen=apply.frozen"
+    ):
+        step(fs.shard(params, plan), *batch(0))
+    wrong = fs.plan(params, fs.Mesh({"fsdp": 1}), units=apply.units, frozen=[*apply.frozen, "gain"])
+    step = fs.value_and_grad(lambda p, *b: apply(p, *b), wrong)
+    with pytest.raises(ValueError, match=r"gain: the plan makes this leaf frozen"):
+        step(fs.shard(params, wrong), *batch(0))
 
 
 class Out(OrderedDict):
@@ -343,7 +364,13 @@ def _optimizers(kind: str, model: nn.Module) -> tuple[fs.optim.Optimizer, torch.
 def _train_sharded(strategy: Any, optimizer: str, steps: int) -> tuple[list[torch.Tensor], Any]:
     model = TinyLM()
     params, apply = functionalize(model, units=[Block])
-    plan = fs.plan(params, fs.Mesh({"fsdp": fs.world_size()}), units=apply.units, strategy=strategy)
+    plan = fs.plan(
+        params,
+        fs.Mesh({"fsdp": fs.world_size()}),
+        units=apply.units,
+        frozen=apply.frozen,
+        strategy=strategy,
+    )
     sparams = fs.shard(params, plan)
     opt, _ = _optimizers(optimizer, model)
     state = opt.init(sparams)

@@ -10,9 +10,11 @@ order, and the paths are the same. An entry without leaves is ``None``, an empty
 so indices stay those of the module. A parameter reachable under several names (tied
 weights) is one leaf, at the first name ``named_parameters`` gives.
 
-Buffers and frozen parameters (``requires_grad=False``) are not leaves: they are the
-module's non-trainable *state*, closed over by ``apply`` and replicated on every rank,
-so they get no gradient and no optimizer state (``apply.state`` shows them).
+Frozen parameters (``requires_grad=False``) are leaves too, listed in ``apply.frozen``:
+planned with ``fs.plan(..., frozen=apply.frozen)`` they are sharded, gathered and freed
+per unit like the others (and cast by mixed precision), with no gradient and no
+optimizer state. Buffers are not leaves: they are the module's *state*, closed over by
+``apply`` and replicated on every rank (``apply.state`` shows them).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 
 from funcshard._src import tree
 from funcshard._src.interop.apply import Apply, Leaf, Params
+from funcshard._src.interop.hf_checkpointing import cache_off, resolve_remat
 from funcshard._src.interop.module_tree import alias_groups, module_tree
 from funcshard._src.interop.module_units import UnitPattern, resolve_units, unit_patterns
 
@@ -36,11 +39,28 @@ def functionalize(
 
     ``params`` holds the trainable parameters, nested by submodule (see
     ``[Note: module trees]``): ``model/layers/3/self_attn/q_proj/weight``. Tied
-    parameters are one leaf; buffers and frozen parameters are carried by ``apply``
-    as replicated state. ``apply(params, *args, **kwargs)`` is the module's forward
+    parameters are one leaf; frozen parameters are leaves named by ``apply.frozen``
+    (plan them with ``frozen=apply.frozen``); buffers are carried by ``apply`` as
+    replicated state. ``apply(params, *args, **kwargs)`` is the module's forward
     with the leaves of ``params``. ``units`` name submodules whose forward becomes
     one :func:`funcshard.call` each; plan with ``units=apply.units``, and a step
     gathers each unit's parameters just for its forward, with no per-layer code.
+
+    Hugging Face models: ``model.gradient_checkpointing_enable()`` (a truthy
+    ``gradient_checkpointing`` on the model's stacks or layers) becomes
+    ``remat=True`` when every checkpointed layer is a unit or inside one; HF's own
+    checkpointing, whose recompute would read the module's stale weights, never
+    runs inside ``apply`` (its flags are ``False`` while apply runs and restored
+    exactly after). Its options (``every_n_layers``, ``offload``, use_reentrant)
+    do not carry over: every unit is rematerialized. A checkpointed layer that no
+    unit holds is refused. Checkpointing enabled after ``functionalize`` is refused
+    by ``apply`` in training with grad, unless apply already rematerializes every
+    checkpointed layer. As HF's checkpointing does, in a step that rematerializes
+    (``remat=True``, grad enabled) a unit's forward gets ``use_cache=False`` and no
+    cache (``cache``, ``past_key_value(s)``, ``layer_past``) kwargs, and the
+    model's forward ``use_cache=False`` when it takes ``use_cache`` and the caller
+    passes none: a recomputed forward must not fill a cache again. Loss and logits
+    are unchanged; the output's cache is then empty or ``None``.
 
     Args:
         module: any ``nn.Module`` (real or ``meta`` tensors; the leaves are detached
@@ -51,14 +71,18 @@ def functionalize(
             pattern matching nested submodules makes the outermost a unit.
         remat: recompute each unit's activations in backward instead of keeping
             them (``fs.call(..., remat=True)``; its parameters are re-gathered for it).
+            Turned on by Hugging Face gradient checkpointing (see above).
 
     Returns:
         ``(params, apply)``.
 
     Raises:
         ValueError: a unit that names no submodule (the message lists the classes
-            there are), units that overlap, tied parameters used by two units, or
-            parameters that share memory as different tensors (overlapping views).
+            there are), units that overlap, tied parameters used by two units,
+            parameters that share memory as different tensors (overlapping views), or
+            Hugging Face gradient checkpointing on in a layer that no unit holds (the
+            fix: those layers as units with ``remat=True``, or
+            ``model.gradient_checkpointing_disable()``).
         TypeError: ``module`` is not an ``nn.Module`` or ``units`` is malformed.
 
     Example:
@@ -79,13 +103,19 @@ def functionalize(
     if not isinstance(module, nn.Module):
         raise TypeError(f"functionalize: expected an nn.Module, got {type(module).__name__}")
     groups = alias_groups(module)
-    trainable = [g for g in groups if g.kind == "trainable"]
-    carried = [g for g in groups if g.kind != "trainable"]
+    trainable = [g for g in groups if g.kind != "buffer"]
+    carried = [g for g in groups if g.kind == "buffer"]
     params = module_tree(module, "", {g.names[0]: g.tensor.detach() for g in trainable}) or {}
     state = module_tree(module, "", {g.names[0]: g.tensor.detach() for g in carried}) or {}
     resolved = resolve_units(module, units, [g.names for g in trainable])
     leaves = [
-        Leaf(g.names[0].replace(".", "/"), g.names, resolved.unit_of(g.names[0])) for g in trainable
+        Leaf(
+            g.names[0].replace(".", "/"),
+            g.names,
+            resolved.unit_of(g.names[0]),
+            frozen=g.kind == "frozen",
+        )
+        for g in trainable
     ]
     _, _, treedef = tree.flatten_with_paths(params)
     return params, Apply(
@@ -96,5 +126,6 @@ def functionalize(
         state_leaves=[Leaf(g.names[0].replace(".", "/"), g.names, None) for g in carried],
         units=resolved,
         patterns=unit_patterns(resolved.paths, params),
-        remat=remat,
+        remat=resolve_remat(module, resolved.paths, remat=remat),
+        caches=cache_off(module),
     )
