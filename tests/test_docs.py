@@ -17,7 +17,7 @@ WORLD = {
     "docs/planner.md": (1,),
     "docs/design.md": (2,),
 }
-INTEROP = {"docs/interop.md"}
+INTEROP = {"docs/interop.md", "docs/large_models.md"}
 
 
 def test_every_document_with_python_is_run_somewhere():

@@ -20,3 +20,7 @@ pytest.importorskip(
 
 def test_interop_doc_blocks_run(tmp_path):
     assert run_blocks("docs/interop.md", str(tmp_path)) == 3
+
+
+def test_large_models_doc_blocks_run(tmp_path):
+    assert run_blocks("docs/large_models.md", str(tmp_path)) == 5
