@@ -70,7 +70,10 @@ def worker(source: str, size: dict[str, int], rank: int, world: int, port: int, 
     cfg = config(size)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
-    params, apply = fs.interop.functionalize(model, units=["LlamaDecoderLayer"])
+    # the embedding and the head are units too: in the root they would be gathered,
+    # with their gradients, for the whole step (as FSDP users wrap them)
+    units = ["LlamaDecoderLayer", "model/embed_tokens", "lm_head"]
+    params, apply = fs.interop.functionalize(model, units=units)
     plan = fs.plan(params, fs.Mesh({"fsdp": world}), units=apply.units, frozen=apply.frozen)
     t0 = time.perf_counter()
     if source == "materialize":
