@@ -49,6 +49,8 @@ def test_plan_prints_every_strategy_and_writes_json_and_a_chart(tmp_path, capsys
         "mixed_precision",
         "gathered",
         "activations",
+        "frozen",
+        "buffers",
     }
     assert full["fits"] is True
     assert full["time"]["tokens_per_s"] > 0
