@@ -119,20 +119,10 @@ class Step:
         kept for backward and nothing is re-gathered or reduced. Collective:
         every rank calls it, as a step.
         """
-        if current_run() is not None:
-            raise RuntimeError(
-                "an evaluation was called inside a step's loss_fn; call them one after the other"
-            )
-        units = self._runtimes()
-        by_unit = self._check(sparams)
-        check_start(
-            signature(
-                self.plan,
-                mixed_precision=self.mixed_precision,
-                prefetch=self.prefetch,
-                accumulation="forward only",
-                order=self._order,
-            )
+        units, by_unit = self._start(
+            sparams,
+            "forward only",
+            nested="an evaluation was called inside a step's loss_fn; call them one after the other",
         )
         self.memory.peak = self.memory.current
         run = Run(
@@ -179,20 +169,10 @@ class Step:
         batches: list[tuple[tuple[Any, ...], dict[str, Any]]],
         mode: Accumulation,
     ) -> tuple[tuple[list[torch.Tensor], list[Any]], Any]:
-        if current_run() is not None:
-            raise RuntimeError(
-                "a step was called inside another step's loss_fn; call steps one after the other"
-            )
-        units = self._runtimes()
-        by_unit = self._check(sparams)
-        check_start(
-            signature(
-                self.plan,
-                mixed_precision=self.mixed_precision,
-                prefetch=self.prefetch,
-                accumulation=f"{mode}, {len(batches)} micro-batch(es)",
-                order=self._order,
-            )
+        units, by_unit = self._start(
+            sparams,
+            f"{mode}, {len(batches)} micro-batch(es)",
+            nested="a step was called inside another step's loss_fn; call steps one after the other",
         )
         reducer = Reducer(world_size=self.plan.mesh.size, spares=self._take_donated())
         losses: list[torch.Tensor] = []
@@ -237,6 +217,29 @@ class Step:
         if self.donate_grads:
             self._last = flats_of(sharded_grads)
         return (losses, auxes), sharded_grads
+
+    def _start(
+        self, sparams: Any, accumulation: str, *, nested: str
+    ) -> tuple[list[UnitRuntime], dict[str, list[FlatShard]]]:
+        """What every call of a step or evaluation does first; collective (the start agreement).
+
+        Refuses a call inside a running step (``nested`` is the message), checks
+        ``sparams`` against the plan and agrees with every rank on the signature.
+        """
+        if current_run() is not None:
+            raise RuntimeError(nested)
+        units = self._runtimes()
+        by_unit = self._check(sparams)
+        check_start(
+            signature(
+                self.plan,
+                mixed_precision=self.mixed_precision,
+                prefetch=self.prefetch,
+                accumulation=accumulation,
+                order=self._order,
+            )
+        )
+        return units, by_unit
 
     def _take_donated(self) -> dict[FlatLayout, torch.Tensor]:
         """With ``donate_grads``: the last call's gradient buffers, for this call's; see [Note: donation].
