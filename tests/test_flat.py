@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from funcshard import plan
+from funcshard import P, plan
 from funcshard._src import tree
-from funcshard._src.shard.flat import layouts, pack_all, pack_local, padded_view, unpack_gathered
+from funcshard._src.shard.flat import (
+    gathers_in_place,
+    layouts,
+    pack_all,
+    pack_local,
+    padded_view,
+    unpack_gathered,
+)
+from funcshard._src.spec.mesh import Mesh
 from tests.strategies import meshes, rules_for, tensor_trees, units_for
 
 
@@ -87,3 +96,38 @@ def test_pack_and_unpack_over_a_subset_of_axes(case):
         assert torch.equal(stacked, pack_all(layout, members, axes))
         for slot, full in zip(layout.slots, unpack_gathered(layout, stacked, axes)):
             assert torch.equal(full, leaves[slot.index])
+
+
+@given(planned_params())
+def test_a_layout_gathered_in_place_is_its_leaf_in_memory_order(case):
+    """gathers_in_place holds exactly when the gathered buffer is the one leaf's memory; then the
+    unpacked leaf is a view of it (no copy)."""
+    params, p = case
+    leaves = tree.flatten(params)[0]
+    for layout in layouts(p):
+        members = [leaves[s.index] for s in layout.slots]
+        rows = pack_all(layout, members)
+        same = len(members) == 1 and rows.numel() == members[0].numel()
+        same = same and torch.equal(rows.reshape(-1), members[0].reshape(-1))
+        if gathers_in_place(layout):
+            assert same
+            (full,) = unpack_gathered(layout, rows)
+            assert full.data_ptr() == rows.data_ptr()
+            assert torch.equal(full, members[0])
+
+
+@pytest.mark.parametrize(
+    ("shape", "spec", "expected"),
+    [
+        ((8, 3), P("fsdp"), True),
+        ((7, 3), P("fsdp"), False),  # padded
+        ((8, 4), P(None, "fsdp"), False),  # dim 1: rank-major rows are not the leaf's memory
+        ((8,), P(), False),  # replicated: every row is the whole leaf
+    ],
+)
+def test_gathers_in_place_examples(shape, spec, expected):
+    params = {"w": torch.zeros(shape)}
+    p = plan(params, Mesh({"fsdp": 4}), rules=[("w", spec)])
+    assert gathers_in_place(layouts(p)[0]) is expected
+    two = plan({**params, "b": torch.zeros(4)}, Mesh({"fsdp": 4}), rules=[("w", spec)])
+    assert not gathers_in_place(layouts(two)[0])  # two leaves in one buffer

@@ -18,6 +18,12 @@ inside ``torch.autograd._unsafe_preserve_version_counter`` so autograd does not
 take the refill for an in-place change of a saved tensor (PyTorch FSDP2 does
 the same).
 
+A part of one leaf that :func:`gathers_in_place` (an embedding or a head alone in
+its unit) is all-gathered straight into its full storage: no gathered buffer
+beside it, no unpacking copy. Its collective writes into that storage, so
+:meth:`UnitRuntime.discard` never frees the storage of such a gather in flight;
+it forgets it (the pending collective keeps it alive until drained).
+
 [Note: aliased units]
 A part that needs no collective and no cast (``no_shard`` without mixed
 precision, or any unit on a mesh of one rank) has full leaves that are exactly
@@ -41,7 +47,7 @@ from funcshard._src.comm.ledger import Ledger
 from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.strategy import shard_axes
 from funcshard._src.plan.units import Unit
-from funcshard._src.shard.flat import FlatLayout, Slot, unpack_into
+from funcshard._src.shard.flat import FlatLayout, Slot, gathers_in_place, unpack_into
 from funcshard._src.shard.sharded import FlatShard
 
 _T = TypeVar("_T")
@@ -94,9 +100,11 @@ class Part:
     compute_dtype: torch.dtype
     grad_dtype: torch.dtype
     aliased: bool
+    in_place: bool  # gathered straight into ``full``; see [Note: persistent gathered storage]
     full: torch.Tensor | None = None  # persistent, see [Note: persistent gathered storage]
     views: list[torch.Tensor] = field(default_factory=list)
     inflight: Pending | None = None  # this part's all-gather, while the unit is GATHERING
+    version: torch.autograd._unsafe_preserve_version_counter | None = None  # in_place, GATHERING
 
     @property
     def full_numel(self) -> int:
@@ -139,6 +147,7 @@ class UnitRuntime:
                 precision.gradient_dtype(layout.dtype),
                 aliased=self.group_size == 1
                 and precision.compute_dtype(layout.dtype) == layout.dtype,
+                in_place=self.group_size > 1 and gathers_in_place(layout, self.axes),
             )
             for layout in layouts
         ]
@@ -212,6 +221,16 @@ class UnitRuntime:
                 if flat.data.dtype == part.compute_dtype
                 else flat.data.to(part.compute_dtype)
             )
+            if part.in_place:
+                self._materialize(part)
+                assert part.full is not None
+                # the refill is not an in-place change of tensors autograd saved: the
+                # version is put back once the collective has written (after its wait)
+                part.version = torch.autograd._unsafe_preserve_version_counter(part.full)
+                part.inflight = collectives.all_gather(
+                    local, self.bound, self.axes, out=part.full, ledger=self.ledger, tag=self.name
+                )
+                continue
             out = torch.empty(  # (group_size * numel,)
                 self.group_size * local.numel(), dtype=local.dtype, device=local.device
             )
@@ -257,6 +276,11 @@ class UnitRuntime:
         """After an error: drops gathers in flight without waiting (returns them), frees storage, forgets holders."""
         dropped: list[Pending] = []
         for part in self.parts:
+            if part.inflight is not None and part.in_place:  # its storage is the collective's
+                dropped.append(part.inflight)
+                part.inflight, part.full, part.views = None, None, []
+                self.memory.sub(part.full_bytes)
+                continue
             if part.inflight is not None:
                 self.memory.sub(part.inflight.result.numel() * part.inflight.result.element_size())
                 dropped.append(part.inflight)
@@ -290,7 +314,18 @@ class UnitRuntime:
                 continue
             assert part.inflight is not None
             inflight, part.inflight = part.inflight, None  # a failed wait is not waited for again
-            gathered = inflight.wait()
+            try:
+                gathered = inflight.wait()
+            except BaseException:
+                if part.in_place:  # the collective may still write into it: forget, never free
+                    part.full, part.views, part.version = None, [], None
+                    self.memory.sub(part.full_bytes)
+                raise
+            if part.in_place:  # the collective filled part.full itself
+                assert part.version is not None
+                part.version.__exit__(None, None, None)
+                part.version = None
+                continue
             self._materialize(part)
             assert part.full is not None
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(part.full):

@@ -134,8 +134,12 @@ def unpack_gathered(
 
     ``axes`` are the mesh axes the buffer was gathered over (default: all, in mesh
     order); rows are group ranks, row-major over ``axes``. The results are new
-    contiguous tensors; ``gathered`` is not kept.
+    contiguous tensors, except for a layout that :func:`gathers_in_place`, whose
+    one leaf is a view of ``gathered``.
     """
+    if gathers_in_place(layout, axes):
+        (slot,) = layout.slots
+        return [gathered.view(slot.shape)]
     outs = [
         torch.empty(slot.shape, dtype=gathered.dtype, device=gathered.device)
         for slot in layout.slots
@@ -168,6 +172,34 @@ def unpack_into(
         else:
             padded = [n * c for n, c in zip(slot.sharding.num_shards(slot.shape), slot.shard_shape)]
             out.copy_(grid.reshape(padded)[tuple(slice(0, n) for n in slot.shape)])
+
+
+def gathers_in_place(layout: FlatLayout, /, axes: Sequence[str] | None = None) -> bool:
+    """Whether the gathered ``(group_size, numel)`` buffer of ``layout`` is its one leaf, in memory order.
+
+    True for one leaf sharded evenly on dim 0 over exactly ``axes`` (in order) and
+    nowhere else: an embedding or a head alone in its unit. Such a leaf is
+    gathered straight into its full storage and needs no unpacking copy.
+
+    Example:
+        >>> from funcshard._src.plan.planner import plan as make_plan
+        >>> from funcshard._src.spec.mesh import Mesh
+        >>> p = make_plan({"w": torch.zeros(8, 2)}, Mesh({"fsdp": 4}))
+        >>> gathers_in_place(layouts(p)[0], ("fsdp",))
+        True
+    """
+    axes = tuple(layout.mesh.axis_names if axes is None else axes)
+    if len(layout.slots) != 1:
+        return False
+    (slot,) = layout.slots
+    dim_axes = slot.sharding.dim_axes(len(slot.shape))
+    return (
+        len(slot.shape) > 0
+        and slot.numel == layout.numel
+        and _is_even(slot)
+        and tuple(dim_axes[0]) == axes
+        and all(not names for names in dim_axes[1:])
+    )
 
 
 def pack_all(
