@@ -89,14 +89,19 @@ def test_sharded_state_is_a_wth_of_the_total(pools, world_size, mesh):
                 assert padding == (world_size - 1) * 4
 
 
-def _ledger_after_one_step(
+def _ledger_of_a_step(
     model: Model, mesh: dict[str, int], strategy: Any, bf16: bool
 ) -> tuple[dict, dict]:
     params = model.init(0)
     plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy=strategy)
     mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     step = fs.value_and_grad(model.loss_fn, plan, mixed_precision=mp)
-    step(fs.shard(params, plan), *model.batch_for(fs.rank()))
+    sparams = fs.shard(params, plan)
+    # the first step learns the call order; where the plan's order guessed it wrong, the
+    # unit it prefetched is freed at once and gathered again at its call
+    step(sparams, *model.batch_for(fs.rank()))
+    step.ledger.reset()
+    step(sparams, *model.batch_for(fs.rank()))
     return dict(step.ledger.bytes_by_key), dict(comm_bytes_per_step(plan, mp))
 
 
@@ -108,7 +113,7 @@ def test_ledger_equals_the_cost_model(pools, strategy, world_size, mesh):
     for bf16 in (False, True):
         for model in (EVEN, UNEVEN):
             for ledger, expected in pools.run(
-                world_size, _ledger_after_one_step, model, mesh, strategy, bf16
+                world_size, _ledger_of_a_step, model, mesh, strategy, bf16
             ):
                 assert ledger == expected
 
@@ -136,7 +141,7 @@ def test_full_shard_moves_three_times_w_minus_1_over_w_of_the_parameters(pools, 
         ("no_shard", 2, param_bytes),
     ]:
         for ledger, _ in pools.run(
-            world_size, _ledger_after_one_step, model, {"fsdp": world_size}, strategy, False
+            world_size, _ledger_of_a_step, model, {"fsdp": world_size}, strategy, False
         ):
             assert sum(ledger.values()) * world_size == factor * (world_size - 1) * moved
 
@@ -186,7 +191,10 @@ def _states_seen_in_forward() -> list[list[str]]:
     params = model.init(0)
     plan = fs.plan(params, fs.Mesh({"fsdp": 2}), units=["blocks/*"])
     step = fs.value_and_grad(loss_fn, plan)
-    step(fs.shard(params, plan), *model.batch_for(0))
+    sparams = fs.shard(params, plan)
+    step(sparams, *model.batch_for(0))  # the first step learns the call order
+    seen.clear()
+    step(sparams, *model.batch_for(1))
     return seen
 
 
@@ -222,10 +230,10 @@ def test_backward_regathers_each_unit_and_prefetches_the_one_before(pools):
         ("finish", b[1]), ("start", b[2]), ("free", b[1]),
         ("finish", b[2]), ("free", b[2]),
     ]  # fmt: skip
-    backward = [
-        ("start", b[2]), ("finish", b[2]), ("start", b[1]), ("reduce", b[2]), ("free", b[2]),
-        ("finish", b[1]), ("start", b[0]), ("reduce", b[1]), ("free", b[1]),
-        ("finish", b[0]), ("reduce", b[0]), ("free", b[0]),
-        ("reduce", "<root>"), ("free", "<root>"),
+    backward = [  # a unit is freed before its gradients are packed for the reduce-scatter
+        ("start", b[2]), ("finish", b[2]), ("start", b[1]), ("free", b[2]), ("reduce", b[2]),
+        ("finish", b[1]), ("start", b[0]), ("free", b[1]), ("reduce", b[1]),
+        ("finish", b[0]), ("free", b[0]), ("reduce", b[0]),
+        ("free", "<root>"), ("reduce", "<root>"),
     ]  # fmt: skip
     assert events == forward + backward

@@ -174,6 +174,7 @@ MESHES = [(("fsdp", 1),), (("fsdp", 2),), (("fsdp", 4),), (("dp", 2), ("fsdp", 2
 def cases(draw: st.DrawFn) -> Case:
     model = Model(
         kind=draw(st.sampled_from(["mlp", "transformer"])),
+        vocab=draw(st.sampled_from([11, 12])),  # 12: the embedding is gathered in place
         width=draw(st.sampled_from([4, 6])),
         hidden=draw(st.sampled_from([5, 8, 10])),
         layers=draw(st.integers(1, 3)),
@@ -223,7 +224,8 @@ def check(pools: Any, case: Case) -> None:
     for leaf in case.plan(initial).leaves:
         if leaf.frozen:  # bit for bit: a frozen leaf is never written
             path = leaf.path.split("/")
-            final, first = results[0][1], initial
+            final: Any = results[0][1]
+            first: Any = initial
             for key in path:
                 final = final[int(key)] if isinstance(final, list) else final[key]
                 first = first[int(key)] if isinstance(first, list) else first[key]
@@ -261,6 +263,42 @@ def test_frozen_leaves_train_like_one_device_on_every_strategy(pools):
                     optimizer="adamw",
                     steps=2,
                     frozen=("embed", "blocks/0"),
+                ),
+            )
+
+
+def _in_place_parts(strategy: Any) -> list[str]:
+    """Worker body: the units whose parts are all-gathered straight into their full storage."""
+    model = Model(vocab=12, embed_unit=True)
+    params = model.init(0)
+    axes = {"dp": 2, "fsdp": 2} if fs.world_size() == 4 else {"fsdp": fs.world_size()}
+    plan = fs.plan(params, fs.Mesh(axes), units=model.units, strategy=strategy)
+    step = fs.value_and_grad(model.loss_fn, plan)
+    step(fs.shard(params, plan), *model.batch_for(0))
+    return sorted(u.name for u in step._runtimes() for p in u.parts if p.in_place)
+
+
+def test_a_unit_gathered_in_place_trains_like_one_device(pools):
+    """One leaf split evenly on dim 0 (an embedding alone in its unit) is gathered into its full
+    storage and reduced without unpacking; training is unchanged, with and without bf16."""
+    for mesh, strategy in [
+        ((("fsdp", 2),), "full_shard"),
+        ((("fsdp", 4),), "shard_grad_op"),
+        ((("dp", 2), ("fsdp", 2)), "hybrid_shard"),
+        ((("dp", 2), ("fsdp", 2)), "full_shard"),
+    ]:
+        world = 4 if len(mesh) == 2 or mesh[0][1] == 4 else 2
+        assert pools.run(world, _in_place_parts, strategy)[0] == ["embed"]
+        for mixed_precision in (False, True):
+            check(
+                pools,
+                Case(
+                    Model(vocab=12, embed_unit=True),
+                    mesh,
+                    strategy,
+                    mixed_precision=mixed_precision,
+                    optimizer="adamw",
+                    steps=2,
                 ),
             )
 

@@ -26,7 +26,11 @@ from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute.unit_state import Part, UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
 
-MAX_PENDING = 4  # reductions in flight before the oldest is waited for
+# reductions in flight when the next unit's gradients are packed: the older ones are
+# waited for first. One reducing while the next unit's backward computes is all the
+# overlap there is (a group runs its collectives one after the other), and each
+# reduction in flight holds a unit's packed gradients.
+MAX_PENDING = 1
 
 
 @dataclass(eq=False)
@@ -70,9 +74,9 @@ class Reducer:
         """
         for part, mine in zip(unit.parts, unit.split(grads)):
             if part.layout.dtype.is_floating_point and not part.layout.frozen:
+                while len(self.pending) >= MAX_PENDING:  # before packing: bounded memory
+                    self._finish_oldest()
                 self._reduce_part(unit, part, mine, defer=defer)
-        while len(self.pending) > MAX_PENDING:
-            self._finish_oldest()
 
     def finish(self) -> None:
         """Waits for every reduction in flight and adds it into :attr:`grads`; mutates."""

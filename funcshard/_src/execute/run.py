@@ -170,11 +170,16 @@ class Run:
         record = CallRecord(len(self.calls), unit)
         self.calls.append(record)
         k = record.index
+        was_on_track = self.on_track
         self.on_track = (
             self.on_track and k < len(self.order_hint) and self.order_hint[k] == unit.name
         )
         if not self.on_track:  # see [Note: collective order]
             check_call(k, unit.name)
+        if was_on_track and not self.on_track:  # the prefetches guessed wrong: free them now,
+            for other in self.units.values():  # not at their call, maybe at the end of forward
+                if other is not unit:
+                    other.drop_unused()
         unit.acquire()
         if self.on_track:
             self._prefetch_forward(k + 1)
@@ -242,9 +247,9 @@ class Run:
         later = sorted(i for i in self._in_backward if i > record.index)
         if later and not agreed:  # reductions out of reverse call order; [Note: collective order]
             check_reduction(record.index, record.unit.name, later)
-        self.reducer.reduce(record.unit, grads, defer=self.defer)
-        if record.phase.holds:
+        if record.phase.holds:  # first: the full parameters are not needed to reduce
             record.unit.release()
+        self.reducer.reduce(record.unit, grads, defer=self.defer)
         record.phase = CallPhase.DONE
 
     def finish(self) -> None:

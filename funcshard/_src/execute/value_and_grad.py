@@ -65,7 +65,10 @@ class Step:
         self._layouts = plan_layouts(plan)
         self._units: list[UnitRuntime] | None = None
         self._last: list[FlatShard] = []  # the gradients last returned, with donate_grads
-        self._order = [u.name for u in plan.units if not u.is_root]
+        # the call order of the last step, which forward prefetches follow; none before the
+        # first (the plan's tree order is a guess, wrong for {"embed", "blocks", "head"}
+        # and for Hugging Face models, and a wrong prefetch costs a re-gather)
+        self._order: list[str] = []
 
     @property
     def stats(self) -> StepStats:
