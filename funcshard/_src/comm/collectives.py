@@ -193,7 +193,13 @@ def gather_to_rank0(
     if not bound.distributed:
         return flat.view(1, -1)
     world = bound.mesh.size
-    rows = [torch.empty_like(flat) for _ in range(world)] if bound.rank == 0 else None
+    # rank 0 receives into the rows of one buffer: no second copy to stack them
+    out = (
+        torch.empty(world, *flat.shape, dtype=flat.dtype, device=flat.device)
+        if bound.rank == 0
+        else None
+    )
+    rows = None if out is None else list(out.unbind(0))
     group = dist.distributed_c10d._get_default_group()
     pending = _issue(
         "gather to rank 0", tag, bound.mesh.axis_names, bound, group, flat,
@@ -207,7 +213,7 @@ def gather_to_rank0(
             group_size=world,
             full_bytes=world * flat.numel() * flat.element_size(),
         )
-    return None if rows is None else torch.stack(rows)
+    return None if out is None else out.view(world, -1)
 
 
 def _issue(
