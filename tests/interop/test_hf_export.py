@@ -165,6 +165,17 @@ def test_a_failed_write_leaves_the_old_checkpoint_and_no_staging(tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_the_next_save_removes_what_a_killed_save_left(tmp_path):
+    _, apply, sparams = _net()
+    killed = tmp_path / ".out.0123456789ab.saving"  # a save killed mid-write leaves this
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"partial")
+    other = tmp_path / ".outer.0123456789ab.saving"  # another target's: kept
+    other.mkdir()
+    apply.save_pretrained(sparams, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".outer.0123456789ab.saving", "out"]
+
+
 def _fail_on_rank0(directory: str) -> str:
     params, apply = functionalize(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
     sparams = fs.shard(params, fs.plan(params, fs.Mesh({"fsdp": 2}), units=["0", "1"]))

@@ -461,3 +461,30 @@ def test_each_rank_reads_only_its_slices(pools, tmp_path):
         assert not [a for a in asked if a[1] == "whole"], f"rank {rank} read whole tensors"
         read = sum(n for _, _, n in asked)
         assert 0.45 < read / total < 0.55, f"rank {rank} read {read} of {total} bytes"
+
+
+def test_base_and_head_checkpoints_load_across_base_model_prefix(tmp_path):
+    """As from_pretrained: a LlamaModel checkpoint into LlamaForCausalLM (tied head), and one of
+    LlamaForCausalLM into LlamaModel, whose head is then unexpected unless ignored."""
+    import transformers
+
+    head = llama(seed=3, tied=True)
+    head.model.save_pretrained(tmp_path / "base")  # keys without "model."
+    params, apply = functionalize(llama(seed=4, tied=True))
+    plan = fs.plan(params, fs.Mesh({"fsdp": 1}), frozen=apply.frozen)
+    got = apply.state_dict(fs.unshard(apply.load_pretrained(tmp_path / "base", plan)))
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base").state_dict()
+    assert set(got) == set(theirs)
+    for key, value in theirs.items():
+        assert torch.equal(got[key], value), key
+
+    untied = llama(seed=5, tied=False)
+    untied.save_pretrained(tmp_path / "head")  # keys with "model.", and lm_head.weight
+    params, apply = functionalize(transformers.LlamaModel(untied.config))
+    plan = fs.plan(params, fs.Mesh({"fsdp": 1}))
+    with pytest.raises(ValueError, match=r"no leaf is named by: lm_head\.weight; pass ignore_"):
+        apply.load_pretrained(tmp_path / "head", plan)
+    sparams = apply.load_pretrained(tmp_path / "head", plan, ignore_unexpected=["lm_head.*"])
+    got = apply.state_dict(fs.unshard(sparams))
+    for key, value in untied.model.state_dict().items():
+        assert torch.equal(got[key], value), key

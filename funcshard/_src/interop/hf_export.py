@@ -7,12 +7,14 @@ turn is gathered to rank 0, its leaves are appended to the open file (whose head
 was written when it was opened) and freed, so no rank ever holds more than one
 gathered flat buffer. The files go to a staging directory beside ``path``, which
 becomes ``path``; into an existing directory, the old index is removed first and the
-new one moved in last, so an index never names a file that is missing.
+new one moved in last, so an index never names a file that is missing. A staging
+directory that a killed save to the same ``path`` left behind is removed by the next.
 """
 
 from __future__ import annotations
 
 import copy
+import glob
 import math
 import os
 import re
@@ -44,6 +46,7 @@ from funcshard._src.shard.flat import unpack_gathered
 from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of
 
 SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+STAGING = re.compile(r"\.[0-9a-f]{12}\.saving")  # after ".{target name}"
 
 
 @dataclass(frozen=True)
@@ -358,6 +361,9 @@ def _staging(target: Path) -> Path:
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"{target} is a file; save_pretrained writes a directory")
     target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.*.saving"):
+        if STAGING.fullmatch(stale.name[len(target.name) + 1 :]) and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)  # a save to target that was killed
     staging = target.parent / f".{target.name}.{uuid.uuid4().hex[:12]}.saving"
     staging.mkdir()
     return staging

@@ -143,8 +143,11 @@ def load_pretrained(
     checkpoint (a rotary ``inv_freq`` of old checkpoints) are skipped. Other tensors
     that name nothing of the module are an error unless they match
     ``ignore_unexpected`` or the module's ``_keys_to_ignore_on_load_unexpected``
-    (regexes, as Hugging Face searches them). Everything is checked before
-    anything is read. Needs no collective.
+    (regexes, as Hugging Face searches them). As in ``from_pretrained``, a
+    checkpoint of the base model loads into the model with a head, and one of a
+    model with a head into its base model, across ``base_model_prefix``
+    (``model.`` for a Llama). Everything is checked before anything is read.
+    Needs no collective.
 
     Args:
         path: as ``files`` of :func:`load_safetensors` (a ``save_pretrained`` directory).
@@ -181,10 +184,11 @@ def load_pretrained(
             f"frozen=apply.frozen)"
         )
     rank = _rank_of(plan)
-    entries = checkpoint_tensors(path)
+    persistent = set(module.state_dict(keep_vars=True))
+    stored = checkpoint_tensors(path)
+    entries, stored_as = _prefixed(stored, module, persistent=persistent)
     by_path = {leaf.path: tuple(leaf.names) for leaf in leaves}
     wanted = {lp.path: (by_path[lp.path], lp.shape, lp.dtype) for lp in plan.leaves}
-    persistent = set(module.state_dict(keep_vars=True))
     groups: dict[int, list[str]] = {}
     for name, tensor in state.items():
         groups.setdefault(id(tensor), []).append(name)
@@ -204,12 +208,40 @@ def load_pretrained(
     ignore = [*ignore_unexpected, *_regexes(module, "_keys_to_ignore_on_load_unexpected")]
     hint = f"check that the checkpoint is of {type(module).__name__} and its config"
     keys = choose(entries, wanted, ignore=ignore, known=transient, hint=hint)
-    shards = _read_shards(entries, plan, keys, rank, _target(device))
+    keys = {label: stored_as.get(key, key) for label, key in keys.items()}
+    shards = _read_shards(stored, plan, keys, rank, _target(device))
     with torch.no_grad(), _opened() as handle:
         for label, ident in buffers.items():
             key = keys[label]
-            tensors[ident].copy_(handle(entries[key].file).get_tensor(key))
+            tensors[ident].copy_(handle(stored[key].file).get_tensor(key))
     return shards
+
+
+def _prefixed(
+    entries: Mapping[str, Entry], module: nn.Module, /, *, persistent: set[str]
+) -> tuple[dict[str, Entry], dict[str, str]]:
+    """``entries`` renamed as Hugging Face does across ``base_model_prefix``, and the stored names.
+
+    A checkpoint of the base model (``LlamaModel``: ``layers.0....``) loaded into a
+    model with a head (``LlamaForCausalLM``: ``model.layers.0....``) gets the prefix;
+    one of a model with a head loaded into its base model loses it (the head's
+    tensors are then unexpected). Other checkpoints are left as they are.
+    """
+    prefix = getattr(module, "base_model_prefix", "")
+    if not isinstance(prefix, str) or not prefix:
+        return dict(entries), {}
+    dotted = prefix + "."
+    ours = any(n.startswith(dotted) for n in persistent)
+    theirs = any(k.startswith(dotted) for k in entries)
+    if ours and not theirs and isinstance(getattr(module, prefix, None), nn.Module):
+        renamed = {dotted + k: k for k in entries}
+    elif theirs and not ours:
+        renamed = {k.removeprefix(dotted): k for k in entries}
+        if len(renamed) < len(entries):  # a name with and one without the prefix collide
+            return dict(entries), {}
+    else:
+        return dict(entries), {}
+    return {new: entries[old] for new, old in renamed.items()}, renamed
 
 
 def choose(
@@ -276,8 +308,10 @@ def _read_shards(
 ) -> Any:
     """This rank's flat buffers, each leaf's slice read into its padded chunk (see ``pack_local``)."""
     out: list[Any] = [None] * len(plan.leaves)
-    with _opened() as handle:
-        for layout in plan_layouts(plan):
+    for layout in plan_layouts(plan):
+        # the files are opened for one flat buffer at a time: the pages of a mapped file
+        # that a read touched count in this process's memory until it is closed
+        with _opened() as handle:
             flat = torch.zeros(layout.numel, dtype=layout.dtype, device=device)  # (numel,)
             for slot in layout.slots:
                 if math.prod(slot.sharding.local_shape(slot.shape, rank)) > 0:
@@ -285,9 +319,9 @@ def _read_shards(
                     index = slot.sharding.local_index(slot.shape, rank)
                     local = handle(entries[key].file).get_slice(key)[index]
                     padded_view(flat, slot)[tuple(slice(0, n) for n in local.shape)].copy_(local)
-            shard = FlatShard(layout, flat, rank)
-            for slot in layout.slots:
-                out[slot.index] = ShardedTensor(shard, slot)
+        shard = FlatShard(layout, flat, rank)
+        for slot in layout.slots:
+            out[slot.index] = ShardedTensor(shard, slot)
     return tree.unflatten(plan.treedef, out)
 
 
