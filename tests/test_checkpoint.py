@@ -249,6 +249,30 @@ def test_export_safetensors(tmp_path):
     assert set(safetensors.load_file(str(everything))) == {"params.w", "params.b"}
 
 
+def test_export_safetensors_reads_only_the_subtree(tmp_path, monkeypatch):
+    """Exporting params from {params, opt, step} reads the params' chunks, not AdamW's moments."""
+    pytest.importorskip("safetensors.torch", reason="safetensors is an optional extra")
+    import funcshard._src.checkpoint.load as loading
+
+    params = {"w": torch.arange(12.0).reshape(4, 3), "b": torch.ones(2)}
+    sparams = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
+    state = fs.optim.adamw(1e-3).init(sparams)
+    directory = fs.checkpoint.save(tmp_path / "c", {"params": sparams, "opt": state, "step": 1})
+    read: list[Any] = []
+    real = loading.read_chunks
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        read.extend(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "read_chunks", spy)
+    fs.checkpoint.export_safetensors(directory, tmp_path / "p.safetensors")
+    assert len(read) == 2  # w and b, one chunk each on a mesh of one rank
+    read.clear()
+    fs.checkpoint.export_safetensors(directory, tmp_path / "all.safetensors", subtree=None)
+    assert len(read) > 2
+
+
 def test_export_safetensors_names_and_its_errors(tmp_path):
     """The name map (a mapping or a function) and the errors naming the fix."""
     safetensors = pytest.importorskip(

@@ -65,15 +65,7 @@ def export_safetensors(
         raise ImportError(
             "export_safetensors needs the safetensors package: pip install safetensors"
         ) from None
-    full = load_full(path)
-    if subtree is not None:
-        if not isinstance(full, dict) or subtree not in full:
-            have = sorted(map(str, full)) if isinstance(full, dict) else type(full).__name__
-            raise ValueError(
-                f"{path}: the checkpoint has no top-level {subtree!r} (it has {have}); pass "
-                f"subtree= one of them, or subtree=None to export everything"
-            )
-        full = full[subtree]
+    full = load_full(path, subtree=subtree)  # only the subtree's tensors are read
     paths, leaves, _ = tree.flatten_with_paths(full)
     tensors = {p: t for p, t in zip(paths, leaves) if isinstance(t, torch.Tensor)}
     if isinstance(names, Mapping):

@@ -123,8 +123,13 @@ def load(path: str | os.PathLike[str], /, like: Any, *, verify: bool = True) -> 
     return result
 
 
-def load_full(path: str | os.PathLike[str], /, *, verify: bool = True) -> Any:
-    """The whole saved tree as full tensors, in one process (no torch.distributed needed).
+def load_full(
+    path: str | os.PathLike[str], /, *, verify: bool = True, subtree: str | None = None
+) -> Any:
+    """The whole saved tree (or one top-level ``subtree``) as full tensors, in one process.
+
+    No torch.distributed is needed. With ``subtree`` (``"params"`` of a checkpoint
+    of ``{"params", "opt", "step"}``) only that subtree's tensors are read.
 
     Tree nodes that are namedtuples or dataclasses come back only if this process
     knows their types (``fs.register_namedtuple``, ``fs.tree.register_dataclass``);
@@ -133,6 +138,7 @@ def load_full(path: str | os.PathLike[str], /, *, verify: bool = True) -> Any:
     Raises:
         CheckpointError: see :func:`load`; also a tree structure that names an
             unknown type (:class:`CorruptCheckpointError`, saying what to register).
+        ValueError: the saved tree has no top-level ``subtree``.
 
     Example:
         >>> import tempfile, funcshard as fs
@@ -156,22 +162,31 @@ def load_full(path: str | os.PathLike[str], /, *, verify: bool = True) -> Any:
             f"{directory}: the tree structure's leaves ({treedef.num_leaves}) are not the leaves the "
             f"manifest lists ({len(entries)}), in order; the checkpoint is corrupted"
         )
+    top = tree.unflatten(treedef, [None] * treedef.num_leaves)
+    if subtree is not None and (not isinstance(top, dict) or subtree not in top):
+        have = sorted(map(str, top)) if isinstance(top, dict) else type(top).__name__
+        raise ValueError(
+            f"{directory}: the checkpoint has no top-level {subtree!r} (it has {have}); pass "
+            f"subtree= one of them, or subtree=None for everything"
+        )
+    read = [subtree is None or e["path"].split("/")[0] == subtree for e in entries]
     wanted = [
         (chunk, _dtype(e), chunk_sha)
-        for e in entries
-        if e["kind"] != "value"
+        for e, r in zip(entries, read)
+        if r and e["kind"] != "value"
         for chunk, chunk_sha in zip(chunks(e), (c["sha256"] for c in e["chunks"]))
     ]
     data = read_chunks(directory, manifest["files"], wanted, verify=verify)
     out: list[Any] = []
-    for entry in entries:
-        if entry["kind"] == "value":
-            out.append(entry["value"])
+    for entry, r in zip(entries, read):
+        if not r or entry["kind"] == "value":
+            out.append(entry["value"] if r else None)
             continue
         full = torch.zeros(entry["shape"], dtype=_dtype(entry))
         _fill(full, whole(entry["shape"]), entry, data)
         out.append(full)
-    return tree.unflatten(treedef, out)
+    loaded = tree.unflatten(treedef, out)
+    return loaded if subtree is None else loaded[subtree]
 
 
 # -- helpers -----------------------------------------------------------------------
