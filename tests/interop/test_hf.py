@@ -140,3 +140,84 @@ def test_sharded_llama_trains_like_the_model_in_one_process(pools, strategy, rem
     for _, final in results:
         assert_trees_close(final, reference, **FP32_TOL)
     assert torch.equal(model.model.layers[0].post_attention_layernorm.weight, frozen)
+
+
+def bert() -> Any:
+    """A 2-layer BertForMaskedLM of width 32 whose embeddings (and the tied decoder) are frozen."""
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=SEQ,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(config)
+    model.bert.embeddings.requires_grad_(False)
+    return model
+
+
+BF16 = fs.MixedPrecision(torch.bfloat16, torch.float32)
+
+
+def _bf16(params: Any) -> Any:
+    return fs.tree.map(lambda t: t.bfloat16() if t.is_floating_point() else t, params)
+
+
+def _train_bert_bf16() -> tuple[list[torch.Tensor], Any]:
+    params, apply = functionalize(bert(), units=["BertLayer"])
+    plan = fs.plan(
+        params, fs.Mesh({"fsdp": fs.world_size()}), units=apply.units, frozen=apply.frozen
+    )
+    sparams = fs.shard(params, plan)
+    opt = fs.optim.adamw(lr=1e-2)
+    state = opt.init(sparams)
+    step = fs.value_and_grad(
+        lambda p, ids: apply(p, input_ids=ids, labels=ids).loss, plan, mixed_precision=BF16
+    )
+    losses = []
+    for t in range(STEPS):
+        loss, grads = step(sparams, tokens(100 * t + fs.rank()))
+        sparams, state = opt.update_(grads, state, sparams)
+        losses.append(loss)
+    return losses, fs.unshard(sparams)
+
+
+def test_bert_with_frozen_embeddings_trains_in_bf16_like_one_process(pools):
+    """Frozen leaves are cast to param_dtype on gather like trainable ones (once, the embeddings
+    stayed fp32 and the first matmul failed). The reference computes every micro-batch in bf16
+    from the fp32 params, as each rank does, so only the fp32 sums over ranks differ in order:
+    the tolerance of tests/test_value_and_grad.py's bf16 cases."""
+    results = pools.run(WORLD, _train_bert_bf16)
+    params, apply = functionalize(bert())
+    frozen = set(apply.frozen)
+    leaves, treedef = fs.tree.flatten(params)
+    paths = fs.tree.leaf_paths(params)
+    leaves = [x.detach().clone().requires_grad_() for x in leaves]
+    opt = torch.optim.AdamW([x for p, x in zip(paths, leaves) if p not in frozen], lr=1e-2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker rank
+    try:
+        for t in range(STEPS):
+            full = fs.tree.unflatten(treedef, [x.detach() for x in leaves])
+            loss, grads = fs.testing.reference_value_and_grad(
+                lambda p, ids: apply(_bf16(p), input_ids=ids, labels=ids).loss,
+                full,
+                [(tokens(100 * t + r),) for r in range(WORLD)],
+            )
+            for path, x, g in zip(paths, leaves, fs.tree.leaves(grads)):
+                x.grad = None if path in frozen else g.clone()
+            opt.step()
+            mean = torch.stack([losses[t] for losses, _ in results]).float().mean()
+            torch.testing.assert_close(mean, loss.float(), rtol=1e-4, atol=1e-5, msg=f"step {t}")
+    finally:
+        torch.set_num_threads(threads)
+    reference = fs.tree.unflatten(treedef, [x.detach() for x in leaves])
+    for _, final in results:
+        assert_trees_close(final, reference, rtol=1e-4, atol=1e-5)
+        for path, got, first in zip(paths, fs.tree.leaves(final), fs.tree.leaves(params)):
+            if path in frozen:
+                assert torch.equal(got, first), f"frozen {path} changed"
