@@ -284,7 +284,7 @@ def test_a_plan_with_other_units_is_an_error_naming_apply_units(plan_units, mess
 def test_a_plan_that_trains_a_frozen_parameter_is_an_error_naming_apply_frozen(units):
     """requires_grad=False is never silently trained: the plan must freeze what the module froze."""
     model = TinyLM()
-    model.blocks[0].fc1.weight.requires_grad_(False)  # in a unit, besides the root's "scale"
+    model.get_parameter("blocks.0.fc1.weight").requires_grad_(False)  # in a unit, not the root
     params, apply = functionalize(model, units=[Block])
     plan = fs.plan(
         params, fs.Mesh({"fsdp": 1}), units=apply.units, frozen=["scale"] if units else []

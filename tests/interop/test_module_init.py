@@ -42,7 +42,7 @@ def _meta_llama() -> Any:
         return transformers.LlamaForCausalLM(llama_config())
 
 
-def _materialized(units: list[str], strategy: str, seed: int) -> tuple[Any, Any]:
+def _materialized(units: list[str], strategy: Any, seed: int) -> tuple[Any, Any]:
     """Worker body: materialize a meta Llama on this world; the whole tree and the buffers."""
     params, apply = functionalize(_meta_llama(), units=units)
     plan = fs.plan(params, fs.Mesh({"fsdp": fs.world_size()}), units=apply.units, strategy=strategy)
