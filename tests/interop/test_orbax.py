@@ -98,6 +98,24 @@ def test_a_subtree_loads_into_like(checkpoints, layout):
     assert all(t.device.type == "cpu" for t in fs.tree.leaves(loaded))
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_prefix_without_like_loads_that_subtree(checkpoints, layout):
+    """prefix= alone is the subtree, keyed from it (it was once ignored without like)."""
+    assert_trees_close(
+        load_orbax(checkpoints[layout], prefix="params"), expected()["params"], rtol=0, atol=0
+    )
+    blocks = load_orbax(checkpoints[layout], prefix="params/blocks")
+    assert isinstance(blocks, list)
+    assert_trees_close(blocks, expected()["params"]["blocks"], rtol=0, atol=0)
+    with pytest.raises(
+        ValueError,
+        match=r"no checkpoint leaf is under prefix 'opt_state' \(its top-level keys: \['opt', 'params', 'step'\]\)",
+    ):
+        load_orbax(checkpoints[layout], prefix="opt_state")
+    with pytest.raises(ValueError, match=r"prefix 'step' is a leaf"):
+        load_orbax(checkpoints[layout], prefix="step")
+
+
 def test_like_that_does_not_fit_is_an_error_listing_every_problem(checkpoints):
     like = expected()["params"]
     like["extra"] = torch.zeros(2)

@@ -14,7 +14,7 @@ import importlib
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +47,17 @@ def load_orbax(directory: str | os.PathLike[str], /, like: Any = None, *, prefix
             (``meta`` ones too) give full tensors on their device (``meta``: the CPU);
             its :class:`funcshard.ShardedTensor` leaves give new sharded leaves, each
             rank reading only its own slices. Nothing of ``like`` is modified.
-        prefix: the path in the checkpoint of ``like``'s root (``"params"`` to load
-            the params out of a checkpoint of ``{"params": ..., "opt_state": ...}``).
+        prefix: the path in the checkpoint of the subtree to load, or of ``like``'s
+            root (``"params"`` to load the params out of a checkpoint of
+            ``{"params": ..., "opt_state": ...}``); keys are then relative to it.
 
     Returns:
         The loaded tree (``like``'s structure if given).
 
     Raises:
         ValueError: not an Orbax PyTree checkpoint, or ``like`` does not fit it: the
-            message lists missing and unexpected paths and shape or dtype mismatches.
+            message lists missing and unexpected paths and shape or dtype mismatches;
+            or ``prefix`` names no subtree of the checkpoint.
         ImportError: TensorStore is not installed.
 
     Example:
@@ -67,9 +69,10 @@ def load_orbax(directory: str | os.PathLike[str], /, like: Any = None, *, prefix
     entries = _read_metadata(root)
     ts = _tensorstore()
     spec = _spec_for(root)
-    if like is None:
-        return _load_whole(ts, spec, entries)
     base = prefix.strip("/")
+    if like is None:
+        return _load_whole(ts, spec, _under_prefix(entries, base, root))
+
     under = {
         e.path[len(base) + 1 :] if base else e.path: e
         for e in entries
@@ -161,6 +164,27 @@ def _open(ts: Any, spec: dict[str, Any], entry: _Entry) -> Any:
     else:
         kvstore = spec["base"] + entry.param_name + "/"
     return ts.open({"driver": spec["driver"], "kvstore": kvstore}, open=True, read=True).result()
+
+
+def _under_prefix(entries: Sequence[_Entry], base: str, root: Path) -> list[_Entry]:
+    """The entries under the path ``base`` ("params/blocks"), keyed from there; all for ""."""
+    if not base:
+        return list(entries)
+    depth = len(base.split("/"))
+    under = [
+        replace(e, keys=e.keys[depth:], path=e.path[len(base) + 1 :])
+        for e in entries
+        if e.path.startswith(base + "/")
+    ]
+    if not under:
+        if any(e.path == base for e in entries):
+            raise ValueError(f"{root}: prefix {base!r} is a leaf; pass the path of a subtree")
+        top = sorted({e.path.split("/")[0] for e in entries})
+        raise ValueError(
+            f"{root}: no checkpoint leaf is under prefix {base!r} (its top-level keys: {top}); "
+            f"pass one of them, or no prefix for the whole checkpoint"
+        )
+    return under
 
 
 def _load_whole(ts: Any, spec: dict[str, Any], entries: Sequence[_Entry]) -> Any:
