@@ -39,16 +39,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, from {sorted(MODES)}"
     )
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=None, help="default 3 (--tiny: 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of every run")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (4; --tiny: 2)")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--tiny", action="store_true", help="a tiny model: a smoke run in seconds")
     for name, value in gpt.Config().to_json().items():
         p.add_argument(f"--{name}", type=int, default=None, help=f"model size (default {value})")
     p.add_argument(
-        "--out", default="bench/results", help="directory for results.json, results.md, results.png"
+        "--out",
+        default=None,
+        help="directory for results.json, results.md, results.png (default bench/results; "
+        "--tiny: a temporary directory, so a smoke run never replaces the measured results)",
     )
     p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
     return p.parse_args(argv)
@@ -56,6 +59,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.tiny else 3
+    if args.steps is None:
+        args.steps = 2 if args.tiny else 4
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="funcshard-bench-") if args.tiny else "bench/results"
     cfg = gpt.TINY if args.tiny else gpt.Config()
     cfg = replace(
         cfg, **{k: v for k, v in vars(args).items() if k in cfg.to_json() and v is not None}
@@ -114,7 +123,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": cfg.to_json(),
         "spec": spec,
     }
-    return write_report(runs, meta, Path(args.out))
+    summary = write_report(runs, meta, Path(args.out))
+    print(f"results written to {args.out}")
+    return summary
 
 
 def _run(

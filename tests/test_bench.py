@@ -37,6 +37,25 @@ def test_tiny_benchmark_runs_every_mode(tmp_path, modes):
         if mode.startswith("funcshard/"):
             assert s["comm_bytes_per_step"] == s["expected_comm_bytes_per_step"], mode
     assert "funcshard/full_shard / fsdp2" in summary["ratios"]
+    assert not (tmp_path / "bench").exists()
     written = json.loads((tmp_path / "results.json").read_text())
     assert written["modes"].keys() == summary["modes"].keys()
     assert (tmp_path / "results.md").read_text().startswith("# Benchmark")
+
+
+def test_a_tiny_run_without_out_never_replaces_the_measured_results(monkeypatch, tmp_path):
+    """--tiny defaults to one round of two steps, written to a temporary directory."""
+    from bench import __main__ as bench
+
+    seen = {}
+
+    def report(runs, meta, out):
+        seen.update(out=out, spec=meta["spec"], rounds=len(runs))
+        return {}
+
+    monkeypatch.setattr(bench, "write_report", report)
+    monkeypatch.setattr(bench, "_run", lambda *a, **k: [{"step_times_s": [1.0]}])
+    bench.main(["--tiny", "--modes", "single"])
+    assert "funcshard-bench-" in str(seen["out"])
+    assert seen["spec"]["steps"] == 2
+    assert seen["rounds"] == 1
