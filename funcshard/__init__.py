@@ -24,6 +24,7 @@ from funcshard import sharding as sharding
 from funcshard import testing as testing
 from funcshard import tree as tree
 from funcshard._src.comm.lifecycle import init as init
+from funcshard._src.comm.metrics import mean_over_ranks as mean_over_ranks
 from funcshard._src.comm.runtime import CollectiveError as CollectiveError
 from funcshard._src.comm.runtime import DesyncError as DesyncError
 from funcshard._src.comm.runtime import rank as rank
@@ -70,6 +71,7 @@ __all__ = [
     "initializers",
     "interop",
     "materialize",
+    "mean_over_ranks",
     "optim",
     "plan",
     "presets",

@@ -7,7 +7,8 @@ import pytest
 import funcshard as fs
 
 CORE = {
-    "init", "rank", "world_size", "set_collective_timeout", "Mesh", "P", "NamedSharding",
+    "init", "rank", "world_size", "mean_over_ranks", "set_collective_timeout", "Mesh", "P",
+    "NamedSharding",
     "plan", "Plan", "shard", "unshard", "materialize", "ShardedTensor", "call", "value_and_grad",
     "forward",
     "Step", "StepStats", "MixedPrecision", "BudgetError", "CollectiveError", "DesyncError",

@@ -37,7 +37,7 @@ ORDER = {
         "activations", "hardware", "step_time", "cost_model", "estimates", "leaf", "explain",
         "plan", "resolve", "cost", "auto", "planner",
     ],
-    "comm": ["runtime", "channel", "agree", "settle", "lifecycle", "ledger", "groups", "collectives"],
+    "comm": ["runtime", "channel", "agree", "settle", "lifecycle", "metrics", "ledger", "groups", "collectives"],
     "shard": [
         "aliasing", "digest", "counter_rng", "fill", "initializers", "fans", "orthogonal", "flat",
         "sharded", "shard", "materialize",
