@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     step = fs.value_and_grad(loss_fn, plan, mixed_precision=mp, donate_grads=True)
 
     losses: list[float] = []
+    smoothed: list[float] = []  # the loss over every rank's batch, smoothed over steps
     start = time.perf_counter()
     for i in range(args.steps):
         tokens, targets = batch(cfg, i, rank)
@@ -163,19 +164,22 @@ def main(argv: list[str] | None = None) -> list[float]:
         grads, norm = fs.optim.clip_by_global_norm(grads, 1.0)
         sparams, state = opt.update_(grads, state, sparams)
         losses.append(float(loss))
+        mean = fs.mean_over_ranks(float(loss))  # each rank's loss is of its own batch
+        smoothed.append(mean if not smoothed else 0.9 * smoothed[-1] + 0.1 * mean)
         if rank == 0:
             rate = (i + 1) * cfg.batch * cfg.seq * world / (time.perf_counter() - start)
             _progress(
                 i + 1,
                 args.steps,
-                f"loss {losses[-1]:.3f}  grad-norm {float(norm):.2f}  {rate:,.0f} tokens/s",
+                f"loss {smoothed[-1]:.3f}  grad-norm {float(norm):.2f}  {rate:,.0f} tokens/s",
             )
     if rank == 0:
         held = sum(
             leaf.padded.numel() * leaf.padded.element_size() for leaf in fs.tree.leaves(sparams)
         )
         print(
-            f"\nloss {losses[0]:.3f} -> {losses[-1]:.3f} over {args.steps} steps on {world} rank(s); "
+            f"\nloss {smoothed[0]:.3f} -> {smoothed[-1]:.3f} (mean over ranks, smoothed) over "
+            f"{args.steps} steps on {world} rank(s); "
             f"rank 0 holds {held / 2**20:.2f} MiB of parameters; "
             f"peak gathered {step.stats.peak_gathered_bytes / 2**20:.2f} MiB"
         )
