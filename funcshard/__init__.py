@@ -7,7 +7,8 @@ and :func:`materialize` generates them, for models no rank can hold whole.
 The core is at the root; the rest by namespace, as in JAX: ``fs.tree`` (pytrees),
 ``fs.sharding`` (the types of a plan), ``fs.cost`` (what a plan costs),
 ``fs.presets`` (published models), ``fs.initializers`` (for :func:`materialize`),
-``fs.optim``, ``fs.checkpoint``, ``fs.interop`` and ``fs.testing``.
+``fs.optim``, ``fs.data`` (which examples each rank reads), ``fs.checkpoint``,
+``fs.interop`` and ``fs.testing``.
 """
 
 import importlib
@@ -16,6 +17,7 @@ from typing import Any
 
 from funcshard import checkpoint as checkpoint
 from funcshard import cost as cost
+from funcshard import data as data
 from funcshard import initializers as initializers
 from funcshard import interop as interop
 from funcshard import optim as optim
@@ -66,6 +68,7 @@ __all__ = [
     "call",
     "checkpoint",
     "cost",
+    "data",
     "forward",
     "init",
     "initializers",

@@ -16,6 +16,7 @@ CORE = {
 }  # fmt: skip
 NAMESPACES = {
     "tree", "sharding", "cost", "presets", "initializers", "optim", "checkpoint", "interop", "testing",
+    "data",
 }  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """Layers import downward only, modules inside a package import in one order, and there is no cycle.
 
-Order between packages (docs/design.md §3): tree and dtypes, spec, plan, comm, shard,
+Order between packages (docs/design.md §3): tree and dtypes, spec, plan, comm, data and shard,
 execute, then optim / checkpoint / interop, then the command line. Inside each
 package, :data:`ORDER` lists its modules from the bottom up: a module imports only
 modules listed before it. Only the runtime layers touch torch.distributed. A
@@ -23,6 +23,7 @@ LAYERS = {
     "spec": 1,
     "plan": 2,
     "comm": 3,
+    "data": 4,
     "shard": 4,
     "execute": 5,
     "optim": 6,
@@ -38,6 +39,7 @@ ORDER = {
         "plan", "resolve", "cost", "auto", "planner",
     ],
     "comm": ["runtime", "channel", "agree", "settle", "lifecycle", "metrics", "ledger", "groups", "collectives"],
+    "data": ["sampler"],
     "shard": [
         "aliasing", "digest", "counter_rng", "fill", "initializers", "fans", "orthogonal", "flat",
         "sharded", "shard", "materialize",
