@@ -35,8 +35,9 @@ def tests(session: nox.Session) -> None:
 def interop(session: nox.Session) -> None:
     """Tests with JAX (CPU, eight host devices), Hugging Face and Orbax as oracles."""
     _install(session, "test", "jax", "hf", "orbax")
-    # orbax-checkpoint writes the test checkpoints; funcshard reads them without it
-    session.install("orbax-checkpoint")
+    # orbax-checkpoint writes the test checkpoints and optax is the schedules' oracle;
+    # funcshard needs neither
+    session.install("orbax-checkpoint", "optax")
     session.run("pytest", *(session.posargs or ["tests/interop"]))
 
 

@@ -45,7 +45,7 @@ ORDER = {
         "sharded", "shard", "materialize",
     ],
     "execute": ["desync", "unit_state", "reduce", "run", "call", "value_and_grad", "forward"],
-    "optim": ["base", "sgd", "adamw", "clip", "nonfinite"],
+    "optim": ["base", "schedules", "sgd", "adamw", "clip", "nonfinite"],
     "checkpoint": ["errors", "chunks", "manifest", "commit", "dcp_io", "rng", "save", "load", "export"],
     "interop": [
         "host", "module_tree", "module_units", "module_init", "hf_checkpointing",
