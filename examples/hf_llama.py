@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from typing import Any
 
 import torch
@@ -96,13 +97,21 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     step = fs.value_and_grad(loss_fn, plan)
     losses: list[float] = []
+    start = time.perf_counter()
     for i in range(args.steps):
-        loss, grads = step(sparams, batch(args, i, rank))
+        ids = batch(args, i, rank)
+        loss, grads = step(sparams, ids)
         grads, _ = fs.optim.clip_by_global_norm(grads, 1.0)
         sparams, state = opt.update_(grads, state, sparams)
         losses.append(float(loss))
+        mean = fs.mean_over_ranks(float(loss))  # each rank's loss is of its own batch
         if rank == 0 and (i + 1) % max(1, args.steps // 10) == 0:
-            print(f"step {i + 1}/{args.steps}  loss {losses[-1]:.3f}", flush=True)
+            rate = (i + 1) * ids.numel() * world / (time.perf_counter() - start)
+            print(
+                f"step {i + 1}/{args.steps}  loss {mean:.3f} (mean over ranks)  "
+                f"{rate:,.0f} tokens/s",
+                flush=True,
+            )
     full = fs.unshard(sparams, rank0_only=True)
     if rank == 0:
         print(
