@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument(
         "--bf16", action="store_true", help="gather and compute in bfloat16, reduce in float32"
     )
+    parser.add_argument(
+        "--mesh",
+        default=None,
+        help="named mesh axes, e.g. dp=2,fsdp=2 (default: fsdp over every rank)",
+    )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--explain", action="store_true", help="print the plan")
     args = parser.parse_args(argv)
@@ -132,12 +137,17 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     fs.init()
     rank, world = fs.rank(), fs.world_size()
-    mesh = fs.Mesh({"fsdp": world})
+    mesh = _mesh(parser, args.mesh, world)
+    if args.strategy == "hybrid_shard" and len(mesh.axis_names) < 2:
+        parser.error(
+            "hybrid_shard shards over the last mesh axis and replicates over the others, so it "
+            f"needs two axes (on one it is full_shard): pass e.g. --mesh dp=2,fsdp={world // 2 or 1}"
+        )
     params = init_params(cfg, torch.Generator().manual_seed(0))  # the same on every rank
     plan = fs.plan(
         params,
         mesh,
-        rules=[("embed/pos", P(None, "fsdp"))],
+        rules=[("embed/pos", P(None, mesh.axis_names[-1]))],
         units=["blocks/*"],
         strategy=args.strategy,
     )
@@ -184,6 +194,21 @@ def main(argv: list[str] | None = None) -> list[float]:
             f"peak gathered {step.stats.peak_gathered_bytes / 2**20:.2f} MiB"
         )
     return losses
+
+
+def _mesh(parser: argparse.ArgumentParser, text: str | None, world: int) -> fs.Mesh:
+    """``--mesh dp=2,fsdp=2`` as a mesh of ``world`` ranks (default: ``fsdp`` over all of them)."""
+    if text is None:
+        return fs.Mesh({"fsdp": world})
+    axes: dict[str, int] = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not name.strip() or not size.strip().isdigit() or int(size) < 1:
+            parser.error(f"--mesh {text!r}: write named axes as name=size, e.g. dp=2,fsdp=2")
+        axes[name.strip()] = int(size)
+    if math.prod(axes.values()) != world:
+        parser.error(f"--mesh {text!r} has {math.prod(axes.values())} ranks, the run has {world}")
+    return fs.Mesh(axes)
 
 
 def _progress(done: int, total: int, text: str) -> None:

@@ -54,7 +54,26 @@ def test_train_gpt_bf16_hybrid(pools):
         "--strategy",
         "hybrid_shard",
     ]
-    assert all(len(losses) == 3 for losses in pools.run(2, _train_gpt, argv))
+    four = pools.run(4, _train_gpt, [*argv, "--mesh", "dp=2,fsdp=2"])
+    assert all(len(losses) == 3 for losses in four)
+
+
+def _refused(argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+        _train_gpt(argv)
+    return err.getvalue()
+
+
+def test_train_gpt_refuses_hybrid_shard_on_one_axis_and_a_mesh_of_other_ranks(pools):
+    for message in pools.run(2, _refused, ["--strategy", "hybrid_shard"]):
+        assert "hybrid_shard shards over the last mesh axis" in message
+        assert "--mesh dp=2,fsdp=1" in message
+    for message in pools.run(2, _refused, ["--mesh", "dp=2,fsdp=2"]):
+        assert "--mesh 'dp=2,fsdp=2' has 4 ranks, the run has 2" in message
 
 
 def test_shard_demo(pools):
