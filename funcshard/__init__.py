@@ -12,6 +12,7 @@ The core is at the root; the rest by namespace, as in JAX: ``fs.tree`` (pytrees)
 """
 
 import importlib
+import importlib.metadata
 import warnings
 from typing import Any
 
@@ -50,6 +51,11 @@ from funcshard._src.spec.mesh import Mesh as Mesh
 from funcshard._src.spec.named_sharding import NamedSharding as NamedSharding
 from funcshard._src.spec.partition_spec import P as P
 from funcshard._src.spec.partition_spec import SpecError as SpecError
+
+try:
+    __version__ = importlib.metadata.version("funcshard")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "BudgetError",

@@ -71,11 +71,18 @@ def parse_mesh(text: str, /) -> Mesh:
     return Mesh(axes)
 
 
+def _version() -> str:
+    from funcshard import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``funcshard``."""
     parser = argparse.ArgumentParser(
         prog="funcshard", description="funcshard: plan fully sharded training runs."
     )
+    parser.add_argument("--version", action="version", version=f"funcshard {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "plan",

@@ -135,3 +135,16 @@ def test_a_hardware_description_refuses_unknown_and_non_positive_fields():
         Hardware.from_dict({**base, "peak_flops": 0})
     with pytest.raises(ValueError, match=r"efficiency is a fraction of peak"):
         Hardware.from_dict({**base, "efficiency": 50})
+
+
+def test_version(capsys):
+    import importlib.metadata
+
+    import funcshard as fs
+    from funcshard.cli import main
+
+    assert fs.__version__ == importlib.metadata.version("funcshard")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"funcshard {fs.__version__}"
