@@ -23,7 +23,12 @@ from funcshard._src.plan.rules import matches, pattern_repr
 from funcshard._src.shard import counter_rng
 from funcshard._src.shard.flat import local_view
 from funcshard._src.shard.initializers import Initializer, Key
-from funcshard._src.shard.shard import _device, plan_layouts  # pyright: ignore[reportPrivateUsage]
+from funcshard._src.shard.shard import (  # pyright: ignore[reportPrivateUsage]
+    _device,
+    check_leaf,
+    plan_layouts,
+    tree_difference,
+)
 from funcshard._src.shard.sharded import FlatShard, ShardedTensor
 
 
@@ -159,21 +164,15 @@ def check_abstract(abstract: Any, plan: Plan, /) -> list[torch.Tensor]:
     if treedef != plan.treedef:
         raise ValueError(
             f"abstract does not have the plan's tree structure: "
-            f"{_difference(paths, [leaf.path for leaf in plan.leaves], plan, treedef)}; "
-            f"plan these params"
+            f"{tree_difference(paths, plan, treedef, given='given')}; plan these params"
         )
     for path, leaf, lp in zip(paths, leaves, plan.leaves):
-        where = path or "<root>"
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"{where}: leaf is a {type(leaf).__name__}, not a torch.Tensor; abstract params "
-                f"are tensors, e.g. torch.empty(shape, dtype=..., device='meta')"
-            )
-        if tuple(leaf.shape) != lp.shape or leaf.dtype != lp.dtype:
-            raise ValueError(
-                f"{where}: leaf is {tuple(leaf.shape)} {leaf.dtype} but the plan has "
-                f"{lp.shape} {lp.dtype}; plan these params"
-            )
+        check_leaf(
+            path or "<root>",
+            leaf,
+            lp,
+            hint="; abstract params are tensors, e.g. torch.empty(shape, dtype=..., device='meta')",
+        )
     return leaves
 
 
@@ -198,7 +197,7 @@ def resolve_init(init: Any, plan: Plan, /) -> list[Initializer]:
     if treedef != plan.treedef:
         raise ValueError(
             f"init is not a pytree of initializers with the params' structure: "
-            f"{_difference(inits_paths, paths, plan, treedef)}; give every leaf an initializer, "
+            f"{tree_difference(inits_paths, plan, treedef, given='given')}; give every leaf an initializer, "
             f"or pass rules [(pattern, initializer), ...] ending with a catch-all "
             f"('**', fs.initializers.normal(0.02))"
         )
@@ -278,11 +277,3 @@ def _not_an_initializer(path: str | None, value: object) -> str:
         else "use one of fs.initializers (zeros, normal(0.02), ...), or elementwise(fn) for your own"
     )
     return f"{where}{what} is not an initializer; {fix}"
-
-
-def _difference(got: list[str], expected: list[str], plan: Plan, treedef: tree.TreeDef) -> str:
-    missing = [p for p in expected if p not in set(got)]
-    unexpected = [p for p in got if p not in set(expected)]
-    if missing or unexpected:
-        return f"missing {missing}, unexpected {unexpected}"
-    return f"the containers differ: plan {plan.treedef}, given {treedef}"

@@ -11,7 +11,7 @@ from funcshard._src import tree
 from funcshard._src.comm import agree, collectives, groups, settle
 from funcshard._src.comm.channel import Kind
 from funcshard._src.comm.runtime import DesyncError
-from funcshard._src.plan.plan import Plan
+from funcshard._src.plan.plan import LeafPlan, Plan
 from funcshard._src.shard.aliasing import first_shared
 from funcshard._src.shard.digest import tensor_digest
 from funcshard._src.shard.flat import FlatLayout, layouts, pack_local, unpack_gathered
@@ -151,6 +151,32 @@ def plan_layouts(plan: Plan, /) -> tuple[FlatLayout, ...]:
     return layouts(plan)
 
 
+def tree_difference(paths: list[str], plan: Plan, treedef: tree.TreeDef, /, *, given: str) -> str:
+    """What differs between a tree of leaf ``paths`` and ``treedef`` and ``plan``'s, for messages."""
+    expected = [leaf.path for leaf in plan.leaves]
+    missing = [p for p in expected if p not in set(paths)]
+    unexpected = [p for p in paths if p not in set(expected)]
+    if missing or unexpected:
+        return f"missing {missing}, unexpected {unexpected}"
+    return f"the containers differ: plan {plan.treedef}, {given} {treedef}"
+
+
+def check_leaf(where: str, leaf: Any, planned: LeafPlan, /, *, hint: str = "") -> None:
+    """Raises unless ``leaf`` is a tensor of ``planned``'s shape and dtype; ``hint`` ends a TypeError.
+
+    Raises:
+        TypeError: ``leaf`` is not a tensor.
+        ValueError: its shape or dtype is not the plan's.
+    """
+    if not isinstance(leaf, torch.Tensor):
+        raise TypeError(f"{where}: leaf is a {type(leaf).__name__}, not a torch.Tensor{hint}")
+    if tuple(leaf.shape) != planned.shape or leaf.dtype != planned.dtype:
+        raise ValueError(
+            f"{where}: leaf is {tuple(leaf.shape)} {leaf.dtype} but the plan has "
+            f"{planned.shape} {planned.dtype}; plan these params"
+        )
+
+
 def check_params(params: Any, plan: Plan, /) -> list[torch.Tensor]:
     """The leaves of ``params`` if they fit ``plan``: same tree, tensors, shapes, dtypes, one device.
 
@@ -160,28 +186,14 @@ def check_params(params: Any, plan: Plan, /) -> list[torch.Tensor]:
     """
     paths, leaves, treedef = tree.flatten_with_paths(params)
     if treedef != plan.treedef:
-        expected = [leaf.path for leaf in plan.leaves]
-        missing = [p for p in expected if p not in set(paths)]
-        unexpected = [p for p in paths if p not in set(expected)]
-        detail = (
-            f"missing {missing}, unexpected {unexpected}"
-            if missing or unexpected
-            else f"the containers differ: plan {plan.treedef}, params {treedef}"
-        )
         raise ValueError(
-            f"params do not have the plan's tree structure: {detail}; plan these params"
+            f"params do not have the plan's tree structure: "
+            f"{tree_difference(paths, plan, treedef, given='params')}; plan these params"
         )
     devices: dict[torch.device, str] = {}
     for path, leaf, lp in zip(paths, leaves, plan.leaves):
-        where = path or "<root>"
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"{where}: leaf is a {type(leaf).__name__}, not a torch.Tensor")
-        if tuple(leaf.shape) != lp.shape or leaf.dtype != lp.dtype:
-            raise ValueError(
-                f"{where}: leaf is {tuple(leaf.shape)} {leaf.dtype} but the plan has "
-                f"{lp.shape} {lp.dtype}; plan these params"
-            )
-        devices.setdefault(leaf.device, where)
+        check_leaf(path or "<root>", leaf, lp)
+        devices.setdefault(leaf.device, path or "<root>")
     if len(devices) > 1:
         listed = ", ".join(f"{p!r} on {d}" for d, p in devices.items())
         raise ValueError(
