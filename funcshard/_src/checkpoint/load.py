@@ -151,7 +151,8 @@ def load_full(
     manifest = read_manifest(directory)
     try:
         treedef = tree.treedef_from_json(manifest["tree"])
-        structure = tree.flatten_with_paths(tree.unflatten(treedef, [0] * treedef.num_leaves))[0]
+        skeleton = tree.unflatten(treedef, [0] * treedef.num_leaves)
+        structure = tree.flatten_with_paths(skeleton)[0]
     except (ValueError, TypeError) as e:
         raise CorruptCheckpointError(
             f"{directory}: cannot rebuild the saved tree structure ({e})"
@@ -162,9 +163,8 @@ def load_full(
             f"{directory}: the tree structure's leaves ({treedef.num_leaves}) are not the leaves the "
             f"manifest lists ({len(entries)}), in order; the checkpoint is corrupted"
         )
-    top = tree.unflatten(treedef, [None] * treedef.num_leaves)
-    if subtree is not None and (not isinstance(top, dict) or subtree not in top):
-        have = sorted(map(str, top)) if isinstance(top, dict) else type(top).__name__
+    if subtree is not None and (not isinstance(skeleton, dict) or subtree not in skeleton):
+        have = sorted(map(str, skeleton)) if isinstance(skeleton, dict) else type(skeleton).__name__
         raise ValueError(
             f"{directory}: the checkpoint has no top-level {subtree!r} (it has {have}); pass "
             f"subtree= one of them, or subtree=None for everything"
