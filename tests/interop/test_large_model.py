@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcshard as fs
 from funcshard.interop import functionalize
+from tests.largest import Largest
 
 transformers = pytest.importorskip("transformers", reason="Hugging Face is the `hf` extra")
 
@@ -43,23 +43,6 @@ def _config() -> Any:
     )
 
 
-class _Largest(TorchDispatchMode):
-    """Records the bytes of the largest tensor any op creates, and which op."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-        self.op = ""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in fs.tree.leaves(out):
-            nbytes = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-            if nbytes > self.largest and t.device.type != "meta":
-                self.largest, self.op = nbytes, str(func)
-        return out
-
-
 def _start_step_export(source: str, directory: str) -> dict[str, Any]:
     """Worker body: start the model from ``source``, one AdamW step, export; what it created."""
     with torch.device("meta"):
@@ -68,7 +51,7 @@ def _start_step_export(source: str, directory: str) -> dict[str, Any]:
     plan = fs.plan(params, fs.Mesh({"fsdp": fs.world_size()}), units=apply.units)
     leaves = fs.tree.leaves(params)
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(fs.rank()))
-    with _Largest() as seen:
+    with Largest() as seen:
         if source == "materialize":
             rules = [
                 ("**/*norm/weight", fs.initializers.ones),

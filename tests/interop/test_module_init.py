@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcshard as fs
 from funcshard.interop import functionalize
+from tests.largest import Largest
 
 transformers = pytest.importorskip("transformers", reason="Hugging Face is the `hf` extra")
 
@@ -129,26 +129,11 @@ def test_a_plan_of_other_params_is_an_error():
         apply.materialize(fs.plan(other, fs.Mesh({"fsdp": 1})))
 
 
-class _Largest(TorchDispatchMode):
-    """Records the bytes of the largest tensor any op creates."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in fs.tree.leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self.largest = max(self.largest, t.numel() * t.element_size())
-        return out
-
-
 def test_no_tensor_larger_than_one_submodule_is_created():
     """At W=1 the shards are the whole model: the largest tensor is still one leaf (the embedding)."""
     params, apply = functionalize(_meta_llama(), units=["LlamaDecoderLayer"])
     plan = fs.plan(params, fs.Mesh({"fsdp": 1}), units=apply.units)
-    with _Largest() as seen:
+    with Largest() as seen:
         apply.materialize(plan)
     leaves = fs.tree.leaves(params)
     largest_leaf = max(t.numel() * t.element_size() for t in leaves)
