@@ -16,6 +16,7 @@ import torch
 import funcshard as fs
 from funcshard.interop import functionalize
 from funcshard.testing import assert_trees_close
+from tests.interop.hf_configs import tiny_llama_config
 
 transformers = pytest.importorskip("transformers", reason="Hugging Face is the `hf` extra")
 
@@ -27,16 +28,7 @@ VOCAB, SEQ, BATCH, STEPS, WORLD = 64, 8, 2, 3, 2
 
 def llama(seed: int = 0, *, frozen: bool = True) -> Any:
     """A 2-layer LlamaForCausalLM of hidden size 32, weights drawn from ``seed``."""
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=True,
-    )
+    config = tiny_llama_config(vocab=VOCAB, positions=SEQ)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
     if frozen:

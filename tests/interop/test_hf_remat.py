@@ -21,6 +21,7 @@ from torch import nn
 import funcshard as fs
 from funcshard.interop import functionalize
 from funcshard.testing import assert_trees_close
+from tests.interop.hf_configs import tiny_llama_config
 
 transformers = pytest.importorskip("transformers", reason="Hugging Face is the `hf` extra")
 
@@ -34,16 +35,7 @@ MISSING = "<no instance attribute>"
 
 def llama(seed: int = 0) -> Any:
     """A 2-layer LlamaForCausalLM of hidden size 32 with tied embeddings, weights drawn from ``seed``."""
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=True,
-    )
+    config = tiny_llama_config(vocab=VOCAB, positions=SEQ)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config)
 

@@ -21,6 +21,7 @@ import torch
 
 import funcshard as fs
 from funcshard.interop import functionalize
+from tests.interop.hf_configs import tiny_llama_config
 from tests.largest import Largest
 
 transformers = pytest.importorskip("transformers", reason="Hugging Face is the `hf` extra")
@@ -31,16 +32,7 @@ UNITS = ["LlamaDecoderLayer", "model/embed_tokens", "lm_head"]
 
 
 def _config() -> Any:
-    return transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-        tie_word_embeddings=False,
-    )
+    return tiny_llama_config(vocab=256, layers=4, positions=16, tied=False)
 
 
 def _start_step_export(source: str, directory: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from torch import nn
 
 import funcshard as fs
 from funcshard.interop import functionalize
+from tests.interop.hf_configs import tiny_llama_config
 from tests.largest import Largest
 
 transformers = pytest.importorskip("transformers", reason="Hugging Face is the `hf` extra")
@@ -25,16 +26,7 @@ pytestmark = pytest.mark.interop
 
 
 def llama_config(tie: bool = True) -> Any:
-    return transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-        tie_word_embeddings=tie,
-    )
+    return tiny_llama_config(layers=3, positions=16, tied=tie)
 
 
 def _meta_llama() -> Any:

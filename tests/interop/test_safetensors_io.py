@@ -23,6 +23,7 @@ from funcshard._src.interop.safetensors_io import load_safetensors_for_rank
 from funcshard._src.shard.shard import shard_for_rank
 from funcshard._src.shard.sharded import flats_of
 from funcshard.interop import functionalize, load_safetensors
+from tests.interop.hf_configs import tiny_llama_config
 
 pytestmark = pytest.mark.interop
 
@@ -33,16 +34,7 @@ def llama(seed: int = 0, *, tied: bool = True) -> Any:
     """A 2-layer LlamaForCausalLM of hidden size 32 (one frozen norm), weights drawn from ``seed``."""
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8,
-        tie_word_embeddings=tied,
-    )
+    config = tiny_llama_config(vocab=VOCAB, tied=tied)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
     model.get_parameter("model.layers.0.post_attention_layernorm.weight").requires_grad_(False)
