@@ -278,8 +278,8 @@ class UnitRuntime:
         for part in self.parts:
             if part.inflight is not None and part.in_place:  # its storage is the collective's
                 dropped.append(part.inflight)
-                part.inflight, part.full, part.views = None, None, []
-                self.memory.sub(part.full_bytes)
+                part.inflight = None
+                self._forget(part)
                 continue
             if part.inflight is not None:
                 self.memory.sub(part.inflight.result.numel() * part.inflight.result.element_size())
@@ -317,9 +317,8 @@ class UnitRuntime:
             try:
                 gathered = inflight.wait()
             except BaseException:
-                if part.in_place:  # the collective may still write into it: forget, never free
-                    part.full, part.views, part.version = None, [], None
-                    self.memory.sub(part.full_bytes)
+                if part.in_place:
+                    self._forget(part)
                 raise
             if part.in_place:  # the collective filled part.full itself
                 assert part.version is not None
@@ -334,6 +333,11 @@ class UnitRuntime:
             del gathered
         self.memory.log("finish", self.name)
         self.state = UnitState.GATHERED
+
+    def _forget(self, part: Part) -> None:
+        """Drops an in-place part's storage without freeing it: a collective may still write into it."""
+        part.full, part.views, part.version = None, [], None
+        self.memory.sub(part.full_bytes)
 
     def _free(self) -> None:
         """GATHERED -> SHARDED: releases the full storage of every part (aliased parts keep theirs)."""
