@@ -16,6 +16,7 @@ from funcshard._src.optim.base import (
     learning_rate,
     zeros_like_tree,
 )
+from funcshard._src.optim.select import Mask, decay_, selected_paths
 
 
 @tree.register_namedtuple  # checkpoints name it in their tree structure
@@ -33,6 +34,7 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 0.01,
     *,
+    mask: Mask | None = None,
     fused: bool = True,
 ) -> Optimizer:
     """AdamW whose ``update_`` writes params and state in place, with ``torch.optim.AdamW``'s numerics.
@@ -44,6 +46,11 @@ def adamw(
         betas: decay rates of the first and second moments.
         eps: added to the denominator.
         weight_decay: decoupled weight decay (``p -= lr * weight_decay * p``).
+        mask: the leaves that decay (a function ``(path, leaf) -> bool``, path
+            patterns or a tree of bools; e.g. :func:`decay_mask_default`: not
+            biases, norms or embeddings); default: every leaf, as ``torch.optim.AdamW``.
+            Equal to ``torch.optim.AdamW`` with two parameter groups, one with
+            ``weight_decay=0``.
         fused: one fused kernel per dtype (``torch.optim.AdamW(fused=True)``'s numerics:
             one pass over memory, no temporaries); ``False`` runs foreach ops with the
             numerics of ``torch.optim.AdamW``'s default implementation.
@@ -69,6 +76,8 @@ def adamw(
     check_hyperparameter("adamw: weight_decay", weight_decay, low=0.0)
 
     def init(sparams: Any, /) -> AdamWState:
+        if mask is not None:
+            selected_paths(mask, sparams, what="adamw")  # a bad mask fails here, not mid-run
         return AdamWState(
             torch.zeros((), dtype=torch.int64), zeros_like_tree(sparams), zeros_like_tree(sparams)
         )
@@ -79,10 +88,17 @@ def adamw(
         params, g, mu, nu = floating_flats(
             sparams, grads, state.mu, state.nu, names=["params", "grads", "state.mu", "state.nu"]
         )
+        if not params:  # a mask that leaves no leaf here
+            state.count.add_(1)
+            return sparams, state
         t = count + 1
+        decay = weight_decay
+        if mask is not None and weight_decay:  # decay the selected leaves first, as torch does
+            decay_(sparams, mask, 1 - step_lr * weight_decay, what="adamw")
+            decay = 0.0
         if fused:
             _fused_update(
-                params, g, mu, nu, t, lr=step_lr, betas=betas, eps=eps, weight_decay=weight_decay
+                params, g, mu, nu, t, lr=step_lr, betas=betas, eps=eps, weight_decay=decay
             )
             state.count.add_(1)
             return sparams, state
@@ -90,8 +106,8 @@ def adamw(
         bias_correction2 = 1 - beta2**t
         with torch.no_grad():
             # the order of operations of torch.optim.AdamW, for equal numerics
-            if weight_decay:
-                torch._foreach_mul_(params, 1 - step_lr * weight_decay)
+            if decay:
+                torch._foreach_mul_(params, 1 - step_lr * decay)
             torch._foreach_lerp_(mu, g, 1 - beta1)
             torch._foreach_mul_(nu, beta2)
             torch._foreach_addcmul_(nu, g, g, 1 - beta2)

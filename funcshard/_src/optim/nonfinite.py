@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from funcshard._src import tree
 from funcshard._src.comm import agree, groups, settle
-from funcshard._src.optim.base import Optimizer
+from funcshard._src.optim.base import InitFn, Optimizer
 from funcshard._src.shard.sharded import flats_of
 
 
@@ -41,11 +42,35 @@ class SkipState(NamedTuple):
     skipped: torch.Tensor
 
 
-def skip_nonfinite(optimizer: Optimizer, /) -> Optimizer:
-    """Wraps ``optimizer`` (in place, as it updates) so that an update with NaN or Inf gradients on any rank is skipped.
+class Guard(NamedTuple):
+    """A chain element that may stop an update: ``check_(grads, state) -> (go_on, state)``.
 
+    :func:`funcshard.optim.chain` calls ``check_``; when it returns ``False``,
+    the elements after the guard do not run for this update. A guard is not an
+    optimizer on its own: wrap one (``skip_nonfinite(adamw(...))``) for that.
+    """
+
+    init: InitFn
+    check_: Callable[[Any, Any], tuple[bool, Any]]
+
+    @property
+    def update_(self) -> Any:
+        """Refused: a guard only gates the rest of a chain."""
+        raise TypeError(
+            "skip_nonfinite() without an optimizer is a chain element; use "
+            "fs.optim.chain(fs.optim.skip_nonfinite(), fs.optim.adamw(...)) or "
+            "fs.optim.skip_nonfinite(fs.optim.adamw(...))"
+        )
+
+
+def skip_nonfinite(optimizer: Optimizer | None = None, /) -> Any:
+    """Skips (in place, as it updates) every update whose gradients hold NaN or Inf on any rank.
+
+    ``skip_nonfinite(opt)`` wraps an optimizer; ``skip_nonfinite()`` is a
+    :class:`Guard` for :func:`funcshard.optim.chain` that stops the elements
+    after it (``chain(skip_nonfinite(), clip_by_global_norm(1.0), adamw(...))``).
     A skipped update leaves params and the inner state as they were and counts
-    itself in ``state.skipped``. Collective: one all-reduce per update.
+    itself in ``state.skipped``. Collective: one agreement per update.
 
     Example:
         >>> import funcshard as fs
@@ -57,6 +82,23 @@ def skip_nonfinite(optimizer: Optimizer, /) -> Optimizer:
         >>> int(state.skipped), sp["w"].local
         (1, tensor([1., 1.]))
     """
+    if optimizer is None:
+
+        def init_guard(sparams: Any, /) -> SkipState:
+            return SkipState(None, torch.zeros((), dtype=torch.int64))
+
+        def check_(grads: Any, state: SkipState, /) -> tuple[bool, SkipState]:
+            if all_finite(grads):
+                return True, state
+            state.skipped.add_(1)
+            return False, state
+
+        return Guard(init_guard, check_)
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"skip_nonfinite wraps an fs.optim optimizer (e.g. fs.optim.adamw(...)), got "
+            f"{type(optimizer).__name__}"
+        )
 
     def init(sparams: Any, /) -> SkipState:
         return SkipState(optimizer.init(sparams), torch.zeros((), dtype=torch.int64))

@@ -67,6 +67,9 @@ def sgd(
         trees = (sparams, grads, state.momentum) if momentum else (sparams, grads)
         flats = floating_flats(*trees, names=["params", "grads", "state.momentum"])
         params, g = flats[0], flats[1]
+        if not params:  # a mask that leaves no leaf here
+            state.count.add_(1)
+            return sparams, state
         with torch.no_grad():
             if weight_decay:
                 torch._foreach_add_(g, params, alpha=weight_decay)

@@ -1,0 +1,270 @@
+"""fs.optim composed: chain, guards, masks, partition, ema, from_torch; checkpoints of their state."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import funcshard as fs
+
+
+def _tree(seed: int = 0) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "embed": {"tokens": torch.randn(10, 6, generator=gen)},
+        "blocks": [
+            {
+                "ln": {"scale": torch.ones(6), "bias": torch.zeros(6)},
+                "w": torch.randn(6, 5, generator=gen),
+                "b": torch.randn(5, generator=gen),
+            }
+            for _ in range(2)
+        ],
+        "head": {"w": torch.randn(5, 7, generator=gen)},
+    }
+
+
+def _grads(params: Any, step: int) -> Any:
+    return fs.tree.map(lambda t: torch.sin(t * (step + 1)) + 0.1 * (step - 1), params)
+
+
+def _chain_vs_torch(mesh: dict[str, int], strategy: Any) -> list[tuple[Any, Any]]:
+    """chain(skip_nonfinite(), clip_by_global_norm(0.5), adamw(mask)) for 4 updates, one of them NaN."""
+    params = _tree()
+    plan = fs.plan(params, fs.Mesh(mesh), units=["blocks/*"], strategy=strategy)
+    sparams = fs.shard(params, plan)
+    opt = fs.optim.chain(
+        fs.optim.skip_nonfinite(),
+        fs.optim.clip_by_global_norm(0.5),
+        fs.optim.adamw(lr=0.05, weight_decay=0.1, mask=fs.optim.decay_mask_default),
+    )
+    state = opt.init(sparams)
+    norms = []
+    for step in range(4):
+        g = _grads(params, step)
+        if step == 2:
+            g["blocks"][1]["b"][0] = float("nan")  # one rank's shard or another: all skip
+        sparams, state = opt.update_(fs.shard(g, plan), state, sparams)
+        norms.append(float(state[1].norm))
+    return [(fs.unshard(sparams), (int(state[0].skipped), norms))]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "mesh", "strategy"),
+    [
+        (1, {"fsdp": 1}, "full_shard"),
+        (2, {"fsdp": 2}, "full_shard"),
+        (4, {"dp": 2, "fsdp": 2}, "hybrid_shard"),
+    ],
+)
+def test_a_chain_equals_torch_clip_and_adamw_groups(pools, world_size, mesh, strategy):
+    params = _tree()
+    leaves = {
+        p: t.clone().requires_grad_()
+        for p, t in zip(fs.tree.leaf_paths(params), fs.tree.leaves(params))
+    }
+    decay = [t for p, t in leaves.items() if p.endswith("/w")]
+    rest = [t for p, t in leaves.items() if not p.endswith("/w")]
+    reference = torch.optim.AdamW(
+        [{"params": decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=0.05,
+        weight_decay=0.1,
+        fused=True,
+    )
+    norms = []
+    for step in range(4):
+        if step == 2:
+            continue  # skipped
+        for t, g in zip(leaves.values(), fs.tree.leaves(_grads(params, step))):
+            t.grad = g.clone()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(leaves.values()), 0.5)))
+        reference.step()
+    for result in pools.run(world_size, _chain_vs_torch, mesh, strategy):
+        full, (skipped, seen) = result[0]
+        assert skipped == 1
+        assert seen[2] == seen[1]  # the skipped update leaves the clip's state as it was
+        assert seen[:2] + seen[3:] == pytest.approx(norms, rel=1e-5)
+        for path, ours in zip(fs.tree.leaf_paths(full), fs.tree.leaves(full)):
+            torch.testing.assert_close(ours, leaves[path].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_default_decay_mask_skips_norms_biases_and_embeddings():
+    params = {
+        **_tree(),
+        "model": {
+            "embed_tokens": {"weight": torch.zeros(4, 2)},
+            "layers": [
+                {
+                    "input_layernorm": {"weight": torch.zeros(2)},
+                    "q_proj": {"weight": torch.zeros(2, 2)},
+                }
+            ],
+        },
+        "transformer": {"wte": torch.zeros(4, 2), "ln_f": {"weight": torch.zeros(2, 2)}},
+    }
+    sp = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
+    decayed = [
+        leaf.path for leaf in fs.tree.leaves(sp) if fs.optim.decay_mask_default(leaf.path, leaf)
+    ]
+    assert decayed == ["blocks/0/w", "blocks/1/w", "head/w", "model/layers/0/q_proj/weight"]
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        ["blocks/*/w", "head"],  # patterns: a leaf or a subtree above it
+        [re.compile(r"(^|/)w$")],
+        {"embed": False, "blocks": [{"ln": False, "w": True, "b": False}] * 2, "head": True},
+        lambda path, leaf: path.endswith("w"),
+    ],
+    ids=["globs", "regex", "bool-tree-prefixes", "callable"],
+)
+def test_masks_select_the_same_leaves_in_every_form(mask):
+    params = _tree()
+    sp = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1}), units=["blocks/*"]))
+    opt = fs.optim.masked(fs.optim.sgd(lr=1.0), mask)
+    sp, state = opt.update_(sp, opt.init(sp), sp)  # grads = params: selected leaves become 0
+    full = fs.unshard(sp)
+    for path, leaf in zip(fs.tree.leaf_paths(full), fs.tree.leaves(full)):
+        original = fs.tree.leaves(params)[fs.tree.leaf_paths(params).index(path)]
+        expected = torch.zeros_like(original) if path.endswith("w") else original
+        torch.testing.assert_close(leaf, expected)
+    assert int(state.count) == 1
+
+
+@pytest.mark.parametrize(
+    ("mask", "error", "message"),
+    [
+        (["blocks/*/nope"], ValueError, r"mask\[0\] 'blocks/\*/nope' matches no trainable leaf"),
+        (lambda path, leaf: 1, TypeError, r"the mask returned 1 for 'blocks/0/b'"),
+        ({"embed": True}, ValueError, r"the mask tree has no bool for 'blocks/0/b'"),
+        (3, TypeError, r"a mask is a function \(path, leaf\) -> bool, a list of path patterns"),
+    ],
+)
+def test_bad_masks_are_named(mask, error, message):
+    params = _tree()
+    sp = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
+    with pytest.raises(error, match=message):
+        fs.optim.adamw(lr=0.1, mask=mask).init(sp)
+
+
+def test_ema_averages_the_params_after_each_update_and_serves_forward():
+    params = _tree()
+    plan = fs.plan(params, fs.Mesh({"x": 1}), units=["blocks/*"], frozen=["embed"])
+    sp = fs.shard(params, plan)
+    opt = fs.optim.chain(fs.optim.adamw(lr=0.1), fs.optim.ema(0.8))
+    state = opt.init(sp)
+    trained = [p for p in fs.tree.leaf_paths(params) if not p.startswith("embed")]
+    ref = {p: fs.tree.leaves(params)[fs.tree.leaf_paths(params).index(p)].clone() for p in trained}
+    avg = {p: t.clone() for p, t in ref.items()}
+    torch_opt = torch.optim.AdamW(
+        [t.requires_grad_() for t in ref.values()], lr=0.1, weight_decay=0.01, fused=True
+    )
+    for step in range(3):
+        g = _grads(params, step)
+        sp, state = opt.update_(fs.shard(g, plan), state, sp)  # frozen leaves' grads unread
+        for p, t in ref.items():
+            t.grad = fs.tree.leaves(g)[fs.tree.leaf_paths(g).index(p)].clone()
+        torch_opt.step()
+        for p in trained:
+            torch._foreach_lerp_([avg[p]], [ref[p].detach()], 0.2)
+    averaged = fs.unshard(fs.optim.ema_params(state, sp))
+    for path, leaf in zip(fs.tree.leaf_paths(averaged), fs.tree.leaves(averaged)):
+        expected = (
+            avg[path]
+            if path in avg
+            else fs.tree.leaves(params)[fs.tree.leaf_paths(params).index(path)]
+        )
+        torch.testing.assert_close(leaf, expected, rtol=1e-6, atol=1e-7)
+
+    # the average is a params tree of the plan: evaluation runs on it
+    def total(p: Any) -> torch.Tensor:
+        return p["head"]["w"].sum() + sum(
+            fs.call(lambda b: b["w"].sum(), blk) for blk in p["blocks"]
+        )
+
+    value = fs.forward(total, plan)(fs.optim.ema_params(state, sp))
+    torch.testing.assert_close(value, total(averaged))
+
+
+def test_a_masked_ema_keeps_the_other_leaves_current():
+    params = _tree()
+    sp = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))  # one flat buffer: a partial average
+    opt = fs.optim.chain(fs.optim.sgd(lr=0.5), fs.optim.masked(fs.optim.ema(0.5), ["head"]))
+    sp, state = opt.update_(sp, opt.init(sp), sp)
+    full = fs.unshard(fs.optim.ema_params(state, sp))
+    torch.testing.assert_close(full["head"]["w"], 0.75 * params["head"]["w"])
+    torch.testing.assert_close(full["blocks"][0]["w"], 0.5 * params["blocks"][0]["w"])
+
+
+def test_misuse_is_refused_with_the_fix():
+    params = _tree()
+    sp = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))
+    with pytest.raises(
+        TypeError, match=r"skip_nonfinite\(\) without an optimizer is a chain element"
+    ):
+        fs.optim.skip_nonfinite().update_(sp, None, sp)
+    with pytest.raises(TypeError, match=r"chain: part 0 is a SGD; .*fs.optim.from_torch"):
+        fs.optim.chain(torch.optim.SGD([torch.zeros(1)], lr=0.1))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"has no moving average; chain fs.optim.ema"):
+        fs.optim.ema_params(fs.optim.sgd(0.1).init(sp), sp)
+    with pytest.raises(TypeError, match=r"Adafactor reads whole tensors .* use fs.optim.adafactor"):
+        fs.optim.from_torch(torch.optim.Adafactor)
+    with pytest.raises(TypeError, match=r"takes a torch.optim optimizer class"):
+        fs.optim.from_torch(torch.optim.SGD([torch.zeros(1)], lr=0.1))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"from_torch: torch.optim.Adam: .*learning rate"):
+        fs.optim.from_torch(torch.optim.Adam, lr=-1.0)
+    with pytest.raises(
+        ValueError, match=r"partition: 'blocks/0/b' has label 'x', which is not one of \['w'\]"
+    ):
+        fs.optim.partition(
+            {"w": fs.optim.sgd(0.1)}, lambda path, leaf: "w" if path.endswith("w") else "x"
+        ).init(sp)
+    with pytest.raises(ValueError, match=r"ema: decay must be a number in \[0.0, 1.0\)"):
+        fs.optim.ema(1.0)
+    with pytest.raises(ValueError, match=r"lion: betas\[0\]"):
+        fs.optim.lion(1e-4, betas=(1.5, 0.99))
+
+
+def _composite(sp: Any) -> Any:
+    return fs.optim.chain(
+        fs.optim.clip_by_global_norm(1.0),
+        fs.optim.partition(
+            {
+                "adam": fs.optim.from_torch(torch.optim.Adam, lr=0.01),
+                "lion": fs.optim.lion(1e-3, mask=["head"]),
+            },
+            lambda path, leaf: "adam" if path.startswith("blocks") else "lion",
+        ),
+        fs.optim.masked(fs.optim.ema(0.9), ["blocks"]),
+    )
+
+
+def test_composite_state_checkpoints_reshard_and_resume_bit_exactly(tmp_path: Path):
+    """Save mid-run with one unit grouping, load into another; the run continues bit for bit."""
+    params = _tree()
+    saving = fs.plan(params, fs.Mesh({"x": 1}), units=["blocks/*"])
+    loading = fs.plan(params, fs.Mesh({"x": 1}), units=["blocks", "head"])
+
+    def run(plan: fs.Plan, sp: Any, state: Any, steps: range) -> tuple[Any, Any]:
+        opt = _composite(sp)
+        for step in steps:
+            sp, state = opt.update_(fs.shard(_grads(params, step), plan), state, sp)
+        return sp, state
+
+    sp = fs.shard(params, saving)
+    sp, state = run(saving, sp, _composite(sp).init(sp), range(2))
+    fs.checkpoint.save(tmp_path / "ckpt", {"params": sp, "opt": state})
+    straight = fs.unshard(run(saving, sp, state, range(2, 4))[0])
+
+    fresh = fs.shard(params, loading)
+    like = {"params": fresh, "opt": _composite(fresh).init(fresh)}
+    loaded = fs.checkpoint.load(tmp_path / "ckpt", like=like)
+    resumed, state = run(loading, loaded["params"], loaded["opt"], range(2, 4))
+    for a, b in zip(fs.tree.leaves(fs.unshard(resumed)), fs.tree.leaves(straight)):
+        assert torch.equal(a, b)
+    assert int(state[1]["adam"].count) == 4
