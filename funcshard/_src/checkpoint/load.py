@@ -11,6 +11,7 @@ checkpoint without error.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from funcshard._src.checkpoint.manifest import (
     chunks,
     read_manifest,
 )
+from funcshard._src.checkpoint.rng import rng_setter
 from funcshard._src.comm import agree, settle
 from funcshard._src.dtypes import dtype_name, dtype_of
 from funcshard._src.shard.sharded import ShardedTensor, map_flats
@@ -46,7 +48,9 @@ class _Saved:
 SAVED = _Saved()
 
 
-def load(path: str | os.PathLike[str], /, like: Any, *, verify: bool = True) -> Any:
+def load(
+    path: str | os.PathLike[str], /, like: Any, *, verify: bool = True, rng: bool = True
+) -> Any:
     """Loads the checkpoint at ``path`` into the structure and shardings of ``like``; collective.
 
     ``like`` may be sharded with another plan, mesh or world size than the one
@@ -63,6 +67,10 @@ def load(path: str | os.PathLike[str], /, like: Any, *, verify: bool = True) -> 
             (per-rank RNG states saved on another world size, say).
         verify: check the SHA-256 of every chunk read (``False`` trusts the data
             files; the manifest and metadata are checked either way).
+        rng: restore every rank's random generators saved with the checkpoint
+            (``fs.checkpoint.save(..., rng=True)``, the default), once every rank has
+            loaded; on more ranks than saved, rank ``r`` takes saved rank ``r % W``'s.
+            A checkpoint without them leaves the generators as they are.
 
     Raises:
         NotACheckpointError: not a checkpoint, or an interrupted save.
@@ -87,11 +95,14 @@ def load(path: str | os.PathLike[str], /, like: Any, *, verify: bool = True) -> 
     with settle.operation("fs.checkpoint.load"):
         failure: Exception | None = None
         result: Any = None
+        set_rng: Callable[[], None] | None = None
         digest = None
         try:
             manifest = read_manifest(directory)
             digest = manifest["digest"]
             result = _load_into(directory, manifest, like, verify)
+            if rng and manifest.get("rng") is not None:
+                set_rng = rng_setter(_read_rng(directory, manifest, verify))
         except Exception as e:  # every rank must learn of it
             failure = e
         status = {
@@ -119,8 +130,20 @@ def load(path: str | os.PathLike[str], /, like: Any, *, verify: bool = True) -> 
                 f"the ranks loaded different checkpoints ({listing}); every rank must load the same "
                 f"one (pick it once, e.g. fs.checkpoint.latest(dir) on a directory every rank sees)"
             )
+    if set_rng is not None:
+        set_rng()
     commit.adopt_run(manifest["run"])
     return result
+
+
+def _read_rng(directory: Path, manifest: dict[str, Any], verify: bool) -> torch.Tensor:
+    """The saved RNG states, ``(ranks, n)`` uint8 (checked when set)."""
+    entry = manifest["rng"]
+    wanted = [(c, torch.uint8, raw["sha256"]) for c, raw in zip(chunks(entry), entry["chunks"])]
+    data = read_chunks(directory, manifest["files"], wanted, verify=verify)
+    states = torch.zeros(entry["shape"], dtype=torch.uint8)
+    _fill(states, whole(entry["shape"]), entry, data)
+    return states
 
 
 def load_full(

@@ -4,7 +4,7 @@ A checkpoint is a directory: one sub-directory per writing rank (``rank<r>/``,
 DCP's ``.metadata`` and data file) plus ``manifest.json``, written last, which
 names every leaf, its global shape and dtype, the chunks it was saved in (one
 DCP key each, with the chunk's offsets, its writer and the SHA-256 of its
-contents), the tree structure, the run and step, the size of every file and
+contents), the tree structure, every rank's RNG states (``rng``, optional), the run and step, the size of every file and
 the SHA-256 of each rank's ``.metadata``; and, last, the SHA-256 of the
 manifest itself. A directory without a complete manifest is not a checkpoint.
 
@@ -40,6 +40,7 @@ VERSION = 2
 VALUE_TYPES = (bool, int, float, str, type(None))
 KINDS = ("sharded", "tensor", "value")
 MAX_MANIFEST_BYTES = 1 << 30
+RNG_PATH = "<rng>"  # the manifest's "rng" entry: every rank's generator states
 _FILE = re.compile(r"rank(0|[1-9][0-9]{0,5})/(\.metadata|__0_0\.distcp)")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -222,6 +223,20 @@ def _check(m: dict[str, Any]) -> str | None:
             if c["key"] in keys:
                 return f"chunk key {c['key']!r} is listed twice"
             keys.add(c["key"])
+    rng = m.get("rng")
+    if rng is not None:
+        problem = _check_entry(len(leaves), rng, world, files)
+        if problem is not None:
+            return problem
+        if (
+            rng["path"] != RNG_PATH
+            or rng["kind"] != "tensor"
+            or rng["dtype"] != "uint8"
+            or len(rng["shape"]) != 2
+        ):
+            return "rng is not a (ranks, n) uint8 tensor of RNG states"
+        if any(c["key"] in keys for c in rng["chunks"]):
+            return "the rng entry reuses a leaf's chunk key"
     return None
 
 

@@ -1,44 +1,161 @@
-"""Random number generator state of every rank, as one tensor a checkpoint can hold."""
+"""Random number generator state of every rank, as one tensor a checkpoint can hold.
+
+[Note: rng state v1]
+One row of bytes per rank: ``FSRNG1\\0\\0``, then the torch CPU generator
+(a u32 length and its bytes), Python's ``random`` (625 u32 words, a u8 flag
+and an f64 for the cached Gaussian), numpy's legacy global generator (624 u32
+words, a u32 position, a u32 flag and an f64), and the CUDA generators (a u32
+count, then a u32 length and the bytes of each). Little-endian. A row read
+from a checkpoint is untrusted: every length and value is checked before any
+generator is set, and a row of only torch's CPU state (funcshard 0.1's rows) is
+still read.
+"""
 
 from __future__ import annotations
 
 import base64
+import random
+import struct
+from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
+from funcshard._src.checkpoint.errors import CorruptCheckpointError
 from funcshard._src.comm import agree, runtime, settle
+
+_MAGIC = b"FSRNG1\0\0"
+_PY = struct.Struct("<625IBd")
+_NP = struct.Struct("<624IIId")
+_U32 = struct.Struct("<I")
+_MAX_STATE = 1 << 20
 
 
 def rng_states() -> torch.Tensor:
-    """Every rank's torch CPU generator state, stacked ``(world_size, n)``; collective.
+    """Every rank's generator states (torch CPU and CUDA, Python, numpy), ``(world_size, n)`` uint8; collective.
 
     Example:
         >>> states = rng_states()
-        >>> states.shape[0]
-        1
+        >>> states.shape[0], states.dtype
+        (1, torch.uint8)
     """
-    mine = torch.get_rng_state()
     if not runtime.is_distributed():
-        return mine.unsqueeze(0)
+        return gather_rng_states()
     with settle.operation("fs.checkpoint.rng_states"):
-        rows = agree.all_gather_json(
-            base64.b64encode(mine.numpy().tobytes()).decode(), "fs.checkpoint.rng_states"
-        )
-    return torch.stack(
-        [torch.frombuffer(bytearray(base64.b64decode(row)), dtype=torch.uint8) for row in rows]
-    )
+        return gather_rng_states()
+
+
+def gather_rng_states() -> torch.Tensor:
+    """:func:`rng_states` without its own settling, for callers inside an operation."""
+    mine = _pack()
+    if not runtime.is_distributed():
+        return torch.frombuffer(bytearray(mine), dtype=torch.uint8).unsqueeze(0)
+    rows = agree.all_gather_json(base64.b64encode(mine).decode(), "fs.checkpoint.rng_states")
+    raw = [base64.b64decode(row) for row in rows]
+    width = max(len(r) for r in raw)  # CUDA states may differ in count across ranks
+    out = torch.zeros(len(raw), width, dtype=torch.uint8)
+    for i, r in enumerate(raw):
+        out[i, : len(r)] = torch.frombuffer(bytearray(r), dtype=torch.uint8)
+    return out
 
 
 def set_rng_states(states: torch.Tensor, /) -> None:
-    """Restores this rank's generator from :func:`rng_states`; mutates the global generator.
+    """Restores this rank's generators from :func:`rng_states`; mutates the global generators.
 
     On more ranks than saved, rank ``r`` takes row ``r % rows``.
 
+    Raises:
+        CorruptCheckpointError: a row that is not a state :func:`rng_states` wrote.
+
     Example:
         >>> saved = rng_states()
-        >>> a = torch.rand(2)
+        >>> a = torch.rand(2), random.random()
         >>> set_rng_states(saved)
-        >>> torch.equal(torch.rand(2), a)
-        True
+        >>> torch.equal(torch.rand(2), a[0]), random.random() == a[1]
+        (True, True)
     """
-    torch.set_rng_state(states[runtime.rank() % states.shape[0]].clone())
+    rng_setter(states)()
+
+
+def rng_setter(states: torch.Tensor, /) -> Callable[[], None]:
+    """Checks this rank's row of ``states`` now; the returned function sets the generators.
+
+    Raises:
+        CorruptCheckpointError: a row that is not a state :func:`rng_states` wrote.
+    """
+    if states.dtype != torch.uint8 or states.ndim != 2 or states.shape[0] == 0:
+        raise CorruptCheckpointError(
+            f"RNG states must be a (ranks, n) uint8 tensor from fs.checkpoint.rng_states(), got "
+            f"{tuple(states.shape)} {states.dtype}"
+        )
+    return _parse(bytes(states[runtime.rank() % states.shape[0]].numpy().tobytes()))
+
+
+def _pack() -> bytes:
+    cpu = torch.get_rng_state().numpy().tobytes()
+    version, words, gauss = random.getstate()
+    assert version == 3
+    assert len(words) == 625
+    py = _PY.pack(*words, gauss is not None, 0.0 if gauss is None else gauss)
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    assert name == "MT19937"
+    npy = _NP.pack(*(int(k) for k in keys), int(pos), int(has_gauss), float(cached))
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    parts = [_MAGIC, _U32.pack(len(cpu)), cpu, py, npy, _U32.pack(len(cuda))]
+    for state in cuda:
+        data = state.numpy().tobytes()
+        parts += [_U32.pack(len(data)), data]
+    return b"".join(parts)
+
+
+def _parse(row: bytes) -> Callable[[], None]:
+    """Checks all of ``row``; returns the function that sets the generators it holds."""
+    if not row.startswith(_MAGIC):  # a row of torch's CPU state alone
+        return _setter(row, None, None, [])
+    at = len(_MAGIC)
+
+    def take(n: int) -> bytes:
+        nonlocal at
+        if n < 0 or n > _MAX_STATE or at + n > len(row):
+            raise CorruptCheckpointError("the saved RNG state is truncated or malformed")
+        out, at = row[at : at + n], at + n
+        return out
+
+    cpu = take(_U32.unpack(take(4))[0])
+    py = _PY.unpack(take(_PY.size))
+    npy = _NP.unpack(take(_NP.size))
+    cuda = [take(_U32.unpack(take(4))[0]) for _ in range(_U32.unpack(take(4))[0])]
+    if any(row[at:]):  # only zero padding may follow (rows are padded to the longest)
+        raise CorruptCheckpointError("the saved RNG state has trailing bytes")
+    if py[624] > 624 or py[625] > 1 or npy[624] > 624 or npy[625] > 1:
+        raise CorruptCheckpointError("the saved RNG state holds an invalid Python or numpy state")
+    return _setter(cpu, py, npy, cuda)
+
+
+def _setter(
+    cpu: bytes, py: tuple[Any, ...] | None, npy: tuple[Any, ...] | None, cuda: list[bytes]
+) -> Callable[[], None]:
+    cpu_state = torch.frombuffer(bytearray(cpu), dtype=torch.uint8).clone()
+    before = torch.get_rng_state()
+    try:  # torch checks the state's size and content
+        torch.set_rng_state(cpu_state)
+    except RuntimeError as e:
+        raise CorruptCheckpointError(f"the saved torch RNG state is invalid: {e}") from None
+    finally:
+        torch.set_rng_state(before)
+
+    def apply() -> None:
+        torch.set_rng_state(cpu_state)
+        if py is not None:
+            random.setstate((3, tuple(py[:625]), py[626] if py[625] else None))
+        if npy is not None:
+            keys = np.array(npy[:624], dtype=np.uint32)
+            np.random.set_state(("MT19937", keys, npy[624], npy[625], npy[626]))
+        if cuda and torch.cuda.is_available():
+            for device, state in enumerate(cuda[: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(
+                    torch.frombuffer(bytearray(state), dtype=torch.uint8), device
+                )
+
+    return apply

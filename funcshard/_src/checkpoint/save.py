@@ -22,13 +22,14 @@ from funcshard._src import tree
 from funcshard._src.checkpoint import commit
 from funcshard._src.checkpoint.dcp_io import write_chunks
 from funcshard._src.checkpoint.errors import CheckpointError
-from funcshard._src.checkpoint.manifest import leaf_entry, rank_dir, write_manifest
+from funcshard._src.checkpoint.manifest import RNG_PATH, leaf_entry, rank_dir, write_manifest
+from funcshard._src.checkpoint.rng import gather_rng_states
 from funcshard._src.comm import agree, runtime, settle
 from funcshard._src.comm.runtime import DesyncError
 from funcshard._src.shard.digest import tensor_digest
 from funcshard._src.shard.sharded import ShardedTensor
 
-_AGREED = ("target", "layout", "step", "keep")
+_AGREED = ("target", "layout", "step", "keep", "rng")
 
 
 def save(
@@ -39,6 +40,7 @@ def save(
     step: int | None = None,
     keep: int | None = None,
     run: str | None = None,
+    rng: bool = True,
 ) -> Path:
     """Saves ``state`` as a sharded checkpoint at ``path``; collective (every rank calls it).
 
@@ -53,6 +55,9 @@ def save(
         run: the run this checkpoint belongs to; default: the run of the checkpoint
             this process loaded or saved last, else ``FUNCSHARD_RUN`` or torchrun's
             run id, else a new id (see ``docs/checkpoints.md``, "Runs").
+        rng: also save every rank's random generators (torch CPU and CUDA, Python's
+            ``random``, numpy's global one), which :func:`load` restores, so that a
+            resumed run draws what the uninterrupted one would have.
 
     Returns:
         ``path``.
@@ -77,6 +82,8 @@ def save(
     step = commit.check_step(step)
     keep = commit.check_keep(keep)
     run = commit.check_run(run)
+    if not isinstance(rng, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise TypeError(f"rng must be True or False, got {rng!r}")
     paths, leaves, treedef = tree.flatten_with_paths(state)
     entries = [leaf_entry(p, leaf) for p, leaf in zip(paths, leaves)]
     structure = tree.treedef_to_json(treedef)
@@ -87,6 +94,7 @@ def save(
             "layout": agree.digest_of({"leaves": entries, "tree": structure}).hex(),
             "step": step,
             "keep": keep,
+            "rng": rng,
             "exists": target.exists(),
             "run": commit.proposed_run(run),
             "token": uuid.uuid4().hex,
@@ -99,7 +107,12 @@ def save(
                 f"{target} exists; save each checkpoint to a new directory (e.g. one per step)"
             )
         staging = commit.staging_dir(target, first["run"], first["token"])
-        report = _write_mine(staging, entries, leaves, rank)
+        rng_leaf = gather_rng_states() if rng else None  # collective, after the ranks agreed on rng
+        rng_entry = None if rng_leaf is None else leaf_entry(RNG_PATH, rng_leaf)
+        written = entries + ([] if rng_entry is None else [rng_entry])
+        report = _write_mine(
+            staging, written, leaves + ([] if rng_leaf is None else [rng_leaf]), rank
+        )
         reports = agree.all_gather_json(report, "the writes of fs.checkpoint.save")
         failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
         if failed:
@@ -110,7 +123,7 @@ def save(
         error: str | None = None
         if rank == 0:
             try:
-                _commit(target, staging, entries, structure, reports, first, keep)
+                _commit(target, staging, entries, rng_entry, structure, reports, first, keep)
             except Exception as e:  # every rank must learn of it
                 error = f"{type(e).__name__}: {e}"
         error = agree.broadcast_json(error, "the commit of fs.checkpoint.save")
@@ -158,6 +171,7 @@ def _commit(
     target: Path,
     staging: Path,
     entries: list[dict[str, Any]],
+    rng_entry: dict[str, Any] | None,
     structure: Any,
     reports: list[dict[str, Any]],
     first: dict[str, Any],
@@ -166,20 +180,20 @@ def _commit(
     """Rank 0: writes the manifest, renames the staging directory into place, rotates."""
     staging.mkdir(parents=True, exist_ok=True)  # a tree of values only has no rank files
     digests = {key: d for rep in reports for key, d in rep["chunks"].items()}
-    for entry in entries:
+    for entry in entries + ([] if rng_entry is None else [rng_entry]):
         for chunk in entry.get("chunks", []):
             chunk["sha256"] = digests[chunk["key"]]
-    write_manifest(
-        staging,
-        {
-            "run": first["run"],
-            "step": first["step"],
-            "world_size": len(reports),
-            "tree": structure,
-            "leaves": entries,
-            "files": {name: info for rep in reports for name, info in rep["files"].items()},
-        },
-    )
+    manifest = {
+        "run": first["run"],
+        "step": first["step"],
+        "world_size": len(reports),
+        "tree": structure,
+        "leaves": entries,
+        "files": {name: info for rep in reports for name, info in rep["files"].items()},
+    }
+    if rng_entry is not None:
+        manifest["rng"] = rng_entry
+    write_manifest(staging, manifest)
     commit.commit(staging, target)
     if keep is not None:
         commit.rotate(target.parent, first["run"], keep, written=target, token=first["token"])
