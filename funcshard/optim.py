@@ -1,12 +1,14 @@
 """Functional optimizers over sharded params, shaped like optax: ``init`` and ``update_`` on flat buffers.
 
-Optimizers (``sgd``, ``adamw``, ``lion``, ``from_torch``), gradient transforms
+Optimizers (``sgd``, ``adamw``, ``lion``, ``adafactor``, ``from_torch``), gradient transforms
 (``clip_by_global_norm(max_norm)``), guards (``skip_nonfinite()``) and
 ``ema`` compose with ``chain``; ``masked`` and ``partition`` restrict a part to
 some leaves (a weight-decay mask is ``adamw(..., mask=decay_mask_default)``);
 learning rates may be schedules.
 """
 
+from funcshard._src.optim.adafactor import AdafactorState as AdafactorState
+from funcshard._src.optim.adafactor import adafactor as adafactor
 from funcshard._src.optim.adamw import AdamWState as AdamWState
 from funcshard._src.optim.adamw import adamw as adamw
 from funcshard._src.optim.base import Optimizer as Optimizer
@@ -38,6 +40,7 @@ from funcshard._src.optim.torch_optim import TorchOptimState as TorchOptimState
 from funcshard._src.optim.torch_optim import from_torch as from_torch
 
 __all__ = [
+    "AdafactorState",
     "AdamWState",
     "ClipState",
     "EmaState",
@@ -47,6 +50,7 @@ __all__ = [
     "SGDState",
     "SkipState",
     "TorchOptimState",
+    "adafactor",
     "adamw",
     "all_finite",
     "chain",
