@@ -33,6 +33,7 @@ from funcshard._src.comm.runtime import DesyncError as DesyncError
 from funcshard._src.comm.runtime import rank as rank
 from funcshard._src.comm.runtime import set_collective_timeout as set_collective_timeout
 from funcshard._src.comm.runtime import world_size as world_size
+from funcshard._src.data.seed import seed as seed
 from funcshard._src.execute.call import call as call
 from funcshard._src.execute.forward import forward as forward
 from funcshard._src.execute.value_and_grad import Step as Step
@@ -51,6 +52,8 @@ from funcshard._src.spec.mesh import Mesh as Mesh
 from funcshard._src.spec.named_sharding import NamedSharding as NamedSharding
 from funcshard._src.spec.partition_spec import P as P
 from funcshard._src.spec.partition_spec import SpecError as SpecError
+from funcshard._src.verify.report import VerifyReport as VerifyReport
+from funcshard._src.verify.verify import verify as verify
 
 try:
     __version__ = importlib.metadata.version("funcshard")
@@ -71,6 +74,7 @@ __all__ = [
     "SpecError",
     "Step",
     "StepStats",
+    "VerifyReport",
     "call",
     "checkpoint",
     "cost",
@@ -85,6 +89,7 @@ __all__ = [
     "plan",
     "presets",
     "rank",
+    "seed",
     "set_collective_timeout",
     "shard",
     "sharding",
@@ -92,6 +97,7 @@ __all__ = [
     "tree",
     "unshard",
     "value_and_grad",
+    "verify",
     "world_size",
 ]
 

@@ -16,6 +16,7 @@ WORLD = {
     "docs/checkpoints.md": (1, 2),
     "docs/planner.md": (1,),
     "docs/design.md": (2,),
+    "docs/verify.md": (1, 2),
 }
 INTEROP = {"docs/interop.md", "docs/large_models.md"}
 

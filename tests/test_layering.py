@@ -29,6 +29,7 @@ LAYERS = {
     "optim": 6,
     "checkpoint": 6,
     "interop": 7,
+    "verify": 7,
     "cli": 8,
 }
 ORDER = {
@@ -39,18 +40,19 @@ ORDER = {
         "plan", "resolve", "cost", "auto", "planner",
     ],
     "comm": ["runtime", "channel", "agree", "settle", "lifecycle", "metrics", "ledger", "groups", "collectives"],
-    "data": ["sampler"],
+    "data": ["sampler", "seed"],
     "shard": [
         "aliasing", "digest", "counter_rng", "fill", "initializers", "fans", "orthogonal", "flat",
         "sharded", "shard", "materialize",
     ],
     "execute": ["desync", "unit_state", "reduce", "run", "call", "value_and_grad", "forward"],
-    "optim": ["base", "schedules", "sgd", "adamw", "clip", "nonfinite"],
+    "optim": ["base", "schedules", "select", "sgd", "adamw", "lion", "clip", "nonfinite", "adafactor", "chain", "ema", "torch_optim"],
     "checkpoint": ["errors", "chunks", "manifest", "commit", "dcp_io", "rng", "save", "load", "export"],
     "interop": [
         "host", "module_tree", "module_units", "module_init", "hf_checkpointing",
         "safetensors_format", "safetensors_io", "hf_export", "forwards", "apply", "module", "jax", "orbax",
     ],
+    "verify": ["report", "batches", "reference", "summary", "verify", "worker", "launch"],
 }  # fmt: skip
 DISTRIBUTED_OK = {"comm", "execute", "optim", "checkpoint", "interop"}
 TORCH_FREE = {"spec"}  # pure index math
