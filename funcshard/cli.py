@@ -5,6 +5,10 @@ for each strategy, the memory one rank holds by category, the bytes it sends per
 step, and (with ``--hardware``) the estimated step time and tokens/s; with
 ``--device-memory`` it also chooses a plan (``strategy="auto"``). ``--json`` and
 ``--plot`` write the same numbers as JSON and as a bar chart (matplotlib).
+
+``funcshard verify script.py --nproc 2 [-- args]`` runs ``fs.verify`` on the
+configuration that the script's ``verify_config()`` returns, on that many local
+ranks under torchrun, and exits 0 if it passes, 1 if not (``docs/verify.md``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.presets import PRESETS, get_preset
 from funcshard._src.plan.sizes import format_bytes, parse_bytes, table
 from funcshard._src.spec.mesh import Mesh
+from funcshard._src.verify.launch import ScriptError, launch
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -120,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--json", type=Path, help="also write the numbers to this JSON file")
     p.add_argument("--plot", type=Path, help="also draw memory per strategy to this image")
+    v = sub.add_parser(
+        "verify",
+        usage="funcshard verify script.py [--nproc N] [-- args for the script...]",
+        help="check a configuration sharded against unsharded, on local ranks (fs.verify)",
+        description="Runs fs.verify on what the script's verify_config() returns, on --nproc "
+        "local ranks under torchrun; rank 0 prints the report. Exit status 0: pass, 1: fail.",
+    )
+    v.add_argument("script", help="a Python script that defines verify_config()")
+    v.add_argument("--nproc", type=int, default=1, help="ranks to run (default 1)")
     return parser
 
 
@@ -131,7 +145,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         llama-7b: 6,738,415,616 parameters on Mesh({'fsdp': 8}) (8 ranks)...
         0
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest: list[str] = []
+    if argv[:1] == ["verify"] and "--" in argv:  # the script's own arguments follow "--"
+        argv, rest = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     args = build_parser().parse_args(argv)
+    if args.command == "verify":
+        try:
+            return launch(args.script, rest, nproc=args.nproc)
+        except ScriptError as e:
+            print(f"funcshard verify: error: {e}", file=sys.stderr)
+            return 2
     try:
         report = plan_report(args)
     except (UsageError, ValueError, OSError) as e:
