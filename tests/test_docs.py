@@ -17,6 +17,7 @@ WORLD = {
     "docs/planner.md": (1,),
     "docs/design.md": (2,),
     "docs/verify.md": (1, 2),
+    "docs/optimizers.md": (1,),
 }
 INTEROP = {"docs/interop.md", "docs/large_models.md"}
 
