@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -118,7 +119,26 @@ def test_sizes_parse_with_binary_and_decimal_units():
     assert parse_bytes("80GiB") == 80 * 2**30
     assert parse_bytes("80 GB") == 80 * 10**9
     assert parse_bytes("512MiB") == 2**29
-    assert parse_bytes("1024") == 1024
+    assert parse_bytes("1024B") == parse_bytes(1024) == 1024
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("80", "'80' has no unit: write '80GiB' (80 * 2**30 bytes) or '80GB' (80 * 10**9 bytes), or '80B' for bytes"),
+        ("80G", "'80G' does not say whether 'G' is binary or decimal: write '80GiB' (80 * 2**30 bytes) or '80GB'"),
+        ("1.5k", "write '1.5KiB' (1.5 * 2**10 bytes) or '1.5kB' (1.5 * 10**3 bytes)"),
+    ],
+)  # fmt: skip
+def test_a_size_without_a_unit_names_the_binary_and_the_decimal_reading(text, message):
+    """Another reading of "80" (80 bytes, 80 GiB?) would silently plan for the wrong device."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_bytes(text)
+
+
+def test_a_device_memory_without_a_unit_is_refused(capsys):
+    assert cli.main(["plan", "--model", "llama-7b", "--mesh", "8", "--device-memory", "80"]) == 2
+    assert "'80' has no unit: write '80GiB'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text", ["", "GiB", "-3GiB", "0", "12 parsecs", "1e3GB"])

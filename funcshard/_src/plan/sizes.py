@@ -17,17 +17,32 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+# a prefix without its unit -> the two units it may mean, and their powers of 2 and of 10
+_PREFIXES = {
+    "k": ("KiB", "kB", 10, 3),
+    "m": ("MiB", "MB", 20, 6),
+    "g": ("GiB", "GB", 30, 9),
+    "t": ("TiB", "TB", 40, 12),
+}
 
 
 def parse_bytes(text: str | int, /) -> int:
-    """``"80GiB"`` -> bytes. Units: B, kB/MB/GB/TB (powers of 10), KiB/MiB/GiB/TiB (of 2).
+    """``"80GiB"`` -> bytes; the unit is required and says which powers: ``GB`` is 10**9, ``GiB`` 2**30.
+
+    Units (any case): ``B``; ``kB``/``MB``/``GB``/``TB``, decimal (powers of 10, as disks and
+    network links are sold); ``KiB``/``MiB``/``GiB``/``TiB``, binary (powers of 2, as device
+    memory is counted: an "80 GB" A100 holds 80 GiB). A string without a unit (``"80"``) and a
+    bare prefix (``"80G"``) are refused rather than guessed; an ``int`` counts bytes.
 
     Raises:
-        ValueError: not a positive size with a known unit.
+        ValueError: not a positive size with a unit; the message names both readings.
 
     Example:
-        >>> parse_bytes("80GiB"), parse_bytes("1.5 GB"), parse_bytes(4096)
-        (85899345920, 1500000000, 4096)
+        >>> parse_bytes("80GiB"), parse_bytes("1.5 GB"), parse_bytes("512B"), parse_bytes(4096)
+        (85899345920, 1500000000, 512, 4096)
+        >>> parse_bytes("80")
+        Traceback (most recent call last):
+        ValueError: '80' has no unit: write '80GiB' (80 * 2**30 bytes) or '80GB' (80 * 10**9 bytes), or '80B' for bytes
     """
     if isinstance(text, int) and not isinstance(text, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
         if text <= 0:
@@ -35,12 +50,22 @@ def parse_bytes(text: str | int, /) -> int:
         return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else ""
-    if m is None or (unit and unit not in _UNITS) or float(m.group(1)) <= 0:
-        raise ValueError(
-            f"cannot read {text!r} as a size; write a positive number with a unit, like '80GiB', "
-            f"'40GB' or '512MiB'"
+    if m is not None and float(m.group(1)) > 0 and unit in ("", *_PREFIXES):
+        n = m.group(1)
+        binary, decimal, p2, p10 = _PREFIXES[unit or "g"]
+        what = (
+            f"does not say whether {m.group(2)!r} is binary or decimal" if unit else "has no unit"
         )
-    return int(float(m.group(1)) * _UNITS[unit or "b"])
+        raise ValueError(
+            f"{text!r} {what}: write '{n}{binary}' ({n} * 2**{p2} bytes) or '{n}{decimal}' "
+            f"({n} * 10**{p10} bytes)" + ("" if unit else f", or '{n}B' for bytes")
+        )
+    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(
+            f"cannot read {text!r} as a size; write a positive number with a unit, like '80GiB' "
+            f"(binary, 80 * 2**30 bytes), '40GB' (decimal, 40 * 10**9 bytes) or '512MiB'"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], /) -> str:
