@@ -1,8 +1,9 @@
 """Train a small GPT, written as pure functions over a parameter pytree, fully sharded over ranks.
 
-Run on two CPU processes:
+Run on two CPU processes (the progress bar is tqdm's, ``--plot`` draws with
+matplotlib: ``pip install 'funcshard[examples]'``):
 
-    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --plot loss.png
 
 Each block is one unit (gathered just before it runs, freed after, re-gathered in
 backward); the embedding and head form the root unit. The data is a synthetic
@@ -17,10 +18,12 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import funcshard as fs
 from funcshard import P
@@ -132,7 +135,12 @@ def main(argv: list[str] | None = None) -> list[float]:
     )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--explain", action="store_true", help="print the plan")
+    parser.add_argument(
+        "--plot", type=Path, help="save the loss curve (mean over ranks, smoothed) as a PNG here"
+    )
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        _require_matplotlib()  # before training, not after it
     cfg = Config(layers=args.layers, width=args.width, seq=args.seq, batch=args.batch)
 
     fs.init()
@@ -168,7 +176,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     losses: list[float] = []
     smoothed: list[float] = []  # the loss over every rank's batch, smoothed over steps
     start = time.perf_counter()
-    for i in range(args.steps):
+    log = not sys.stdout.isatty()  # a terminal gets tqdm's bar, a log a line every tenth of the run
+    bar = tqdm(range(args.steps), disable=rank != 0 or log, file=sys.stdout, unit="step")
+    for i in bar:
         tokens, targets = batch(cfg, i, rank)
         loss, grads = step(sparams, tokens, targets, cfg.heads)
         grads, norm = fs.optim.clip_by_global_norm(grads, 1.0)
@@ -178,21 +188,24 @@ def main(argv: list[str] | None = None) -> list[float]:
         smoothed.append(mean if not smoothed else 0.9 * smoothed[-1] + 0.1 * mean)
         if rank == 0:
             rate = (i + 1) * cfg.batch * cfg.seq * world / (time.perf_counter() - start)
-            _progress(
-                i + 1,
-                args.steps,
-                f"loss {smoothed[-1]:.3f}  grad-norm {float(norm):.2f}  {rate:,.0f} tokens/s",
-            )
+            text = f"loss {smoothed[-1]:.3f}, grad-norm {float(norm):.2f}, {rate:,.0f} tokens/s"
+            bar.set_postfix_str(text, refresh=False)
+            if log and ((i + 1) % max(1, args.steps // 10) == 0 or i + 1 == args.steps):
+                print(f"step {i + 1}/{args.steps}  {text}", flush=True)
+    bar.close()
     if rank == 0:
         held = sum(
             leaf.padded.numel() * leaf.padded.element_size() for leaf in fs.tree.leaves(sparams)
         )
         print(
-            f"\nloss {smoothed[0]:.3f} -> {smoothed[-1]:.3f} (mean over ranks, smoothed) over "
+            f"loss {smoothed[0]:.3f} -> {smoothed[-1]:.3f} (mean over ranks, smoothed) over "
             f"{args.steps} steps on {world} rank(s); "
             f"rank 0 holds {held / 2**20:.2f} MiB of parameters; "
             f"peak gathered {step.stats.peak_gathered_bytes / 2**20:.2f} MiB"
         )
+        if args.plot is not None:
+            _plot(smoothed, args.plot, f"{world} rank(s), {args.strategy}")
+            print(f"loss curve saved to {args.plot}")
     return losses
 
 
@@ -211,16 +224,31 @@ def _mesh(parser: argparse.ArgumentParser, text: str | None, world: int) -> fs.M
     return fs.Mesh(axes)
 
 
-def _progress(done: int, total: int, text: str) -> None:
-    """A progress bar redrawn in place on a terminal; a line every tenth of the run elsewhere (logs)."""
-    width = 30
-    filled = width * done // total
-    line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}  {text}"
-    if sys.stdout.isatty():
-        sys.stdout.write("\r" + line)
-    elif done == total or done % max(1, total // 10) == 0:
-        sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+def _require_matplotlib() -> None:
+    """Exits with status 2 and one line saying what to install when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401  # pyright: ignore[reportUnusedImport]
+    except ImportError:
+        print("train_gpt.py: --plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _plot(smoothed: list[float], path: Path, title: str) -> None:
+    """Writes the smoothed loss per step to ``path`` (PNG, drawn off-screen)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(smoothed) + 1), smoothed)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean over ranks, smoothed)")
+    ax.set_title(f"train_gpt.py: {title}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
 
 
 if __name__ == "__main__":

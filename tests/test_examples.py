@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import sys
+
+import pytest
 
 
 def _train_gpt(argv: list[str]) -> list[float]:
@@ -17,7 +20,8 @@ def _shard_demo() -> None:
     shard_demo.main()
 
 
-def test_train_gpt_learns(pools):
+def test_train_gpt_learns_and_plots_its_loss_curve(pools, tmp_path):
+    png = tmp_path / "loss.png"
     argv = [
         "--steps",
         "12",
@@ -31,11 +35,25 @@ def test_train_gpt_learns(pools):
         "4",
         "--lr",
         "1e-2",
+        "--plot",
+        str(png),
     ]
     for losses in pools.run(2, _train_gpt, argv):
         assert len(losses) == 12
         assert all(math.isfinite(x) for x in losses)
         assert sum(losses[-3:]) < sum(losses[:3])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # written by rank 0
+
+
+def test_train_gpt_without_matplotlib_says_what_to_install(monkeypatch, capsys, tmp_path):
+    """--plot is checked before training starts: one line, exit status 2, no traceback."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(SystemExit) as exit_:
+        _train_gpt(["--plot", str(tmp_path / "loss.png")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "train_gpt.py: --plot needs matplotlib: pip install matplotlib\n"
+    assert not (tmp_path / "loss.png").exists()
 
 
 def test_train_gpt_bf16_hybrid(pools):
