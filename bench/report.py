@@ -94,6 +94,7 @@ def write_report(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) ->
 def markdown(summary: dict[str, Any]) -> str:
     """The summary as a Markdown report."""
     meta = summary["meta"]
+    preload = meta["spec"].get("preload")  # None or absent: spawned
     lines = [
         "# Benchmark: funcshard against PyTorch FSDP2, FSDP1 and DDP",
         "",
@@ -103,6 +104,10 @@ def markdown(summary: dict[str, Any]) -> str:
         f"- world size {meta['world_size']}, backend {meta['spec']['backend']}, {meta['spec']['threads']} thread(s) per rank, "
         f"{meta['spec']['warmup']} warm-up + {meta['spec']['steps']} timed steps per run, interleaved rounds; "
         f"env {', '.join(f'{k}={v}' for k, v in meta['env'].items())}",
+        "- each run spawns fresh processes"
+        if not preload
+        else f"- each run forks its ranks from a server that imported {', '.join(f'`{m}`' for m in preload)} "
+        "(--tiny): peak RSS counts them in every mode and is not comparable with a full run's",
         f"- model: GPT, {summary['parameters'] / 1e6:.1f}M parameters ({', '.join(f'{k} {v}' for k, v in meta['config'].items())}); AdamW, its fused kernel in every mode",
         "",
         "| mode | median step (s) | min step (s) | tokens/s | peak RSS / rank (MiB) | params / grads / AdamW per rank (MiB) | sent / step / rank (MiB) | cost model (MiB) | largest loss diff |",

@@ -44,7 +44,8 @@ def test_tiny_benchmark_runs_every_mode(tmp_path, modes):
 
 
 def test_a_tiny_run_without_out_never_replaces_the_measured_results(monkeypatch, tmp_path):
-    """--tiny defaults to one round of two steps, written to a temporary directory."""
+    """--tiny defaults to one round of two steps, written to a temporary directory, its ranks
+    forked from a server that imported PyTorch's optimizer and FSDP modules once (bench/__main__.py)."""
     from bench import __main__ as bench
 
     seen = {}
@@ -59,3 +60,4 @@ def test_a_tiny_run_without_out_never_replaces_the_measured_results(monkeypatch,
     assert "funcshard-bench-" in str(seen["out"])
     assert seen["spec"]["steps"] == 2
     assert seen["rounds"] == 1
+    assert seen["spec"]["preload"] == bench.TINY_PRELOAD
