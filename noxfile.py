@@ -16,6 +16,20 @@ nox.options.reuse_venv = "yes"
 nox.options.default_venv_backend = "venv"
 
 CONSTRAINTS = os.environ.get("FUNCSHARD_CONSTRAINTS", ".ci/constraints-cpu.txt")
+# The torch versions `torch_range` checks: the oldest that pyproject.toml claims and the
+# newest known. Its floor (`torch>=2.13`) moves only with the first entry here.
+TORCH_RANGE = ["2.13.0", "2.14.1"]
+# A fast subset across the layers that lean on torch's own APIs: flat buffers and storage
+# resizing, the executor and autograd, DCP checkpoints, the demo, and FSDP2/FSDP1/DDP (bench).
+TORCH_RANGE_TESTS = [
+    "tests/test_flat.py",
+    "tests/test_shard.py",
+    "tests/test_unit_state.py",
+    "tests/test_value_and_grad.py",
+    "tests/test_checkpoint.py",
+    "tests/test_examples.py",
+    "tests/test_bench.py",
+]
 
 
 def _install(session: nox.Session, *extras: str) -> None:
@@ -29,6 +43,22 @@ def tests(session: nox.Session) -> None:
     """The test suite (single- and multi-process on CPU gloo); JAX-oracle tests run in `interop`."""
     _install(session, "test")
     session.run("pytest", *(session.posargs or ["tests", "--ignore=tests/interop"]))
+
+
+@nox.session(name="torch_range")
+@nox.parametrize("torch", TORCH_RANGE)
+def torch_range(session: nox.Session, torch: str) -> None:
+    """The oldest and newest torch in range on a fast subset of the tests (CI: weekly, not .ci/run).
+
+    Not pinned by the CPU constraint: each version comes as pip finds it (``torch==2.14.1``
+    from PyPI is a CUDA build of several GB); ``FUNCSHARD_TORCH_INDEX`` names an index for
+    the torch wheel alone, e.g. ``https://download.pytorch.org/whl/cpu``.
+    """
+    index = os.environ.get("FUNCSHARD_TORCH_INDEX")
+    session.install(f"torch=={torch}", *(["--index-url", index] if index else []))
+    session.install("-e", ".[test]", f"torch=={torch}")  # the torch just installed satisfies it
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    session.run("pytest", *(session.posargs or TORCH_RANGE_TESTS))
 
 
 @nox.session
@@ -80,7 +110,7 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: sharded training of a small GPT on two CPU processes (torchrun, gloo)."""
-    _install(session)
+    _install(session, "examples")
     session.run(
         "torchrun",
         "--standalone",
