@@ -102,7 +102,7 @@ def test_seed_seeds_python_numpy_and_torch():
 
 @pytest.mark.parametrize("bad", [-1, 2**32, 1.5, True, "1"])
 def test_bad_seeds(bad):
-    with pytest.raises(ValueError, match=r"fs.seed: the seed must be an integer in \[0, 2\*\*32 - 1\)"):
+    with pytest.raises(
+        ValueError, match=r"fs.seed: the seed must be an integer in \[0, 2\*\*32 - 1\)"
+    ):
         fs.seed(bad)
-
-
