@@ -30,7 +30,7 @@ from typing import Any
 
 from funcshard._src.plan.activations import Workload, activations_of
 from funcshard._src.plan.cost import UnitCost, estimate, memory_of, unit_cost
-from funcshard._src.plan.cost_model import CostModel
+from funcshard._src.plan.cost_model import CostModel, usable_budget
 from funcshard._src.plan.estimates import Key
 from funcshard._src.plan.hardware import Hardware, axes_bandwidth
 from funcshard._src.plan.plan import Plan, Requested
@@ -175,6 +175,7 @@ def plan_within(spec: Spec, strategy: Requested, budget: int, cost: CostModel | 
             what would fit (more ranks, remat, a smaller batch).
     """
     model = cost or CostModel()
+    budget = usable_budget(budget, model)  # every comparison below is against this
     activations = _activations(model.workload, model, spec)
     if strategy != "auto":
         fixed = build(spec, strategy, cost=model, memory_budget=budget)

