@@ -27,6 +27,7 @@ from funcshard import sharding as sharding
 from funcshard import testing as testing
 from funcshard import tree as tree
 from funcshard._src.comm.lifecycle import init as init
+from funcshard._src.comm.metrics import MetricLogger as MetricLogger
 from funcshard._src.comm.metrics import mean_over_ranks as mean_over_ranks
 from funcshard._src.comm.runtime import CollectiveError as CollectiveError
 from funcshard._src.comm.runtime import DesyncError as DesyncError
@@ -66,6 +67,7 @@ __all__ = [
     "DesyncError",
     "DonatedError",
     "Mesh",
+    "MetricLogger",
     "MixedPrecision",
     "NamedSharding",
     "P",

@@ -12,7 +12,7 @@ CORE = {
     "plan", "Plan", "shard", "unshard", "materialize", "ShardedTensor", "call", "value_and_grad",
     "forward",
     "Step", "StepStats", "MixedPrecision", "BudgetError", "CollectiveError", "DesyncError",
-    "DonatedError", "SpecError", "verify", "VerifyReport", "seed",
+    "DonatedError", "SpecError", "verify", "VerifyReport", "seed", "MetricLogger",
 }  # fmt: skip
 NAMESPACES = {
     "tree", "sharding", "cost", "presets", "initializers", "optim", "checkpoint", "interop", "testing",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -50,3 +51,34 @@ def test_one_process_gives_the_value_and_bad_leaves_are_named():
         fs.mean_over_ranks({"a": 1.0, "b": torch.ones(2)})
     with pytest.raises(ValueError, match=r"mean_over_ranks: <root> is a str"):
         fs.mean_over_ranks("1.0")
+
+
+def _logged(path: str) -> Any:
+    seen: list[tuple[int, dict[str, float]]] = []
+    logger = fs.MetricLogger(lambda step, m: seen.append((step, m)), every=2, jsonl=path)
+    out = [
+        logger.log(step, {"loss": torch.tensor(float(step + 10 * fs.rank()))})
+        for step in range(1, 6)
+    ]
+    out.append(logger.flush(5))  # the window's last step
+    return out, seen
+
+
+def test_the_logger_averages_over_steps_and_ranks_and_emits_on_rank_0(pools, tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    (out0, seen0), (out1, seen1) = pools.run(2, _logged, str(path))
+    # steps 1, 2 -> (1.5 + 11.5) / 2; steps 3, 4 -> 8.5; step 5 alone -> 10
+    assert out0 == out1 == [None, {"loss": 6.5}, None, {"loss": 8.5}, None, {"loss": 10.0}]
+    assert seen0 == [(2, {"loss": 6.5}), (4, {"loss": 8.5}), (5, {"loss": 10.0})]
+    assert seen1 == []
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines == [{"step": 2, "loss": 6.5}, {"step": 4, "loss": 8.5}, {"step": 5, "loss": 10.0}]
+
+
+def test_bad_logger_arguments():
+    with pytest.raises(ValueError, match=r"every must be an integer >= 1, got 0"):
+        fs.MetricLogger(every=0)
+    with pytest.raises(TypeError, match=r"callback 0 is a str"):
+        fs.MetricLogger("print")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"metric 'loss' is a tensor of shape \[2\]"):
+        fs.MetricLogger().log(1, {"loss": torch.ones(2)})

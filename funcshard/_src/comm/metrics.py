@@ -1,7 +1,11 @@
-"""Metrics over every rank: the mean of a per-rank number (a loss, a count), for logs."""
+"""Metrics over every rank: the mean of a per-rank number (a loss, a count), and a logging hook."""
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,3 +76,93 @@ def _describe(leaf: Any) -> str:
     if isinstance(leaf, torch.Tensor):
         return f"a tensor of shape {list(leaf.shape)}"
     return f"a {type(leaf).__name__}"
+
+
+class MetricLogger:
+    """Averages per-rank metrics over ranks and steps, and hands them to callbacks on rank 0.
+
+    A logging hook for a training loop: call :meth:`log` every step on every
+    rank. Between emits it only sums locally; every ``every`` steps it averages
+    each metric over those steps and over every rank (one agreement, as
+    :func:`mean_over_ranks`), calls each ``callback(step, means)`` on rank 0
+    (print, ``wandb.log``, a TensorBoard writer) and appends ``{"step": step,
+    ...}`` as a JSON line to ``jsonl`` (rank 0). Collective on the steps that
+    emit: every rank logs the same steps and names.
+
+    Args:
+        *callbacks: functions ``(step, means)`` run on rank 0 at every emit.
+        every: emit every this many calls (>= 1).
+        jsonl: a file rank 0 appends one JSON object per emit to.
+
+    Example:
+        >>> import funcshard as fs, torch
+        >>> logger = fs.MetricLogger(lambda step, m: print(step, m), every=2)
+        >>> logger.log(1, {"loss": torch.tensor(3.0)})
+        >>> logger.log(2, {"loss": torch.tensor(1.0), "tokens": 512})
+        2 {'loss': 2.0, 'tokens': 512.0}
+        {'loss': 2.0, 'tokens': 512.0}
+    """
+
+    def __init__(
+        self,
+        *callbacks: Callable[[int, dict[str, float]], object],
+        every: int = 1,
+        jsonl: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"MetricLogger: every must be an integer >= 1, got {every!r}")
+        for i, callback in enumerate(callbacks):
+            if not callable(callback):
+                raise TypeError(
+                    f"MetricLogger: callback {i} is a {type(callback).__name__}; pass functions "
+                    f"(step, metrics) -> None"
+                )
+        self.callbacks = callbacks
+        self.every = every
+        self.jsonl = None if jsonl is None else Path(jsonl)
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+        self._calls = 0
+
+    def log(self, step: int, metrics: Mapping[str, Any], /) -> dict[str, float] | None:
+        """Adds this step's ``metrics``; on an emit step returns the means (on every rank), else ``None``.
+
+        Raises:
+            ValueError: a metric that is not a number or a one-element tensor.
+            DesyncError: on an emit step, ranks that logged other names.
+        """
+        for name, value in metrics.items():
+            number = _number(name, value)
+            self._sums[name] = self._sums.get(name, 0.0) + number
+            self._counts[name] = self._counts.get(name, 0) + 1
+        self._calls += 1
+        if self._calls % self.every:
+            return None
+        return self.flush(step)
+
+    def flush(self, step: int, /) -> dict[str, float] | None:
+        """Emits what was logged since the last emit now (e.g. at the end of a run); collective."""
+        if not self._sums:
+            return None
+        window = {name: self._sums[name] / self._counts[name] for name in sorted(self._sums)}
+        self._sums.clear()
+        self._counts.clear()
+        means: dict[str, float] = mean_over_ranks(window)
+        if runtime.rank() == 0:
+            for callback in self.callbacks:
+                callback(step, dict(means))
+            if self.jsonl is not None:
+                with self.jsonl.open("a") as f:
+                    f.write(json.dumps({"step": step, **means}) + "\n")
+        return means
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return float(value.detach().reshape(()))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(
+        f"MetricLogger: metric {name!r} is {_describe(value)}; log numbers or one-element "
+        f"tensors, e.g. float(loss)"
+    )
