@@ -89,7 +89,14 @@ def main(argv: list[str] | None = None) -> list[float]:
         print(plan.explain())
     sparams = fs.shard(params, plan)
     del params
-    opt = fs.optim.adamw(lr=lambda n: args.lr * min(1.0, (n + 1) / 10), weight_decay=0.1)
+    opt = fs.optim.chain(
+        fs.optim.clip_by_global_norm(1.0),
+        fs.optim.adamw(
+            lr=fs.optim.linear_schedule(args.lr / 10, args.lr, transition_steps=9),
+            weight_decay=0.1,
+            mask=fs.optim.decay_mask_default,  # not the norms or the embeddings
+        ),
+    )
     state = opt.init(sparams)
 
     def loss_fn(p: Any, input_ids: torch.Tensor) -> torch.Tensor:
@@ -101,7 +108,6 @@ def main(argv: list[str] | None = None) -> list[float]:
     for i in range(args.steps):
         ids = batch(args, i, rank)
         loss, grads = step(sparams, ids)
-        grads, _ = fs.optim.clip_by_global_norm(grads, 1.0)
         sparams, state = opt.update_(grads, state, sparams)
         losses.append(float(loss))
         mean = fs.mean_over_ranks(float(loss))  # each rank's loss is of its own batch

@@ -163,7 +163,12 @@ def main(argv: list[str] | None = None) -> list[float]:
         print(plan.explain())
     sparams = fs.shard(params, plan)
     del params
-    opt = fs.optim.adamw(lr=lambda n: args.lr * min(1.0, (n + 1) / 10), weight_decay=0.1)
+    warmup = fs.optim.linear_schedule(args.lr / 10, args.lr, transition_steps=9)
+    opt = fs.optim.chain(
+        fs.optim.clip_by_global_norm(1.0),  # scales the gradients; state[0].norm: before
+        # no decay for norms, biases and embeddings
+        fs.optim.adamw(lr=warmup, weight_decay=0.1, mask=fs.optim.decay_mask_default),
+    )
     state = opt.init(sparams)
     mp = (
         fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -181,8 +186,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     for i in bar:
         tokens, targets = batch(cfg, i, rank)
         loss, grads = step(sparams, tokens, targets, cfg.heads)
-        grads, norm = fs.optim.clip_by_global_norm(grads, 1.0)
         sparams, state = opt.update_(grads, state, sparams)
+        norm = state[0].norm
         losses.append(float(loss))
         mean = fs.mean_over_ranks(float(loss))  # each rank's loss is of its own batch
         smoothed.append(mean if not smoothed else 0.9 * smoothed[-1] + 0.1 * mean)
