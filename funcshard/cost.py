@@ -10,6 +10,7 @@ Example:
 from funcshard._src.plan.activations import Workload as Workload
 from funcshard._src.plan.cost import estimate as estimate
 from funcshard._src.plan.cost_model import CostModel as CostModel
+from funcshard._src.plan.cost_model import Reserve as Reserve
 from funcshard._src.plan.estimates import Estimate as Estimate
 from funcshard._src.plan.estimates import Memory as Memory
 from funcshard._src.plan.hardware import HARDWARE as HARDWARE
@@ -23,6 +24,7 @@ __all__ = [
     "Estimate",
     "Hardware",
     "Memory",
+    "Reserve",
     "StepTime",
     "Workload",
     "estimate",

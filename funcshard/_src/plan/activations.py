@@ -1,4 +1,4 @@
-"""Activation memory of a transformer per rank, from its shape (Korthikanti et al. 2022), and the workload it depends on."""
+"""Activation memory of a transformer per rank, from its shape (Korthikanti et al. 2022), its logits and loss, and the workload they depend on."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ class Workload:
         remat: recompute each unit's activations in backward (``fs.call(remat=True)``).
         flash_attention: attention that keeps no ``(s, s)`` score matrices
             (FlashAttention, ``scaled_dot_product_attention``'s fused kernels).
+        logits: whether the logits and the loss over ``model.vocab`` are held whole
+            (:func:`logits_bytes`); ``False`` for a fused or chunked cross-entropy
+            that never materializes them.
     """
 
     model: ModelConfig
@@ -29,6 +32,7 @@ class Workload:
     seq_len: int | None = None
     remat: bool = False
     flash_attention: bool = False
+    logits: bool = True
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or (self.seq_len is not None and self.seq_len < 1):
@@ -48,16 +52,27 @@ def activations_of(
     dtypes: Sequence[torch.dtype],
     /,
 ) -> int:
-    """Activation bytes per rank for ``workload`` (0 without one).
+    """Bytes per rank that ``workload`` keeps besides the model state (0 without one):
+    the layers' activations and the logits with the loss, :func:`activation_parts` added up."""
+    return sum(activation_parts(workload, mixed_precision, dtypes))
 
-    Activations take the compute dtype of the params' first floating dtype in
-    ``dtypes`` (fp32 when there is none).
+
+def activation_parts(
+    workload: Workload | None,
+    mixed_precision: MixedPrecision | None,
+    dtypes: Sequence[torch.dtype],
+    /,
+) -> tuple[int, int]:
+    """``(layer activations, logits and loss)`` in bytes per rank for ``workload`` (0s without one).
+
+    Both take the compute dtype of the params' first floating dtype in ``dtypes``
+    (fp32 when there is none).
     """
     if workload is None:
-        return 0
+        return 0, 0
     stored = next((d for d in dtypes if d.is_floating_point), torch.float32)
     compute = (mixed_precision or FULL_PRECISION).compute_dtype(stored)
-    return activation_bytes(
+    layers = activation_bytes(
         workload.model,
         batch=workload.batch_size,
         seq_len=workload.seq_len or workload.model.seq_len,
@@ -65,6 +80,33 @@ def activations_of(
         remat=workload.remat,
         flash_attention=workload.flash_attention,
     )
+    if not workload.logits:
+        return layers, 0
+    return layers, logits_bytes(workload.model, workload.tokens, dtype_bytes=compute.itemsize)
+
+
+def logits_bytes(config: ModelConfig, /, tokens: int, *, dtype_bytes: int = 2) -> int:
+    """Bytes of the logits and the loss at their peak: ``tokens * vocab * (dtype_bytes + 8)``.
+
+    The output head writes ``tokens x vocab`` logits in the compute dtype
+    (``dtype_bytes``); the loss upcasts them to fp32 and keeps an fp32 log-softmax
+    for backward (4 bytes per logit alive at once), and backward makes their fp32
+    gradient (4 more) before casting it back. With a vocabulary of 128,256 (Llama 3)
+    and 8,192 tokens in bf16 that is 10.5 GB, more than many models' activations
+    per layer stack. A fused or chunked cross-entropy holds far less:
+    ``Workload(logits=False)``. An encoder-decoder's logits are over its decoder's
+    tokens, as many as the encoder's here.
+
+    Example:
+        >>> from funcshard._src.plan.presets import get_preset
+        >>> logits_bytes(get_preset("llama-7b").config, 2048) == 2048 * 32000 * (2 + 4 + 4)
+        True
+    """
+    if min(tokens, dtype_bytes) < 1:
+        raise ValueError(
+            f"logits_bytes: tokens={tokens} and dtype_bytes={dtype_bytes} must be >= 1"
+        )
+    return tokens * config.vocab * (dtype_bytes + 8)
 
 
 def activation_bytes(
@@ -103,8 +145,8 @@ def activation_bytes(
     (the attention terms with keys and values over the encoder's ``seq_len``) and
     a third norm; the encoder output, read by every decoder layer, is added once.
 
-    Not counted: embeddings, the final norm, logits and loss (large for big
-    vocabularies), temporary buffers. FlashAttention keeps no ``a*s^2`` terms; this does.
+    Not counted: embeddings, the final norm, temporary buffers; the logits and the
+    loss (large for big vocabularies) are :func:`logits_bytes`. FlashAttention keeps no ``a*s^2`` terms; this does.
 
     Args:
         config: the model.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
@@ -9,6 +10,7 @@ from typing import Literal, TypeAlias
 from funcshard._src.plan.activations import Workload
 from funcshard._src.plan.hardware import Hardware
 from funcshard._src.plan.precision import MixedPrecision
+from funcshard._src.plan.sizes import format_bytes, parse_bytes
 
 OptimizerName: TypeAlias = Literal["sgd", "sgd_momentum", "adamw"]
 OPTIMIZERS: tuple[OptimizerName, ...] = ("sgd", "sgd_momentum", "adamw")
@@ -17,6 +19,63 @@ COUNTER_BYTES = 8  # every optimizer's int64 update counter
 # passes over the optimizer's state per update: reads and writes / state copies
 # (SGD: read p and g, write p, over 2 copies; with momentum 5 over 3; AdamW 7 over 4)
 PASSES: Mapping[OptimizerName, float] = {"sgd": 3 / 2, "sgd_momentum": 5 / 3, "adamw": 7 / 4}
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Device memory a plan leaves free for the runtime: ``fraction`` of the budget plus ``fixed`` bytes.
+
+    What it stands for is not the plan's: the CUDA context and its libraries (about
+    0.3 to 1 GiB per process, more with cuDNN/cuBLAS workspaces), NCCL's
+    communicator buffers (a few MiB per channel and peer, per process group) and the
+    caching allocator's fragmentation (grows with the memory in use). ``Reserve()``
+    reserves nothing. See :func:`usable_budget` for the default.
+
+    Attributes:
+        fraction: of the budget, in ``[0, 1)``.
+        fixed: bytes, or a size such as ``"1GiB"`` (stored as bytes).
+
+    Example:
+        >>> r = Reserve(fraction=0.05, fixed="1GiB")
+        >>> r.fixed, r.bytes_of(80 * 2**30) == 5 * 2**30
+        (1073741824, True)
+    """
+
+    fraction: float = 0.0
+    fixed: int | str = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.fraction < 1:
+            raise ValueError(f"Reserve.fraction must be in [0, 1), got {self.fraction!r}")
+        fixed = self.fixed if isinstance(self.fixed, int) else parse_bytes(self.fixed)
+        if fixed < 0:
+            raise ValueError(f"Reserve.fixed must be >= 0 bytes, got {self.fixed!r}")
+        object.__setattr__(self, "fixed", fixed)
+
+    def bytes_of(self, budget: int, /) -> int:
+        """The bytes reserved out of ``budget`` (never more than ``budget``)."""
+        return min(budget, math.ceil(self.fraction * budget) + int(self.fixed))
+
+    def describe(self) -> str:
+        """In words, for reports: ``"5% + 1.00 GiB"``."""
+        parts = [f"{self.fraction * 100:g}%"] if self.fraction else []
+        parts += [format_bytes(int(self.fixed))] if self.fixed else []
+        return " + ".join(parts) or "none"
+
+
+# See [Note: default reserve]
+DEFAULT_RESERVE = Reserve(fraction=0.05, fixed="1GiB")
+
+# [Note: default reserve]
+# Without CostModel(reserve=...), a budget keeps back 5 % of itself plus 1 GiB: the CUDA
+# context (about 0.3-1 GiB per process on recent GPUs), NCCL's buffers (a few hundred MiB
+# over several process groups) and the caching allocator's fragmentation (commonly 5-10 % of
+# what is allocated). On an 80 GiB device that is 5 GiB, a plan may fill 75 GiB (93.75 %).
+# The default never takes more than half of what the budget has beyond the fixed 1 GiB,
+# so a budget of at most 1 GiB (every CPU test's KiB-sized budget, a slice of a device)
+# reserves nothing, a 2 GiB one 0.5 GiB, and from 3.34 GiB on the full 5 % + 1 GiB apply;
+# the usable budget grows with the budget everywhere (slope >= 1/2), so a larger budget
+# never allows less. An explicit Reserve is taken as given, at any budget.
 
 
 @dataclass(frozen=True)
@@ -36,6 +95,12 @@ class CostModel:
             full gradients until the last micro-batch, as ``step.accumulate`` does).
         workload: batch and model shape, for activations and compute time.
         hardware: for the step-time estimate.
+        reserve: device memory kept back from every budget for the runtime
+            (:class:`Reserve`); ``None`` is the default, 5 % + 1 GiB on device-sized
+            budgets (see :func:`usable_budget`); ``Reserve()`` keeps nothing back.
+        buffers: bytes every rank holds whole besides the params (an
+            ``nn.Module``'s buffers, ``apply.state``), for planning;
+            ``fs.cost.estimate(..., state=...)`` counts them from the tensors instead.
 
     Example:
         >>> CostModel(optimizer="sgd_momentum", prefetch=2).prefetch
@@ -49,6 +114,8 @@ class CostModel:
     accumulate: Literal["sharded", "unsharded"] = "sharded"
     workload: Workload | None = None
     hardware: Hardware | None = None
+    reserve: Reserve | None = None
+    buffers: int = 0
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -61,13 +128,47 @@ class CostModel:
             raise ValueError(
                 f"accumulate must be 'sharded' or 'unsharded', got {self.accumulate!r}"
             )
+        if self.buffers < 0:
+            raise ValueError(f"CostModel.buffers must be >= 0 bytes, got {self.buffers}")
+        if self.reserve is not None and not isinstance(self.reserve, Reserve):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(
+                f"CostModel.reserve must be a fs.cost.Reserve or None, got {self.reserve!r}"
+            )
+
+
+def reserve_bytes(budget: int, model: CostModel, /) -> int:
+    """The bytes of ``budget`` kept back for the runtime under ``model``.
+
+    ``model.reserve`` when given; else 5 % of the budget plus 1 GiB, at most half of
+    what the budget has beyond 1 GiB (see [Note: default reserve]).
+
+    Example:
+        >>> GiB = 2**30
+        >>> [reserve_bytes(b, CostModel()) / GiB for b in (1 * GiB, 2 * GiB, 80 * GiB)]
+        [0.0, 0.5, 5.0]
+        >>> reserve_bytes(1000, CostModel(reserve=Reserve(fraction=0.1)))
+        100
+    """
+    if model.reserve is not None:
+        return model.reserve.bytes_of(budget)
+    cap = max(0, budget - int(DEFAULT_RESERVE.fixed)) // 2
+    return min(DEFAULT_RESERVE.bytes_of(budget), cap)
+
+
+def describe_reserve(model: CostModel, /) -> str:
+    """How ``model`` reserves, in words, for reports."""
+    if model.reserve is not None:
+        return model.reserve.describe()
+    return f"default {DEFAULT_RESERVE.describe()}, at most half the budget beyond {format_bytes(int(DEFAULT_RESERVE.fixed))}"
 
 
 def usable_budget(budget: int, model: CostModel, /) -> int:
-    """The bytes of ``budget`` a plan may fill: the budget less what the runtime needs.
+    """The bytes of ``budget`` a plan may fill: the budget less :func:`reserve_bytes`.
 
     Example:
-        >>> usable_budget(1000, CostModel())
+        >>> usable_budget(1000, CostModel())  # a tiny budget: the default reserves nothing
         1000
+        >>> usable_budget(80 * 2**30, CostModel()) / 2**30
+        75.0
     """
-    return budget
+    return budget - reserve_bytes(budget, model)

@@ -1,4 +1,4 @@
-"""What a plan costs one rank: bytes held by category, bytes sent, and the step time (data only)."""
+"""What a plan costs one rank: bytes held by category, the budget and its reserve, bytes sent, and the step time (data only)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,13 @@ class Memory:
         frozen: sharded frozen parameters as stored (no gradient, no optimizer state).
         buffers: tensors every rank holds whole besides the params (buffers), when
             ``fs.cost.estimate(..., state=...)`` is told them; else 0.
+        logits: the logits and the loss, ``tokens * vocab`` in the compute dtype and
+            twice in fp32 (0 without a workload, or with ``Workload(logits=False)``).
+        staging: the collectives' own buffers, as the executor allocates them: the
+            largest all-gather output (``group_size * shard`` elements in the compute
+            dtype; none for a unit gathered in place or aliased) and the largest
+            reduce-scatter input (``group_size * shard`` in the reduce dtype); one
+            reduction is in flight at a time.
     """
 
     params: int
@@ -39,11 +46,18 @@ class Memory:
     activations: int
     frozen: int = 0
     buffers: int = 0
+    logits: int = 0
+    staging: int = 0
 
     @property
     def model_state(self) -> int:
-        """Everything but activations."""
-        return self.total - self.activations
+        """The ZeRO paper's model states: everything but :attr:`residual`."""
+        return self.total - self.residual
+
+    @property
+    def residual(self) -> int:
+        """The ZeRO paper's residual states: activations, logits and staging buffers."""
+        return self.activations + self.logits + self.staging
 
     @property
     def total(self) -> int:
@@ -68,30 +82,48 @@ class Estimate:
         comm: bytes sent per step by ``(op, mesh axes)`` (equals the ledger).
         time: the step-time estimate (``None`` without a workload and hardware).
         assumptions: what the estimate assumes, in words.
+        budget: the bytes per rank the plan was asked to fit (``None``: not asked).
+        reserve: the bytes of ``budget`` kept back for the runtime
+            (``fs.cost.CostModel(reserve=...)``); a plan fits in what is left.
     """
 
     memory: Memory
     comm: Mapping[Key, int]
     time: StepTime | None = None
     assumptions: tuple[str, ...] = field(default=())
+    budget: int | None = None
+    reserve: int = 0
+
+    @property
+    def usable(self) -> int | None:
+        """The budget less the reserve: what the plan may fill (``None`` without a budget)."""
+        return None if self.budget is None else self.budget - self.reserve
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether ``memory.total`` is within :attr:`usable` (``None`` without a budget)."""
+        return None if self.usable is None else self.memory.total <= self.usable
 
     def to_json(self) -> dict[str, Any]:
-        """The estimate as JSON-ready data: memory by category and its total, bytes sent by
+        """The estimate as JSON-ready data: memory by category and its total, the budget
+        (if any: its reserve, what is usable and whether the plan fits), bytes sent by
         ``"op:axes"``, the step time (if estimated) and the assumptions."""
         out: dict[str, Any] = {
             "memory": self.memory.to_json(),
             "total": self.memory.total,
+            "model_state": self.memory.model_state,
+        }
+        if self.budget is not None:
+            out |= {
+                "budget": self.budget,
+                "reserve": self.reserve,
+                "usable": self.usable,
+                "fits": self.fits,
+            }
+        out |= {
             "comm": {f"{op}:{'+'.join(axes)}": n for (op, axes), n in sorted(self.comm.items())},
             "assumptions": list(self.assumptions),
         }
         if self.time is not None:
-            t = self.time
-            out["time"] = {
-                "step_s": t.step_s,
-                "compute_s": t.compute_s,
-                "comm_s": t.comm_s,
-                "exposed_comm_s": t.exposed_comm_s,
-                "optimizer_s": t.optimizer_s,
-                "tokens_per_s": t.tokens_per_s,
-            }
+            out["time"] = self.time.to_json()  # with copies, TFLOP/s per device and MFU
         return out

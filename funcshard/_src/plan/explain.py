@@ -109,10 +109,18 @@ def costs(plan: Explained, /) -> list[str]:
     rows = [[name, format_bytes(n), f"{n:,}"] for name, n in mem.rows()]
     rows.append(["total", format_bytes(mem.total), f"{mem.total:,}"])
     lines = ["Per rank, per step:", table(["memory", "", "bytes"], rows)]
-    if plan.memory_budget is not None:
+    budget = est.budget if est.budget is not None else plan.memory_budget
+    if budget is not None:
+        usable = budget - est.reserve
+        spare = usable - mem.total
         lines.append(
-            f"budget {format_bytes(plan.memory_budget)}: "
-            f"{format_bytes(plan.memory_budget - mem.total)} to spare"
+            f"budget {format_bytes(budget)}, reserve {format_bytes(est.reserve)} for the runtime "
+            f"(CUDA context, communicator buffers, fragmentation): {format_bytes(usable)} usable, "
+            + (
+                f"{format_bytes(spare)} to spare"
+                if spare >= 0
+                else f"{format_bytes(-spare)} ({-spare:,} bytes) over"
+            )
         )
     comm_rows = [
         [op, "+".join(axes), format_bytes(n), f"{n:,}"]

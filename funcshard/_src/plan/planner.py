@@ -88,7 +88,7 @@ def plan(
         {'embed': P(None, 'fsdp'), 'blocks': [{'w': P('fsdp')}, {'w': P('fsdp')}]}
         >>> [u.name for u in p.units]
         ['<root>', 'blocks/0', 'blocks/1']
-        >>> auto = plan(params, Mesh({"fsdp": 2}), units="auto", strategy="auto", memory_budget="3.6KiB")
+        >>> auto = plan(params, Mesh({"fsdp": 2}), units="auto", strategy="auto", memory_budget="4.1KiB")
         >>> [(u.name, u.strategy) for u in auto.units]
         [('blocks/0', 'shard_grad_op'), ('blocks/1', 'shard_grad_op'), ('embed', 'shard_grad_op')]
     """
