@@ -8,14 +8,12 @@ in the root unit. A tree without stacks is split at its top level, descending
 into subtrees larger than a quarter of the model; subtrees under 1/64 of it stay
 in the root unit.
 
-Strategies (``strategy="auto"``): every unit starts at the strategy with the
-least communication, ``no_shard``, and units move, largest first, one level at
-a time along a ladder ``no_shard`` -> (``shard_grad_op``, ``hybrid_shard`` on
-meshes with a replica axis, in order of their communication: time on the given
-hardware, else bytes) -> ``full_shard``, until the plan fits. The sequence of
-moves does not depend on the budget, so a stricter budget only ever continues
-it (never less sharding), and ``full_shard`` everywhere, the least memory, is
-its end.
+Strategies (``strategy="auto"``): every uniform strategy is scored, and a local
+search from each of them moves units one at a time, first until the plan fits, then
+while it gets faster (:mod:`funcshard._src.plan.search`); the best result, by step
+time (bytes sent without a workload and hardware) then memory, is never worse than
+a fixed strategy that fits. When nothing fits, :class:`BudgetError` names the
+fewest changes that would (:mod:`funcshard._src.plan.advice`).
 """
 
 from __future__ import annotations
@@ -24,36 +22,23 @@ import dataclasses
 import math
 import re
 import statistics
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from funcshard._src.plan.activations import Workload, activations_of
-from funcshard._src.plan.cost import UnitCost, estimate, memory_of, unit_cost
+from funcshard._src.plan.activations import activations_of
+from funcshard._src.plan.advice import missing
+from funcshard._src.plan.cost import UnitCost, memory_of, unit_cost
 from funcshard._src.plan.cost_model import CostModel, usable_budget
-from funcshard._src.plan.estimates import Key
-from funcshard._src.plan.hardware import Hardware, axes_bandwidth
 from funcshard._src.plan.plan import Plan, Requested
 from funcshard._src.plan.resolve import Spec, build
+from funcshard._src.plan.search import Context, assign, reasons
+from funcshard._src.plan.search import ladder as ladder
 from funcshard._src.plan.sizes import format_bytes
 from funcshard._src.plan.strategy import Strategy
-from funcshard._src.spec.mesh import Mesh
 
 
 class BudgetError(ValueError):
     """No plan fits the memory budget; the message says by how much and what would fit."""
-
-
-def ladder(mesh: Mesh, /) -> tuple[Strategy, ...]:
-    """The strategies ``strategy="auto"`` tries, least communication (and most memory) first.
-
-    Example:
-        >>> ladder(Mesh({"fsdp": 8})), ladder(Mesh({"dp": 2, "fsdp": 8}))[2]
-        (('no_shard', 'shard_grad_op', 'full_shard'), 'hybrid_shard')
-    """
-    if len(mesh.axis_names) > 1:
-        return ("no_shard", "shard_grad_op", "hybrid_shard", "full_shard")
-    return ("no_shard", "shard_grad_op", "full_shard")
 
 
 # -- units ------------------------------------------------------------------------------------
@@ -170,163 +155,64 @@ def _exact(node: str) -> Any:
 def plan_within(spec: Spec, strategy: Requested, budget: int, cost: CostModel | None, /) -> Plan:
     """The plan of ``spec`` that fits ``budget`` bytes per rank; ``strategy`` fixed or ``"auto"``.
 
+    ``"auto"`` gives each unit a strategy: the best assignment found from every uniform
+    one, by step time (bytes sent without a workload and hardware), then memory
+    (see [Note: auto dominates] in :mod:`funcshard._src.plan.search`).
+
     Raises:
         BudgetError: nothing fits; the message gives the bytes missing per rank and
-            what would fit (more ranks, remat, a smaller batch).
+            the fewest changes that would fit (more ranks, remat, bf16, a smaller batch).
     """
-    model = cost or CostModel()
+    raw_budget, model = budget, cost or CostModel()
     budget = usable_budget(budget, model)  # every comparison below is against this
-    activations = _activations(model.workload, model, spec)
+    activations = activations_of(
+        model.workload, model.mixed_precision, [x.dtype for x in spec.leaves]
+    )
     if strategy != "auto":
-        fixed = build(spec, strategy, cost=model, memory_budget=budget)
+        fixed = build(spec, strategy, cost=model, memory_budget=raw_budget)
         costs = [unit_cost(fixed, u, model) for u in fixed.units]
         need = memory_of(costs, model).total + activations
         if need > budget:
-            raise BudgetError(_missing(spec, [strategy], budget, need, costs, model, activations))
+            raise BudgetError(missing(spec, strategy, raw_budget, need, costs, model))
         return fixed
     options: list[Strategy] = []
-    per_option: dict[Strategy, list[UnitCost]] = {}
-    plans: dict[Strategy, Plan] = {}
+    per_option: list[list[UnitCost]] = []
     refused: list[str] = []
     for option in ladder(spec.mesh):
         try:
-            plans[option] = build(spec, option)
+            made = build(spec, option)
         except ValueError as e:  # a rule that this strategy cannot honor
             refused.append(f"{option} not considered: {e}")
             continue
         options.append(option)
-        per_option[option] = [unit_cost(plans[option], u, model) for u in plans[option].units]
+        per_option.append([unit_cost(made, u, model) for u in made.units])
     if not options:
         raise ValueError("strategy='auto': no strategy accepts the rules; " + "; ".join(refused))
-    comm: dict[Strategy, Counter[Key]] = {}
-    for option in options:
-        comm[option] = Counter()
-        for c in per_option[option]:
-            comm[option].update(c.comm)
-    options = _by_communication(options, comm, spec.mesh, model.hardware)
-    names = [c.name for c in per_option[options[0]]]
-    order = sorted(range(len(names)), key=lambda i: -per_option[options[0]][i].n_params)
-    choice = [0] * len(names)
-
-    def total() -> int:
-        picked = [per_option[options[k]][i] for i, k in enumerate(choice)]
-        return memory_of(picked, model).total + activations
-
-    now = total()
-    level = 0
-    while now > budget and level + 1 < len(options):
-        level += 1
-        for i in order:  # the largest units first: the most memory per move
-            choice[i] = level
-            now = total()
-            if now <= budget:
-                break
-    if now > budget:
-        costs = [per_option[options[-1]][i] for i in range(len(names))]
-        raise BudgetError(_missing(spec, options, budget, now, costs, model, activations))
-    reasons = tuple((name, _reason(options, k, budget)) for name, k in zip(names, choice))
+    ctx = Context(model, budget, activations, spec.mesh)
+    choice, found, uniform = assign(options, per_option, ctx)
+    if not found.fits:
+        least = min(range(len(options)), key=lambda k: uniform[k][1].memory)
+        raise BudgetError(
+            missing(spec, options[least], raw_budget, uniform[least][1].memory,
+                    per_option[least], model)
+        )  # fmt: skip
+    names = [c.name for c in per_option[0]]
+    why = reasons(options, per_option, ctx, choice)
+    fixed_fits = [f"{s} {u.describe()}" for s, u in uniform if u.fits]
+    note = (
+        f"strategy='auto': searched from every uniform strategy, ranked by "
+        f"{'bytes sent' if found.time is None else 'step time'} then memory; chosen "
+        f"{found.describe()}; uniform that fit: {', '.join(fixed_fits) or 'none'}"
+    )
     plan = build(
         spec,
         {name: options[k] for name, k in zip(names, choice)},
         requested="auto",
-        reasons=reasons,
+        reasons=tuple(zip(names, why)),
         cost=model,
-        memory_budget=budget,
+        memory_budget=raw_budget,
     )
-    return dataclasses.replace(plan, notes=plan.notes + tuple(refused))
-
-
-def _by_communication(
-    options: list[Strategy],
-    comm: Mapping[Strategy, Mapping[Key, int]],
-    mesh: Mesh,
-    hardware: Hardware | None,
-) -> list[Strategy]:
-    """``no_shard`` first and ``full_shard`` last; between them, least communication first.
-
-    ``comm`` is each option's bytes sent per step by ``(op, axes)``; they are ranked by
-    time on ``hardware`` when given (links within a node are faster), else by bytes.
-    """
-
-    def cost(option: Strategy) -> float:
-        sent = comm[option].items()
-        if hardware is None:
-            return float(sum(n for _, n in sent))
-        return sum(n / axes_bandwidth(mesh.axes, axes, hardware) for (_, axes), n in sent)
-
-    middle: list[Strategy] = sorted(
-        (o for o in options if o not in ("no_shard", "full_shard")), key=cost
-    )
-    return [
-        *(o for o in options if o == "no_shard"),
-        *middle,
-        *(o for o in options if o == "full_shard"),
-    ]
-
-
-def _reason(options: Sequence[Strategy], k: int, budget: int) -> str:
-    if k == 0:
-        return "least communication, and the plan fits"
-    return f"with {options[k - 1]} the plan exceeds {format_bytes(budget)}"
-
-
-def _activations(workload: Workload | None, model: CostModel, spec: Spec) -> int:
-    return activations_of(workload, model.mixed_precision, [x.dtype for x in spec.leaves])
-
-
-def _missing(
-    spec: Spec,
-    options: Sequence[Strategy],
-    budget: int,
-    need: int,
-    costs: Sequence[UnitCost],
-    model: CostModel,
-    activations: int,
-) -> str:
-    """Why nothing fits, by how much, and what would."""
-    strategy = options[-1]
-    largest = max(costs, key=lambda c: c.gathered + c.unreduced_grads)
-    head = (
-        f"no plan fits memory_budget {format_bytes(budget)} per rank: the most sharded "
-        f"({strategy}) needs {format_bytes(need)}, {format_bytes(need - budget)} "
-        f"({need - budget:,} bytes) too many per rank"
-    )
-    if largest.gathered + largest.unreduced_grads > budget:
-        return (
-            f"{head}. memory_budget is smaller than unit {largest.name!r} alone "
-            f"({format_bytes(largest.gathered + largest.unreduced_grads)} gathered with its "
-            f"gradients): split it into smaller units (units=[...]) or raise the budget"
-        )
-    fixes: list[str] = []
-    mesh = spec.mesh
-    last = mesh.axis_names[-1]
-    for factor in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
-        bigger = Mesh({**mesh.axes, last: mesh.axis_size(last) * factor})
-        grown = dataclasses.replace(spec, mesh=bigger)
-        try:
-            trial = build(grown, strategy)
-        except ValueError:
-            continue
-        if estimate(trial, model).memory.total <= budget:
-            fixes.append(f"{bigger.size} ranks ({last}={bigger.axis_size(last)})")
-            break
-    workload = model.workload
-    if workload is not None:
-        state = need - activations
-        if not workload.remat:
-            remat = dataclasses.replace(workload, remat=True)
-            if state + _activations(remat, model, spec) <= budget:
-                fixes.append("remat=True (recompute activations in backward)")
-        for batch in range(workload.batch_size - 1, 0, -1):
-            smaller = dataclasses.replace(workload, batch_size=batch)
-            if state + _activations(smaller, model, spec) <= budget:
-                fixes.append(f"batch_size={batch} per rank")
-                break
-    if activations:
-        head += f" (of which activations {format_bytes(activations)})"
-    if not fixes:
-        return f"{head}; neither more ranks nor less activation memory is enough"
-    return f"{head}. Would fit: " + "; or ".join(fixes)
+    return dataclasses.replace(plan, notes=(*plan.notes, note, *refused))
 
 
 __all__ = ["BudgetError", "choose_units", "ladder", "plan_within"]
