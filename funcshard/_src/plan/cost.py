@@ -22,11 +22,20 @@ import torch
 
 from funcshard._src import tree
 from funcshard._src.dtypes import dtype_name
-from funcshard._src.plan.activations import activations_of
-from funcshard._src.plan.cost_model import COUNTER_BYTES, PASSES, STATE_COPIES, CostModel
+from funcshard._src.plan.activations import activation_parts
+from funcshard._src.plan.cost_model import (
+    COUNTER_BYTES,
+    PASSES,
+    STATE_COPIES,
+    CostModel,
+    describe_reserve,
+    reserve_bytes,
+)
 from funcshard._src.plan.estimates import Estimate, Key, Memory
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
+from funcshard._src.plan.sizes import parse_bytes
+from funcshard._src.plan.step_time import describe as describe_time
 from funcshard._src.plan.step_time import step_time
 from funcshard._src.plan.strategy import Strategy, shard_axes
 from funcshard._src.plan.units import Unit
@@ -83,6 +92,8 @@ class UnitCost:
     deferred_grads: int  # packed full gradients kept across micro-batches ("unsharded")
     comm: Mapping[Key, int]
     n_params: int
+    gather_buffer: int = 0  # the all-gather's output, (group_size * shard) in the compute dtype
+    reduce_buffer: int = 0  # the reduce-scatter's input, (group_size * shard) in the reduce dtype
 
 
 def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
@@ -96,8 +107,12 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     gathers = 2 if unit.strategy == "full_shard" and not unit.is_root else 1
     copies = STATE_COPIES[model.optimizer]
     params = frozen = grads = optimizer = master = gathered = unreduced = deferred = 0
+    gather_buffer = reduce_buffer = 0
     comm: Counter[Key] = Counter()
     full = _numel_by_part(plan, unit, whole=True)
+    in_place: set[tuple[torch.dtype, bool]] = (
+        _gathers_in_place(plan, unit, axes) if g > 1 else set()
+    )
     for (dtype, is_frozen), n in _numel_by_part(plan, unit, whole=False).items():
         compute, grad = mp.compute_dtype(dtype), mp.gradient_dtype(dtype)
         trained = dtype.is_floating_point and not is_frozen
@@ -116,11 +131,15 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
             params += n * dtype.itemsize
             grads += n * dtype.itemsize  # reduced in ``grad``, returned in the stored dtype
             optimizer += copies * n * dtype.itemsize
-        if g > 1 or compute != dtype:
+        if g > 1 or compute != dtype:  # else the full leaves alias the shard
             gathered += full[(dtype, is_frozen)] * compute.itemsize
+            # See [Note: staging buffers]
+            gather_buffer += 0 if (dtype, is_frozen) in in_place else g * n * compute.itemsize
         if trained:
             unreduced += full[(dtype, is_frozen)] * compute.itemsize
             deferred += g * n * grad.itemsize
+            # no_shard reduces in place: its packed rows are the gradient unless cast
+            reduce_buffer += g * n * grad.itemsize if g > 1 or grad != dtype else 0
         if g > 1:
             comm[("all_gather", axes)] += gathers * (g - 1) * n * compute.itemsize
         if not trained:
@@ -143,7 +162,55 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
         deferred,
         comm,
         sum(full.values()),
+        gather_buffer,
+        reduce_buffer,
     )
+
+
+# [Note: staging buffers]
+# What the executor allocates for its collectives (execute/unit_state.py, execute/reduce.py):
+# - UnitRuntime.prefetch: per part, an all-gather output of group_size * (shard numel) in the
+#   compute dtype, alive from the gather's start until its leaves are copied out, when the
+#   unit also holds its full leaves: the unit being unpacked holds both. None for a part
+#   gathered in place (one leaf split evenly on dim 0 over exactly the shard axes: its
+#   output is its full storage) or aliased (no collective, no cast).
+# - Reducer._reduce_part: per trained part, packed rows of group_size * (shard numel) in the
+#   reduce dtype, alive while its reduction is in flight; MAX_PENDING = 1 reduction at a
+#   time (the older is waited for before the next is packed). no_shard (group_size 1)
+#   reduces the rows in place: they become the gradient, unless it is cast to another dtype.
+# memory_of counts the largest of each, once: Memory.gathered already counts 1 + prefetch
+# units' full leaves, which stand for the units in flight (a prefetched unit holds only its
+# all-gather output until it is acquired).
+
+
+def _gathers_in_place(
+    plan: Plan, unit: Unit, axes: tuple[str, ...], /
+) -> set[tuple[torch.dtype, bool]]:
+    """The ``(dtype, frozen)`` parts of ``unit`` that the executor gathers into their full storage.
+
+    A part of one leaf, split evenly on dim 0 over exactly ``axes`` and nowhere else
+    (``funcshard._src.shard.flat.gathers_in_place``): an embedding or a head alone.
+    """
+    members: dict[tuple[torch.dtype, bool], list[str]] = {}
+    for path in unit.paths:
+        leaf = plan.leaf(path)
+        members.setdefault((leaf.dtype, leaf.frozen), []).append(path)
+    out: set[tuple[torch.dtype, bool]] = set()
+    for key, paths in members.items():
+        if len(paths) != 1 or not axes:
+            continue
+        leaf = plan.leaf(paths[0])
+        sharding = leaf.sharding(plan.mesh)
+        dims = sharding.dim_axes(len(leaf.shape))
+        even = all(
+            n * c == size
+            for n, c, size in zip(
+                sharding.num_shards(leaf.shape), sharding.shard_shape(leaf.shape), leaf.shape
+            )
+        )
+        if leaf.shape and even and tuple(dims[0]) == axes and not any(dims[1:]):
+            out.add(key)
+    return out
 
 
 def _numel_by_part(
@@ -179,7 +246,7 @@ def comm_bytes_per_step(
 
 
 def memory_of(costs: list[UnitCost], model: CostModel, /) -> Memory:
-    """Adds up unit costs into one rank's :class:`Memory` (activations not included)."""
+    """Adds up unit costs into one rank's :class:`Memory` (activations and logits not included)."""
     root = sum(c.gathered for c in costs if c.is_root)
     kept = sum(c.gathered for c in costs if c.strategy == "shard_grad_op" and not c.is_root)
     others = sorted(
@@ -194,6 +261,9 @@ def memory_of(costs: list[UnitCost], model: CostModel, /) -> Memory:
     else:
         grads_alive = max((c.unreduced_grads for c in costs), default=0)
     return Memory(
+        staging=max((c.gather_buffer for c in costs), default=0)
+        + max((c.reduce_buffer for c in costs), default=0),
+        buffers=model.buffers,
         params=sum(c.params for c in costs),
         grads=sum(c.grads for c in costs),
         optimizer=sum(c.optimizer for c in costs) + COUNTER_BYTES,
@@ -204,12 +274,21 @@ def memory_of(costs: list[UnitCost], model: CostModel, /) -> Memory:
     )
 
 
-def estimate(plan: Plan, model: CostModel | None = None, /, *, state: Any = None) -> Estimate:
+def estimate(
+    plan: Plan,
+    model: CostModel | None = None,
+    /,
+    *,
+    state: Any = None,
+    budget: int | str | None = None,
+) -> Estimate:
     """What ``plan`` costs one rank per step under ``model`` (default: AdamW, stored dtypes).
 
     Frozen leaves are counted in ``memory.frozen`` (sharded, no gradient or optimizer
     state); ``state`` is a pytree of the tensors every rank holds whole besides the
-    params (an ``nn.Module``'s buffers: ``apply.state``), counted in ``memory.buffers``.
+    params (an ``nn.Module``'s buffers: ``apply.state``), counted in ``memory.buffers``
+    (else ``model.buffers``). ``budget`` (default: ``plan.memory_budget``) gives the
+    estimate its reserve (``model.reserve``) and whether the plan fits what is left.
 
     Example:
         >>> from funcshard._src.plan.planner import plan as make_plan
@@ -217,6 +296,8 @@ def estimate(plan: Plan, model: CostModel | None = None, /, *, state: Any = None
         >>> e = estimate(make_plan({"w": torch.zeros(256, 256)}, Mesh({"fsdp": 4})))
         >>> e.memory.params, e.memory.grads, dict(e.comm)
         (65536, 65536, {('all_gather', ('fsdp',)): 196608, ('reduce_scatter', ('fsdp',)): 196608})
+        >>> e.memory.staging  # one leaf split on dim 0: gathered in place; reduced from 4 rows
+        262144
     """
     model = model or CostModel()
     costs = [unit_cost(plan, unit, model) for unit in plan.units]
@@ -231,21 +312,38 @@ def estimate(plan: Plan, model: CostModel | None = None, /, *, state: Any = None
         + (" with fp32 master weights (DeepSpeed/Megatron layout)" if model.master_weights else ""),
         f"mixed precision: {_describe_mp(model.mixed_precision)}",
         f"gathered: root unit + shard_grad_op units + {1 + model.prefetch} largest other units "
-        f"(prefetch {model.prefetch}) + one unit's unreduced gradients; collective staging "
-        f"buffers are transient and not counted",
+        f"(prefetch {model.prefetch}) + one unit's unreduced gradients",
+        "staging: the largest all-gather output and reduce-scatter input, as the executor "
+        "allocates them (one reduction in flight)",
         "communication: bandwidth-optimal (ring) algorithms, bytes sent per rank",
     ]
     workload = model.workload
     if workload is not None:
-        activations = activations_of(
+        activations, logits = activation_parts(
             workload, model.mixed_precision, [leaf.dtype for leaf in plan.leaves]
         )
-        memory = dataclasses.replace(memory, activations=activations)
+        memory = dataclasses.replace(memory, activations=activations, logits=logits)
         assumptions.append(
             f"activations: {workload.batch_size} x {workload.seq_len or workload.model.seq_len} "
             f"tokens per rank, {'with' if workload.remat else 'without'} remat, "
             f"{'flash' if workload.flash_attention else 'eager'} attention "
-            f"(Korthikanti et al. 2022 per-layer formula)"
+            f"(Korthikanti et al. 2022 per-layer formula); "
+            + (
+                f"logits and loss over a vocabulary of {workload.model.vocab:,}, "
+                f"in the compute dtype and twice in fp32"
+                if workload.logits
+                else "logits not held whole (fused or chunked loss)"
+            )
+        )
+    if budget is None:
+        budget = plan.memory_budget
+    reserve = 0
+    if budget is not None:
+        budget = parse_bytes(budget)
+        reserve = reserve_bytes(budget, model)
+        assumptions.append(
+            f"reserve for the CUDA context, communicator buffers and fragmentation: "
+            f"{describe_reserve(model)}"
         )
     time = None
     if workload is not None and model.hardware is not None:
@@ -261,15 +359,8 @@ def estimate(plan: Plan, model: CostModel | None = None, /, *, state: Any = None
             state_bytes=sum(c.params + c.grads + c.optimizer + c.mixed_precision for c in costs),
             optimizer_passes=PASSES[model.optimizer],
         )
-        hw = model.hardware
-        assumptions.append(
-            f"time on {hw.name}: {hw.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s peak; "
-            f"6 FLOPs per parameter and token (8 with remat) plus attention; links "
-            f"{hw.intra_node_bandwidth / 1e9:.0f} GB/s in a node of {hw.devices_per_node}, "
-            f"{hw.inter_node_bandwidth / 1e9:.0f} GB/s across; communication overlaps compute "
-            f"{'except one unit' if model.prefetch else 'not at all (prefetch 0)'}"
-        )
-    return Estimate(memory, dict(comm), time, tuple(assumptions))
+        assumptions.append(describe_time(model.hardware, model.prefetch))
+    return Estimate(memory, dict(comm), time, tuple(assumptions), budget, reserve)
 
 
 def _tensor_bytes(state: Any) -> int:

@@ -1,0 +1,1 @@
+"""Measuring a machine for the planner: ``funcshard calibrate``."""
