@@ -11,7 +11,7 @@ import pytest
 
 from funcshard import cli
 from funcshard._src.plan.hardware import Hardware, get_hardware
-from funcshard._src.plan.sizes import parse_bytes
+from funcshard._src.plan.sizes import describe_size, parse_bytes
 
 LLAMA_13B = [
     "plan",
@@ -52,6 +52,8 @@ def test_plan_prints_every_strategy_and_writes_json_and_a_chart(tmp_path, capsys
         "activations",
         "frozen",
         "buffers",
+        "logits",
+        "staging",
     }
     assert full["fits"] is True
     assert full["time"]["tokens_per_s"] > 0
@@ -120,14 +122,45 @@ def test_sizes_parse_with_binary_and_decimal_units():
     assert parse_bytes("80 GB") == 80 * 10**9
     assert parse_bytes("512MiB") == 2**29
     assert parse_bytes("1024B") == parse_bytes(1024) == 1024
+    assert parse_bytes("1.5TiB") == 3 * 2**39
+
+
+@pytest.mark.parametrize("text", ["80G", "80g", "80 G"])
+def test_a_bare_prefix_is_binary_as_nvidia_smi_and_deepspeed_mean_it(text):
+    """Reference: nvidia-smi's "81920MiB" for an "80GB" A100 and DeepSpeed's GB = 2**30 prints."""
+    assert parse_bytes(text) == 80 * 2**30
+    assert (
+        describe_size(text)
+        == f"{text} = 80 * 2**30 bytes (binary, as nvidia-smi means G) = 80.00 GiB"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("80GB", "--device-memory 80GB = 80 * 10**9 bytes (decimal) = 74.51 GiB"),
+        ("80G", "--device-memory 80G = 80 * 2**30 bytes (binary, as nvidia-smi means G) = 80.00 GiB"),
+    ],
+)  # fmt: skip
+def test_the_output_says_how_a_device_memory_was_read(text, said, capsys):
+    assert cli.main(["plan", "--model", "llama-7b", "--mesh", "8", "--device-memory", text]) == 0
+    out = capsys.readouterr().out
+    assert said in out.splitlines()[1], out
+
+
+@pytest.mark.parametrize(
+    ("name", "mib"), [("a100-40gb", 40960), ("a100-80gb", 81920), ("h100-80gb", 81559), ("h200-141gb", 143771)]
+)  # fmt: skip
+def test_hardware_presets_hold_the_memory_the_devices_report(name, mib):
+    """Reference: nvidia-smi's memory.total (See [Note: device memory] in hardware.py)."""
+    assert get_hardware(name).memory_bytes == mib * 2**20
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("80", "'80' has no unit: write '80GiB' (80 * 2**30 bytes) or '80GB' (80 * 10**9 bytes), or '80B' for bytes"),
-        ("80G", "'80G' does not say whether 'G' is binary or decimal: write '80GiB' (80 * 2**30 bytes) or '80GB'"),
-        ("1.5k", "write '1.5KiB' (1.5 * 2**10 bytes) or '1.5kB' (1.5 * 10**3 bytes)"),
+        ("1.5", "'1.5' has no unit: write '1.5GiB' (1.5 * 2**30 bytes) or '1.5GB' (1.5 * 10**9 bytes)"),
     ],
 )  # fmt: skip
 def test_a_size_without_a_unit_names_the_binary_and_the_decimal_reading(text, message):
@@ -168,3 +201,171 @@ def test_version(capsys):
         main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.strip() == f"funcshard {fs.__version__}"
+
+
+# -- --deepspeed: DeepSpeed's estimators, term by term ----------------------------------------
+
+LLAMA_7B_P, LLAMA_7B_LARGEST = 6_738_415_616, 32000 * 4096
+
+
+@pytest.mark.parametrize("gpus", [1, 8, 64, 256])
+def test_deepspeed_layout_matches_deepspeeds_formulas_term_by_term(gpus, tmp_path, capsys):
+    """Reference: estimate_zero3/zero2_model_states_mem_needs (deepspeed/runtime/zero/stage3.py,
+    stage_1_and_2.py), no offload, LLaMA-7B; the differences are those of [Note: DeepSpeed's
+    formulas] in funcshard/_src/cli/deepspeed.py: the 8-byte step counter always; ZeRO-2's
+    largest-unit fp16 gradients; and at world size 1 no gathered copy of a whole shard."""
+    out = tmp_path / "ds.json"
+    argv = [
+        "plan",
+        "--model",
+        "llama-7b",
+        "--mesh",
+        f"fsdp={gpus}",
+        "--deepspeed",
+        "--json",
+        str(out),
+    ]
+    assert cli.main(argv) == 0
+    assert "DeepSpeed's estimators (no offload)" in capsys.readouterr().out
+    ds = json.loads(out.read_text())["deepspeed"]
+    p, largest = LLAMA_7B_P, LLAMA_7B_LARGEST
+    assert (ds["total_params"], ds["largest_layer_params"], ds["world_size"]) == (p, largest, gpus)
+    z3, z2 = ds["zero3"], ds["zero2"]
+    assert z3["deepspeed"] == 4 * largest + int(18 * p / gpus)
+    assert z2["deepspeed"] == 2 * p + int(18 * p / gpus)
+    for stage in (z3, z2):  # the 18 bytes per parameter partitioned agree exactly
+        partitioned = stage["terms"]["partitioned"]
+        assert partitioned["funcshard"] == partitioned["deepspeed"] == int(18 * p / gpus)
+        assert stage["terms"]["step counter"]["funcshard"] == 8
+    whole = gpus > 1  # world size 1: the shard is the parameter, nothing is gathered again
+    assert z3["terms"]["gathered"]["funcshard"] == (4 if whole else 2) * largest
+    assert z2["terms"]["gathered"]["funcshard"] == (2 * p if whole else 0) + 2 * largest
+    # and the executor's staging buffers for collectives, which DeepSpeed's model states omit
+    staging = [s["terms"].get("staging", {"funcshard": 0})["funcshard"] for s in (z3, z2)]
+    assert z3["funcshard"] - z3["deepspeed"] == 8 + staging[0] - (0 if whole else 2 * largest)
+    assert z2["funcshard"] - z2["deepspeed"] == 8 + staging[1] + 2 * largest - (
+        0 if whole else 2 * p
+    )
+
+
+def test_deepspeed_sets_its_layout(tmp_path):
+    out = tmp_path / "ds.json"
+    assert (
+        cli.main(["plan", "--model", "llama-7b", "--mesh", "8", "--deepspeed", "--json", str(out)])
+        == 0
+    )
+    data = json.loads(out.read_text())
+    cm = data["cost_model"]
+    assert (cm["param_dtype"], cm["master_weights"], cm["prefetch"], cm["reduce_dtype"]) == (
+        "fp16",
+        True,
+        0,
+        "fp32",
+    )
+    assert len(data["units"]) == 291  # one unit per module, as DeepSpeed gathers them
+
+
+# -- --units and --strategy --------------------------------------------------------------------
+
+
+def test_one_strategy_prints_one_row(capsys):
+    assert (
+        cli.main(["plan", "--model", "mistral-7b", "--mesh", "8", "--strategy", "full_shard"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert out.startswith("mistral-7b: 7,241,732,096 parameters")
+    assert "\nfull_shard" in out
+    assert "no_shard" not in out
+    assert "\nauto" not in out
+
+
+def test_strategy_auto_needs_a_budget(capsys):
+    assert cli.main(["plan", "--model", "llama-7b", "--mesh", "8", "--strategy", "auto"]) == 2
+    assert "--strategy auto needs --device-memory or --hardware" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("units", "count"), [("auto", None), ("layers/*,head", 34)])
+def test_units_replace_the_presets(units, count, tmp_path):
+    out = tmp_path / "u.json"
+    argv = ["plan", "--model", "llama-3-8b", "--mesh", "8", "--units", units, "--json", str(out)]
+    assert cli.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["n_params"] == 8_030_261_248
+    assert data["units"] == ("auto" if units == "auto" else units.split(","))
+
+
+def test_a_model_is_required(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--mesh", "8"])
+    assert "one of the arguments --model --hf-config is required" in capsys.readouterr().err
+
+
+# -- JSON and the chart --------------------------------------------------------------------------
+
+
+def test_json_carries_a_schema_version_and_the_usable_budget(tmp_path):
+    out = tmp_path / "p.json"
+    assert cli.main([*LLAMA_13B, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["schema_version"] == 2
+    assert data["device_memory"] == 80 * 2**30
+    assert data["usable_memory"] == 75 * 2**30  # the default reserve: 5% + 1 GiB
+    assert data["auto"]["total"] <= data["usable_memory"]
+
+
+def test_plot_without_matplotlib_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    png = tmp_path / "mem.png"
+    assert cli.main(["plan", "--model", "llama-7b", "--mesh", "8", "--plot", str(png)]) == 2
+    captured = capsys.readouterr()
+    assert (
+        captured.err
+        == "funcshard plan: error: --plot needs matplotlib: pip install 'funcshard[plot]'\n"
+    )
+    assert captured.out == ""
+    assert not png.exists()
+
+
+def test_the_plot_of_llama_70b_marks_budget_reserve_and_auto(tmp_path, monkeypatch):
+    """The docs' chart: llama-70b on dp=4,fsdp=8, h100, 80GiB; the axis breaks at 1.5 x 80 GiB."""
+    import matplotlib.pyplot as plt
+
+    from funcshard._src.cli import plot as plot_module
+
+    drawn = {}
+    real_savefig = plt.Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        ax = fig.axes[0]
+        drawn["lines"] = sorted(round(line.get_xdata()[0], 2) for line in ax.get_lines())
+        drawn["texts"] = [t.get_text() for t in ax.texts]
+        drawn["ticks"] = [t.get_text() for t in ax.get_yticklabels()]
+        drawn["title"] = ax.get_title(loc="left")
+        drawn["xmax"] = max(ax.get_xticks())
+        return real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(plt.Figure, "savefig", savefig)
+    png = tmp_path / "mem.png"
+    argv = ["plan", "--model", "llama-70b", "--mesh", "dp=4,fsdp=8", "--hardware", "h100-80gb"]
+    argv += ["--device-memory", "80GiB", "--mixed-precision", "bf16", "--remat", "--plot", str(png)]
+    assert cli.main(argv) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert drawn["lines"] == [75.0, 80.0]  # usable (the reserve below it) and device memory
+    assert "1.02 TiB  does not fit" in drawn["texts"]  # no_shard, past the break
+    assert drawn["texts"].count("//") == 3  # no_shard, shard_grad_op, hybrid_shard run off
+    assert any(t.endswith("  fits") for t in drawn["texts"])
+    assert drawn["ticks"][-1].startswith("auto plan\n")
+    assert drawn["title"].startswith("Memory per rank: llama-70b (69.0B params) on dp=4 x fsdp=8")
+    assert drawn["xmax"] <= 120
+    assert plot_module.plot is cli.plot
+
+
+def test_reserve_changes_what_fits(capsys):
+    """llama-7b on 8 ranks in 80 GiB: the default reserve leaves 75 GiB; 50% leaves 40 GiB."""
+    argv = ["plan", "--model", "llama-7b", "--mesh", "fsdp=8", "--device-memory", "80GiB"]
+    assert cli.main([*argv, "--reserve", "0"]) == 0
+    assert "80.00 GiB usable" not in capsys.readouterr().out  # nothing kept back
+    assert cli.main([*argv, "--reserve", "50%"]) == 0
+    assert "40.00 GiB usable" in capsys.readouterr().out
+    assert cli.main([*argv, "--reserve", "lots"]) == 2
+    assert "--reserve 'lots': write a percentage and/or a size" in capsys.readouterr().err

@@ -30,6 +30,7 @@ LAYERS = {
     "checkpoint": 6,
     "interop": 7,
     "verify": 7,
+    "calibrate": 7,
     "cli": 8,
 }
 ORDER = {
@@ -37,7 +38,7 @@ ORDER = {
     "plan": [
         "rules", "strategy", "precision", "sizes", "units", "model_config", "presets",
         "activations", "hardware", "step_time", "cost_model", "estimates", "leaf", "explain",
-        "plan", "resolve", "cost", "auto", "planner",
+        "plan", "resolve", "cost", "search", "advice", "auto", "planner",
     ],
     "comm": ["runtime", "channel", "agree", "settle", "lifecycle", "metrics", "ledger", "groups", "collectives"],
     "data": ["sampler", "seed"],
@@ -53,8 +54,9 @@ ORDER = {
         "safetensors_format", "safetensors_io", "hf_export", "forwards", "apply", "module", "jax", "orbax",
     ],
     "verify": ["report", "batches", "reference", "summary", "verify", "worker", "launch"],
+    "cli": ["model_source", "deepspeed", "plot", "report"],
 }  # fmt: skip
-DISTRIBUTED_OK = {"comm", "execute", "optim", "checkpoint", "interop"}
+DISTRIBUTED_OK = {"comm", "execute", "optim", "checkpoint", "interop", "calibrate"}
 TORCH_FREE = {"spec"}  # pure index math
 
 

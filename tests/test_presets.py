@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +27,11 @@ N_PARAMS = {
     "llama-7b": 6_738_415_616,  # LLaMA paper, "6.7B"; HF huggyllama/llama-7b
     "llama-13b": 13_015_864_320,
     "llama-70b": 68_976_648_192,  # Llama 2 70B
+    "llama-3-8b": 8_030_261_248,  # Llama 3 8B, the published total (the "8B" of the model card)
+    "llama-3-70b": 70_553_706_496,  # Llama 3 70B
+    "mistral-7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1, "7.24B"
+    "mixtral-8x7b": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1, "46.7B total parameters"
+    "qwen2.5-7b": 7_615_616_512,  # Qwen/Qwen2.5-7B, "7.61B"
     "bloom-7b": 7_069_016_064,  # bigscience/bloom-7b1
     "gpt-neox-20b": 20_554_567_680,  # EleutherAI/gpt-neox-20b
     "t5-11b": 11_307_321_344,  # HF T5ForConditionalGeneration, tied lm_head
@@ -37,6 +43,11 @@ LARGEST_LAYER = {
     "llama-7b": 32000 * 4096,
     "llama-13b": 32000 * 5120,
     "llama-70b": 32000 * 8192,
+    "llama-3-8b": 128256 * 4096,
+    "llama-3-70b": 128256 * 8192,
+    "mistral-7b": 32000 * 4096,
+    "mixtral-8x7b": 3 * 8 * 4096 * 14336,  # transformers 5: one module holds every expert
+    "qwen2.5-7b": 152064 * 3584,
     "bloom-7b": 250880 * 4096,
     "gpt-neox-20b": 50432 * 6144,
     "t5-11b": 1024 * 65536,
@@ -90,7 +101,7 @@ def test_plan_over_eight_ranks_is_fast(name: str):
 
 
 def test_building_every_preset_is_fast():
-    """No tensor is materialised, so all seven (325B parameters) build in well under a second."""
+    """No tensor is materialised, so all twelve (465B parameters) build in well under a second."""
     start = time.perf_counter()
     for preset in PRESETS.values():
         preset.params()
@@ -105,6 +116,15 @@ def test_building_every_preset_is_fast():
         ("llama-7b", "head/w", (4096, 32000)),
         ("llama-70b", "layers/0/attn/wk", (8192, 1024)),  # 8 kv heads of 128
         ("llama-70b", "layers/79/mlp/w2", (28672, 8192)),
+        ("llama-3-8b", "layers/0/attn/wk", (4096, 1024)),  # 8 kv heads of 128
+        ("llama-3-8b", "head/w", (4096, 128256)),
+        ("llama-3-70b", "embed/tokens", (128256, 8192)),
+        ("mistral-7b", "layers/31/mlp/w1", (4096, 14336)),
+        ("mixtral-8x7b", "layers/0/mlp/router", (4096, 8)),
+        ("mixtral-8x7b", "layers/31/mlp/experts/w13", (8, 4096, 2 * 14336)),
+        ("mixtral-8x7b", "layers/31/mlp/experts/w2", (8, 14336, 4096)),
+        ("qwen2.5-7b", "layers/27/attn/bk", (512,)),  # 4 kv heads of 128, with biases
+        ("qwen2.5-7b", "layers/0/attn/bq", (3584,)),
         ("bloom-7b", "embed/norm/bias", (4096,)),
         ("bloom-7b", "layers/29/attn/bqkv", (12288,)),
         ("gpt-neox-20b", "layers/43/attn/wqkv", (6144, 18432)),
@@ -130,6 +150,9 @@ def test_leaf_paths_and_shapes(name: str, path: str, shape: tuple[int, ...]):
         ("gpt-175b", "head/w"),
         ("t5-11b", "head/w"),
         ("llama-7b", "layers/0/attn/bqkv"),  # no biases
+        ("llama-3-8b", "layers/0/attn/bq"),
+        ("qwen2.5-7b", "layers/0/attn/bo"),  # Qwen2: biases on q, k and v only
+        ("mixtral-8x7b", "layers/0/mlp/w1"),  # the experts hold the MLP
         ("t5-11b", "encoder/layers/1/attn/rel_bias"),  # only the first layer of a stack
         ("t5-11b", "encoder/layers/0/cross/wq"),  # cross-attention is the decoder's
     ],
@@ -150,13 +173,17 @@ def test_t5_units_cover_both_stacks():
 
 def test_get_preset_is_case_insensitive_and_suggests_the_closest_name():
     assert get_preset("GPT-NeoX-20B") is PRESETS["gpt-neox-20b"]
-    with pytest.raises(ValueError, match=r"'llama-8b'; did you mean 'llama-7b'\? Known presets: "):
+    with pytest.raises(
+        ValueError, match=r"'llama-8b'; did you mean 'llama-3-8b'\? Known presets: "
+    ):
         get_preset("llama-8b")
+    with pytest.raises(ValueError, match=r"'llama-6b'; did you mean 'llama-7b'\?"):
+        get_preset("llama-6b")
     with pytest.raises(ValueError, match=r"did you mean 't5-11b'.*gpt-175b"):
         get_preset("t5-3b")
 
 
-def _config(arch: str = "llama", **changes: int) -> ModelConfig:
+def _config(arch: str = "llama", **changes: Any) -> ModelConfig:
     shape = {
         "n_layers": 2,
         "hidden": 8,
@@ -179,9 +206,15 @@ def _config(arch: str = "llama", **changes: int) -> ModelConfig:
         ("llama", {"n_kv_heads": 3}, "n_heads=2 is not a multiple of n_kv_heads=3"),
         ("llama", {"n_encoder_layers": 1}, "only t5 has an encoder"),
         ("t5", {"n_encoder_layers": 2}, "only t5 has an encoder, and it has both stacks"),
+        ("llama", {"n_experts": 8}, "n_experts=8 with experts_per_token=0"),
+        ("llama", {"n_experts": 2, "experts_per_token": 3}, "routes each token to 1..n_experts"),
+        ("llama", {"experts_per_token": 1}, "a dense one has 0 of both"),
+        ("gpt", {"n_experts": 2, "experts_per_token": 1}, "options of the llama layout"),
+        ("bloom", {"qkv_bias": True}, "options of the llama layout"),
+        ("llama", {"qkv_bias": 1}, "qkv_bias must be a bool"),
     ],
 )
-def test_model_config_refuses_bad_shapes(arch: str, changes: dict[str, int], message: str):
+def test_model_config_refuses_bad_shapes(arch: str, changes: dict[str, Any], message: str):
     with pytest.raises(ValueError, match=message):
         _config(arch, **changes)
 
@@ -206,7 +239,15 @@ def configs(draw: st.DrawFn, arch: str | None = None) -> ModelConfig:
         vocab=draw(sizes),
         seq_len=draw(sizes),
         n_encoder_layers=draw(st.integers(1, n_layers - 1)) if arch == "t5" else 0,
+        **(_llama_options(draw) if arch == "llama" else {}),
     )
+
+
+def _llama_options(draw: st.DrawFn) -> dict[str, Any]:
+    """Mixture of experts (Mixtral) and q/k/v biases (Qwen2), the llama layout's options."""
+    experts = draw(st.sampled_from([0, 0, 1, 4]))
+    top_k = draw(st.integers(1, experts)) if experts else 0
+    return {"n_experts": experts, "experts_per_token": top_k, "qkv_bias": draw(st.booleans())}
 
 
 @given(configs())
@@ -237,9 +278,12 @@ def test_gpt_count_is_the_textbook_formula(cfg: ModelConfig):
 
 @given(configs(arch="llama"))
 def test_llama_count_is_the_textbook_formula(cfg: ModelConfig):
-    """Reference: 2Vh + h + L*(h*(2*attn_dim + 2*kv_dim) + 3hF + 2h)."""
-    h = cfg.hidden
-    layer = h * (2 * cfg.attn_dim + 2 * cfg.kv_dim) + 3 * h * cfg.ffn_hidden + 2 * h
+    """Reference: 2Vh + h + L*(h*(2*attn_dim + 2*kv_dim) + 3hF + 2h); with E experts the MLP
+    is E*3hF plus a router hE; q/k/v biases add attn_dim + 2*kv_dim."""
+    h, e = cfg.hidden, cfg.n_experts
+    mlp = e * 3 * h * cfg.ffn_hidden + h * e if e else 3 * h * cfg.ffn_hidden
+    biases = cfg.attn_dim + 2 * cfg.kv_dim if cfg.qkv_bias else 0
+    layer = h * (2 * cfg.attn_dim + 2 * cfg.kv_dim) + mlp + 2 * h + biases
     assert Preset("x", cfg).n_params == 2 * cfg.vocab * h + h + cfg.n_layers * layer
 
 

@@ -34,6 +34,22 @@ pytestmark = pytest.mark.interop
 def hf_config(c: ModelConfig) -> Any:
     """The transformers config with ``c``'s shapes (the fields of each model's config.json)."""
     t = transformers
+    if c.arch == "llama" and (c.moe or c.qkv_bias):  # Mixtral, Qwen2: the llama layout's options
+        assert not (c.moe and c.qkv_bias), "no transformers model has both"
+        cls = t.MixtralConfig if c.moe else t.Qwen2Config
+        moe = {"num_local_experts": c.n_experts, "num_experts_per_tok": c.experts_per_token}
+        return cls(
+            hidden_size=c.hidden,
+            intermediate_size=c.ffn_hidden,
+            num_hidden_layers=c.n_layers,
+            num_attention_heads=c.n_heads,
+            num_key_value_heads=c.n_kv_heads,
+            head_dim=c.head_dim,
+            vocab_size=c.vocab,
+            max_position_embeddings=c.seq_len,
+            tie_word_embeddings=False,
+            **(moe if c.moe else {}),
+        )
     if c.arch == "llama":
         return t.LlamaConfig(
             hidden_size=c.hidden,
@@ -98,6 +114,8 @@ def hf_model(c: ModelConfig) -> torch.nn.Module:
         "gpt": transformers.GPT2LMHeadModel,
         "t5": transformers.T5ForConditionalGeneration,
     }[c.arch]
+    if c.moe or c.qkv_bias:
+        cls = transformers.AutoModelForCausalLM.from_config
     with torch.device("meta"):
         return cls(hf_config(c))
 
@@ -144,6 +162,15 @@ _BLOCK = {
         "mlp/b2": "mlp.c_proj.bias",
     },
 }
+_BLOCK["llama"] |= {
+    f"attn/b{x}": f"self_attn.{x}_proj.bias" for x in "qkv"
+} | {  # Qwen2's biases; Mixtral's MLP (transformers 5 fuses each expert's gate and up)
+    "mlp/router": "mlp.gate.weight",
+    "mlp/experts/w13": "mlp.experts.gate_up_proj",
+    "mlp/experts/w2": "mlp.experts.down_proj",
+}
+# stored (out, in) by modules that are not nn.Linear: the preset's (in, out) swaps the last dims
+_OUT_IN = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 _BLOCK["gpt_neox"] = {
     k: v.replace("self_attention.", "attention.") for k, v in _BLOCK["bloom"].items()
 }
@@ -223,7 +250,10 @@ def hf_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     for name, param in model.named_parameters():
         owner = model.get_submodule(name.rpartition(".")[0])
         linear = isinstance(owner, torch.nn.Linear) and name.endswith(".weight")
-        shapes[name] = tuple(reversed(param.shape)) if linear else tuple(param.shape)
+        shape = tuple(param.shape)
+        if name.endswith(_OUT_IN) and not linear:
+            shape = (*shape[:-2], shape[-1], shape[-2])
+        shapes[name] = tuple(reversed(shape)) if linear else shape
     return shapes
 
 
@@ -273,7 +303,16 @@ def hf_configs(draw: st.DrawFn) -> ModelConfig:
     n_enc = draw(st.integers(1, n_layers - 1)) if arch == "t5" else 0
     vocab, seq_len = draw(st.integers(1, 40)), draw(st.integers(1, 16))
     shape = (n_layers, hidden, ffn, heads, kv, head_dim, vocab, seq_len)
-    return ModelConfig(arch, *shape, n_encoder_layers=n_enc)  # pyright: ignore[reportArgumentType]
+    variant = draw(st.sampled_from(["dense", "moe", "qkv_bias"])) if arch == "llama" else "dense"
+    experts = draw(st.integers(1, 4)) if variant == "moe" else 0
+    return ModelConfig(
+        arch,  # pyright: ignore[reportArgumentType]
+        *shape,
+        n_encoder_layers=n_enc,
+        n_experts=experts,
+        experts_per_token=draw(st.integers(1, experts)) if experts else 0,
+        qkv_bias=variant == "qkv_bias",
+    )
 
 
 @settings(max_examples=40)

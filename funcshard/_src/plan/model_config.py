@@ -33,6 +33,11 @@ class ModelConfig:
         seq_len: the sequence length the model was trained with; the default of
             :func:`activation_bytes`.
         n_encoder_layers: encoder blocks of an encoder-decoder model; 0 for decoder-only.
+        n_experts: experts in each MoE MLP (Mixtral: 8); 0 for a dense MLP. ``llama`` only:
+            a router ``(hidden, n_experts)`` and each expert a SwiGLU MLP of ``ffn_hidden``.
+        experts_per_token: experts each token is routed to (Mixtral: 2); 0 when dense.
+        qkv_bias: whether the query, key and value projections have biases (Qwen2);
+            ``llama`` only.
 
     Example:
         >>> cfg = ModelConfig("llama", n_layers=2, hidden=8, ffn_hidden=16, n_heads=2,
@@ -51,15 +56,36 @@ class ModelConfig:
     vocab: int
     seq_len: int
     n_encoder_layers: int = 0
+    n_experts: int = 0
+    experts_per_token: int = 0
+    qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"ModelConfig.arch: unknown {self.arch!r}; choose one of {ARCHS}")
+        if type(self.qkv_bias) is not bool:
+            raise ValueError(f"ModelConfig.qkv_bias must be a bool, got {self.qkv_bias!r}")
         for field in dataclasses.fields(self)[1:]:
+            if field.name == "qkv_bias":
+                continue
             value: object = getattr(self, field.name)
-            low = 0 if field.name == "n_encoder_layers" else 1
+            low = 0 if field.name in ("n_encoder_layers", "n_experts", "experts_per_token") else 1
             if type(value) is not int or value < low:
                 raise ValueError(f"ModelConfig.{field.name} must be an int >= {low}, got {value!r}")
+        if not (
+            0 < self.experts_per_token <= self.n_experts
+            or self.experts_per_token == self.n_experts == 0
+        ):
+            raise ValueError(
+                f"ModelConfig: n_experts={self.n_experts} with experts_per_token="
+                f"{self.experts_per_token}; a MoE model routes each token to 1..n_experts "
+                f"experts, a dense one has 0 of both"
+            )
+        if (self.n_experts or self.qkv_bias) and self.arch != "llama":
+            raise ValueError(
+                f"ModelConfig: arch={self.arch!r} with n_experts={self.n_experts}, qkv_bias="
+                f"{self.qkv_bias}; experts and q/k/v biases are options of the llama layout"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"ModelConfig: n_heads={self.n_heads} is not a multiple of "
@@ -90,6 +116,11 @@ class ModelConfig:
     def kv_dim(self) -> int:
         """Width of the keys and of the values: ``n_kv_heads * head_dim``."""
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def moe(self) -> bool:
+        """Whether each MLP is a mixture of experts."""
+        return self.n_experts > 0
 
     @property
     def gated_mlp(self) -> bool:

@@ -9,11 +9,15 @@ Leaf paths follow one vocabulary across models. Dense weights are ``(in, out)``
 
     embed/tokens                  (vocab, hidden); embed/pos (gpt), embed/norm (bloom)
     layers/<i>/attn_norm/scale    and .../bias where the model has LayerNorm biases
-    layers/<i>/attn/wq wk wv wo   separate projections (llama, t5), or
+    layers/<i>/attn/wq wk wv wo   separate projections (llama, t5), with bq bk bv (qwen2), or
     layers/<i>/attn/wqkv bqkv wo bo   fused projection with biases (bloom, gpt_neox, gpt)
     layers/<i>/mlp_norm/...
     layers/<i>/mlp/w1 w3 w2       SwiGLU: gate, up, down (llama; Meta's names), or
     layers/<i>/mlp/w1 b1 w2 b2    GeLU MLP (bloom, gpt_neox, gpt); w1 w2 without biases (t5)
+    layers/<i>/mlp/router         (hidden, experts), and mlp/experts/w13 (experts, hidden,
+                                  2 * ffn) gate and up fused, mlp/experts/w2 (experts, ffn,
+                                  hidden): a mixture of experts (mixtral), as transformers 5
+                                  stores it
     norm/...                      the final norm
     head/w                        (hidden, vocab), only where the head is not tied to embed/tokens
 
@@ -109,12 +113,15 @@ def _layer_of(path: str) -> str:
     parent, _, name = path.rpartition("/")
     if name in ("scale", "bias"):
         return f"{parent}/<norm>"
+    if parent.endswith("/experts"):  # one module holds every expert's weights
+        return parent
     return f"{parent}/<{name[1:]}>" if name[:1] in ("w", "b") else path
 
 
 def _build(c: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     h, f = c.hidden, c.ffn_hidden
     separate = c.arch in ("llama", "t5")  # RMSNorm without bias, q/k/v apart, no biases
+    biases = {"bq": c.attn_dim, "bk": c.kv_dim, "bv": c.kv_dim} if c.qkv_bias else {}
 
     def leaf(*shape: int) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="meta")
@@ -129,12 +136,16 @@ def _build(c: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
                 "wk": leaf(h, c.kv_dim),
                 "wv": leaf(h, c.kv_dim),
                 "wo": leaf(c.attn_dim, h),
-            }
+            } | {name: leaf(n) for name, n in biases.items()}
             return out | ({"rel_bias": leaf(_T5_BUCKETS, c.n_heads)} if rel_bias else {})
         qkv = c.attn_dim + 2 * c.kv_dim
         return {"wqkv": leaf(h, qkv), "bqkv": leaf(qkv), "wo": leaf(c.attn_dim, h), "bo": leaf(h)}
 
-    def mlp() -> dict[str, torch.Tensor]:
+    def mlp() -> dict[str, Any]:
+        if c.moe:
+            e = c.n_experts
+            experts = {"w13": leaf(e, h, 2 * f), "w2": leaf(e, f, h)}
+            return {"router": leaf(h, e), "experts": experts}
         if c.arch == "llama":
             return {"w1": leaf(h, f), "w3": leaf(h, f), "w2": leaf(f, h)}
         if c.arch == "t5":
@@ -190,6 +201,36 @@ _PRESETS = (
         "Llama 2 70B, grouped-query attention (Touvron et al. 2023b); HF meta-llama/Llama-2-70b-hf",
     ),
     Preset(
+        "llama-3-8b",
+        ModelConfig("llama", 32, 4096, 14336, 32, 8, 128, 128256, 8192),
+        "Llama 3 8B (Grattafiori et al. 2024), 8,030,261,248 parameters; HF meta-llama/Meta-Llama-3-8B",
+    ),
+    Preset(
+        "llama-3-70b",
+        ModelConfig("llama", 80, 8192, 28672, 64, 8, 128, 128256, 8192),
+        "Llama 3 70B (Grattafiori et al. 2024), 70,553,706,496 parameters; HF "
+        "meta-llama/Meta-Llama-3-70B",
+    ),
+    Preset(
+        "mistral-7b",
+        ModelConfig("llama", 32, 4096, 14336, 32, 8, 128, 32000, 8192),
+        "Mistral 7B v0.1 (Jiang et al. 2023), 7,241,732,096 parameters, trained on 8192-token "
+        "contexts (config.json: 32768 positions, a 4096-token sliding window); HF "
+        "mistralai/Mistral-7B-v0.1",
+    ),
+    Preset(
+        "mixtral-8x7b",
+        ModelConfig("llama", 32, 4096, 14336, 32, 8, 128, 32000, 32768, 0, 8, 2),
+        "Mixtral 8x7B (Jiang et al. 2024), 8 experts, 2 per token: 46,702,792,704 parameters; HF "
+        "mistralai/Mixtral-8x7B-v0.1",
+    ),
+    Preset(
+        "qwen2.5-7b",
+        ModelConfig("llama", 28, 3584, 18944, 28, 4, 128, 152064, 32768, qkv_bias=True),
+        "Qwen2.5 7B (Qwen Team 2024), q/k/v biases, untied head: 7,615,616,512 parameters, "
+        "pre-trained to 32768 tokens (config.json: 131072 positions); HF Qwen/Qwen2.5-7B",
+    ),
+    Preset(
         "bloom-7b",
         ModelConfig("bloom", 30, 4096, 16384, 32, 32, 128, 250880, 2048),
         "BLOOM 7B1 (BigScience 2022); HF bigscience/bloom-7b1",
@@ -224,10 +265,10 @@ def get_preset(name: str, /) -> Preset:
     Example:
         >>> get_preset("LLaMA-70B").config.n_kv_heads
         8
-        >>> get_preset("llama-8b")  # doctest: +ELLIPSIS
+        >>> get_preset("llama3-8b")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: unknown preset 'llama-8b'; did you mean 'llama-7b'? Known presets: ...
+        ValueError: unknown preset 'llama3-8b'; did you mean 'llama-3-8b'? Known presets: ...
     """
     key = str(name).lower()
     if key in PRESETS:

@@ -16,14 +16,13 @@ _UNITS = {
     "mib": 2**20,
     "gib": 2**30,
     "tib": 2**40,
+    # a bare prefix is binary, as nvidia-smi, DeepSpeed and PyTorch count device memory
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
 }
-# a prefix without its unit -> the two units it may mean, and their powers of 2 and of 10
-_PREFIXES = {
-    "k": ("KiB", "kB", 10, 3),
-    "m": ("MiB", "MB", 20, 6),
-    "g": ("GiB", "GB", 30, 9),
-    "t": ("TiB", "TB", 40, 12),
-}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
 
 
 def parse_bytes(text: str | int, /) -> int:
@@ -31,15 +30,20 @@ def parse_bytes(text: str | int, /) -> int:
 
     Units (any case): ``B``; ``kB``/``MB``/``GB``/``TB``, decimal (powers of 10, as disks and
     network links are sold); ``KiB``/``MiB``/``GiB``/``TiB``, binary (powers of 2, as device
-    memory is counted: an "80 GB" A100 holds 80 GiB). A string without a unit (``"80"``) and a
-    bare prefix (``"80G"``) are refused rather than guessed; an ``int`` counts bytes.
+    memory is counted: an "80 GB" A100 holds 80 GiB). A bare prefix (``"80G"``, ``"80g"``) is
+    binary too, as ``nvidia-smi``, DeepSpeed's estimators and PyTorch mean it;
+    :func:`describe_size` says which reading was taken. A number without a unit (``"80"``)
+    is refused rather than guessed; an ``int`` counts bytes.
 
     Raises:
-        ValueError: not a positive size with a unit; the message names both readings.
+        ValueError: not a positive size with a unit; for a bare number the message names
+            the binary and the decimal reading.
 
     Example:
         >>> parse_bytes("80GiB"), parse_bytes("1.5 GB"), parse_bytes("512B"), parse_bytes(4096)
         (85899345920, 1500000000, 512, 4096)
+        >>> parse_bytes("80G") == parse_bytes("80g") == parse_bytes("80GiB")
+        True
         >>> parse_bytes("80")
         Traceback (most recent call last):
         ValueError: '80' has no unit: write '80GiB' (80 * 2**30 bytes) or '80GB' (80 * 10**9 bytes), or '80B' for bytes
@@ -48,17 +52,13 @@ def parse_bytes(text: str | int, /) -> int:
         if text <= 0:
             raise ValueError(f"a size must be positive, got {text}")
         return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    m = _SIZE.fullmatch(str(text))
     unit = m.group(2).lower() if m else ""
-    if m is not None and float(m.group(1)) > 0 and unit in ("", *_PREFIXES):
+    if m is not None and float(m.group(1)) > 0 and not unit:
         n = m.group(1)
-        binary, decimal, p2, p10 = _PREFIXES[unit or "g"]
-        what = (
-            f"does not say whether {m.group(2)!r} is binary or decimal" if unit else "has no unit"
-        )
         raise ValueError(
-            f"{text!r} {what}: write '{n}{binary}' ({n} * 2**{p2} bytes) or '{n}{decimal}' "
-            f"({n} * 10**{p10} bytes)" + ("" if unit else f", or '{n}B' for bytes")
+            f"{text!r} has no unit: write '{n}GiB' ({n} * 2**30 bytes) or '{n}GB' "
+            f"({n} * 10**9 bytes), or '{n}B' for bytes"
         )
     if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
         raise ValueError(
@@ -66,6 +66,33 @@ def parse_bytes(text: str | int, /) -> int:
             f"(binary, 80 * 2**30 bytes), '40GB' (decimal, 40 * 10**9 bytes) or '512MiB'"
         )
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+def describe_size(text: str | int, /) -> str:
+    """How :func:`parse_bytes` reads ``text``, in words: the bytes, binary or decimal, in GiB.
+
+    Example:
+        >>> describe_size("80GB")
+        '80GB = 80 * 10**9 bytes (decimal) = 74.51 GiB'
+        >>> describe_size("80G")
+        '80G = 80 * 2**30 bytes (binary, as nvidia-smi means G) = 80.00 GiB'
+        >>> describe_size("80GiB")
+        '80GiB = 80.00 GiB'
+    """
+    n = parse_bytes(text)
+    m = _SIZE.fullmatch(str(text))
+    unit = m.group(2) if m else "B"
+    written = str(text).strip()
+    if unit.lower() in ("kb", "mb", "gb", "tb"):
+        power = {"k": 3, "m": 6, "g": 9, "t": 12}[unit[0].lower()]
+        return f"{written} = {m.group(1) if m else n} * 10**{power} bytes (decimal) = {format_bytes(n)}"
+    if len(unit) == 1 and unit.lower() != "b":
+        power = {"k": 10, "m": 20, "g": 30, "t": 40}[unit.lower()]
+        return (
+            f"{written} = {m.group(1) if m else n} * 2**{power} bytes (binary, as nvidia-smi "
+            f"means {unit.upper()}) = {format_bytes(n)}"
+        )
+    return f"{written} = {format_bytes(n)}"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], /) -> str:

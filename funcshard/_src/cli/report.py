@@ -1,0 +1,274 @@
+"""``funcshard plan``'s numbers: per strategy and for the automatic plan, as a table and as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from funcshard._src.cli.deepspeed import compare, deepspeed_cost_model, describe
+from funcshard._src.cli.model_source import ModelSource, from_hf_config, from_preset
+from funcshard._src.plan.activations import Workload
+from funcshard._src.plan.auto import BudgetError, ladder
+from funcshard._src.plan.cost import estimate
+from funcshard._src.plan.cost_model import CostModel, Reserve, usable_budget
+from funcshard._src.plan.estimates import Estimate, Memory
+from funcshard._src.plan.hardware import HARDWARE, Hardware, get_hardware
+from funcshard._src.plan.plan import Plan
+from funcshard._src.plan.planner import plan
+from funcshard._src.plan.precision import MixedPrecision
+from funcshard._src.plan.sizes import describe_size, format_bytes, parse_bytes, table
+from funcshard._src.spec.mesh import Mesh
+
+SCHEMA_VERSION = 2  # of the --json output; 2 added schema_version, usable_memory, deepspeed
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STRATEGIES = ("all", "no_shard", "shard_grad_op", "hybrid_shard", "full_shard", "auto")
+
+
+class UsageError(ValueError):
+    """A command-line argument that cannot be used; the message says which and how to fix it."""
+
+
+def parse_mesh(text: str, /) -> Mesh:
+    """``"dp=2,fsdp=8"`` -> ``Mesh({"dp": 2, "fsdp": 8})``; a bare ``"8"`` is ``fsdp=8``.
+
+    Raises:
+        UsageError: anything else, with the expected form.
+
+    Example:
+        >>> parse_mesh("dp=2,fsdp=8")
+        Mesh({'dp': 2, 'fsdp': 8})
+    """
+    if re.fullmatch(r"\s*[0-9]+\s*", text):
+        pairs = [("fsdp", text.strip())]
+    else:
+        pairs = [tuple(p.split("=", 1)) for p in text.split(",")] if text.strip() else []
+    axes: dict[str, int] = {}
+    for pair in pairs:
+        if (
+            len(pair) != 2
+            or not re.fullmatch(r"[A-Za-z_]\w*", pair[0].strip())
+            or not (pair[1].strip().isdigit() and int(pair[1]) > 0)
+        ):
+            raise UsageError(
+                f"--mesh {text!r}: write named axes with positive sizes, major first, like "
+                f"'fsdp=8' or 'dp=2,fsdp=8'"
+            )
+        name = pair[0].strip()
+        if name in axes:
+            raise UsageError(f"--mesh {text!r}: axis {name!r} appears twice")
+        axes[name] = int(pair[1])
+    return Mesh(axes)
+
+
+def hardware_of(name: str | None, /) -> Hardware | None:
+    """``--hardware``: a preset's name or a JSON file of :class:`Hardware`'s fields."""
+    if name is None:
+        return None
+    if name.lower() in HARDWARE:
+        return get_hardware(name)
+    path = Path(name)
+    if path.suffix == ".json" or path.exists():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise UsageError(f"--hardware {name}: cannot read a JSON description ({e})") from None
+        if not isinstance(data, dict):
+            raise UsageError(f"--hardware {name}: the JSON must be an object of fields")
+        return Hardware.from_dict(data)  # pyright: ignore[reportUnknownArgumentType]
+    return get_hardware(name)  # raises, listing the presets
+
+
+def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
+    """The table (``"text"``) and JSON (``"json"``) of ``funcshard plan`` for parsed ``args``."""
+    if (args.model is None) == (args.hf_config is None):
+        raise UsageError("give a model: --model PRESET or --hf-config path/config.json (one)")
+    mesh = parse_mesh(args.mesh)
+    hardware = hardware_of(args.hardware)
+    sizes: list[str] = []
+    if args.device_memory is not None:
+        budget = parse_bytes(args.device_memory)
+        if not re.search(r"[iI][bB]\s*$", args.device_memory):  # say how GB and G were read
+            sizes.append(f"--device-memory {describe_size(args.device_memory)}")
+    else:
+        budget = hardware.memory_bytes if hardware is not None else None
+    if args.batch_size < 1 or (args.seq_len is not None and args.seq_len < 1):
+        raise UsageError("--batch-size and --seq-len must be positive")
+    param_dtype = "fp16" if args.deepspeed else args.param_dtype
+    units = [u.strip() for u in args.units.split(",")] if args.units else None
+    dtype = DTYPES[param_dtype]
+    source: ModelSource = (
+        from_preset(args.model, dtype=dtype, units=units)
+        if args.model is not None
+        else from_hf_config(args.hf_config, dtype=dtype, units=units)
+    )
+    if args.deepspeed and units is None:
+        source = _with_units(source, source.module_units)
+    workload = (
+        None
+        if source.config is None
+        else Workload(
+            source.config, args.batch_size, args.seq_len, args.remat, args.flash_attention
+        )
+    )
+    if args.deepspeed:
+        model = deepspeed_cost_model(workload=workload, hardware=hardware)
+    else:
+        mp = (
+            None
+            if args.mixed_precision == "none"
+            else MixedPrecision(
+                param_dtype=DTYPES[args.mixed_precision], reduce_dtype=DTYPES[args.reduce_dtype]
+            )
+        )
+        model = CostModel(
+            optimizer=args.optimizer,
+            mixed_precision=mp,
+            master_weights=args.master_weights,
+            prefetch=args.prefetch,
+            workload=workload,
+            hardware=hardware,
+        )
+    if args.reserve is not None:
+        model = dataclasses.replace(model, reserve=parse_reserve(args.reserve))
+    usable = None if budget is None else usable_budget(budget, model)
+    seq_len = args.seq_len or (source.config.seq_len if source.config else None)
+    out: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "model": source.name,
+        "n_params": source.n_params,
+        "mesh": mesh.axes,
+        "device_memory": budget,
+        "usable_memory": usable,
+        "units": source.units if isinstance(source.units, str) else [str(u) for u in source.units],
+        "cost_model": {
+            "optimizer": model.optimizer,
+            "mixed_precision": "none"
+            if model.mixed_precision is None or args.deepspeed
+            else args.mixed_precision,
+            "reduce_dtype": "fp32"
+            if args.deepspeed
+            else (args.reduce_dtype if model.mixed_precision else None),
+            "param_dtype": param_dtype,
+            "master_weights": model.master_weights,
+            "deepspeed": args.deepspeed,
+            "batch_size": args.batch_size,
+            "seq_len": seq_len,
+            "remat": args.remat,
+            "flash_attention": args.flash_attention,
+            "prefetch": model.prefetch,
+            "hardware": None if hardware is None else hardware.__dict__,
+        },
+        "strategies": {},
+    }
+    wanted = ladder(mesh) if args.strategy == "all" else ()
+    if args.strategy not in ("all", "auto"):
+        wanted = (args.strategy,)
+    rows: list[list[str]] = []
+    assumptions: tuple[str, ...] = ()
+    memory: dict[str, Memory] = {}
+    kwargs: dict[str, Any] = {"units": source.units, "frozen": source.frozen}
+    for strategy in wanted:
+        est = estimate(plan(source.params, mesh, strategy=strategy, **kwargs), model)
+        assumptions, memory[strategy] = est.assumptions, est.memory
+        out["strategies"][strategy] = {**est.to_json(), "fits": _fits(est, usable)}
+        rows.append(_row(strategy, est, usable))
+    lines: list[str] = []
+    if args.strategy in ("all", "auto"):
+        if budget is None and args.strategy == "auto":
+            raise UsageError("--strategy auto needs --device-memory or --hardware")
+        if budget is not None:
+            try:
+                chosen: Plan = plan(
+                    source.params, mesh, strategy="auto", memory_budget=budget, cost=model, **kwargs
+                )
+                est = estimate(chosen, model)
+                assumptions = est.assumptions
+                counts = Counter(u.strategy for u in chosen.units)
+                rows.append(
+                    _row("auto: " + ", ".join(f"{n} {s}" for s, n in counts.items()), est, usable)
+                )
+                out["auto"] = {
+                    **est.to_json(),
+                    "fits": _fits(est, usable),
+                    "units": {u.name: u.strategy for u in chosen.units},
+                }
+            except BudgetError as e:
+                out["auto"] = {"error": str(e)}
+                lines = ["", f"auto: {e}"]
+    heads = ["strategy", "params", "grads", "optimizer", "mixed prec", "gathered", "activations"]
+    heads += ["total", "fits", "sent/step", "step", "tokens/s"]
+    where = f"{source.n_params:,} parameters on {mesh!r} ({mesh.size} ranks)"
+    if budget is not None:
+        where += f", {format_bytes(budget)} per device"
+        if usable is not None and usable < budget:
+            where += f" ({format_bytes(usable)} usable: the rest is the runtime's reserve)"
+    text = [f"{source.name}: {where}", *sizes, "", table(heads, rows), *lines]
+    if args.deepspeed:
+        comparison = compare(memory, source.n_params, source.largest_layer_params, mesh.size)
+        out["deepspeed"] = comparison
+        text += ["", *describe(comparison)]
+    notes = [*source.notes, *assumptions]
+    text += ["", "Assumptions:", *(f"- {a}" for a in notes)]
+    out["assumptions"] = notes
+    return {"text": "\n".join(text), "json": out}
+
+
+def _with_units(source: ModelSource, units: Any) -> ModelSource:
+    import dataclasses
+
+    return dataclasses.replace(source, units=list(units))
+
+
+def _fits(est: Estimate, usable: int | None) -> bool | None:
+    return None if usable is None else est.memory.total <= usable
+
+
+def _row(label: str, est: Estimate, usable: int | None) -> list[str]:
+    m = est.memory
+    t = est.time
+    fits = _fits(est, usable)
+    return [
+        label,
+        *(format_bytes(v) for v in (m.params, m.grads, m.optimizer, m.mixed_precision)),
+        format_bytes(m.gathered),
+        format_bytes(m.activations),
+        format_bytes(m.total),
+        "" if fits is None else ("yes" if fits else "no"),
+        format_bytes(sum(est.comm.values())),
+        "" if t is None else f"{t.step_s:.2f} s",
+        "" if t is None else f"{t.tokens_per_s:,.0f}",
+    ]
+
+
+def parse_reserve(text: str, /) -> Reserve:
+    """``--reserve``: ``'5%+1GiB'``, ``'10%'``, ``'2GiB'`` or ``'0'`` (nothing) as a :class:`Reserve`.
+
+    Raises:
+        UsageError: another form, naming the accepted ones.
+
+    Example:
+        >>> parse_reserve("5%+1GiB")
+        Reserve(fraction=0.05, fixed=1073741824)
+    """
+    fraction, fixed = 0.0, 0
+    try:
+        for part in (p.strip() for p in text.split("+")):
+            if part == "0":
+                continue
+            if part.endswith("%"):
+                fraction += float(part[:-1]) / 100
+            else:
+                fixed += parse_bytes(part)
+        return Reserve(fraction=fraction, fixed=fixed)
+    except ValueError as e:
+        raise UsageError(
+            f"--reserve {text!r}: write a percentage and/or a size, e.g. '5%+1GiB', '10%', "
+            f"'2GiB' or '0' ({e})"
+        ) from None
