@@ -138,13 +138,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return summary
 
 
+# DDP's ranks forked from the server hang in about half of the runs (its reducer's
+# threads and gloo after fork): they start as fresh interpreters even with --tiny
+SPAWNED = ("ddp",)
+
+
 def _run(
     mode: str, cfg: gpt.Config, world: int, ranks: int, spec: dict[str, Any], timeout: float
 ) -> list[dict[str, Any]]:
     from bench import worker
 
     tmp = tempfile.mkdtemp(prefix="funcshard-bench-")
-    if spec["preload"] is None:
+    if spec["preload"] is None or mode in SPAWNED:
         ctx = mp.get_context("spawn")
     else:
         ctx = mp.get_context("forkserver")

@@ -27,6 +27,8 @@ def test_tiny_benchmark_runs_every_mode(tmp_path, modes):
             "2",
             "--modes",
             modes,
+            "--timeout",  # a rank that hangs fails the test in a minute, not the suite
+            "60",
             "--out",
             str(tmp_path),
         ]
