@@ -115,11 +115,11 @@ def test_a_plan_that_mixes_strategies_holds_and_sends_what_is_predicted(pools):
 
 
 def _budget_for_a_mix(params: Any) -> int:
-    """A budget between all-no_shard and all-full_shard on 2 ranks: the auto plan mixes."""
+    """A budget between all-full_shard and all-shard_grad_op on 2 ranks: the auto plan mixes."""
     mesh = fs.Mesh({"fsdp": 2})
     low, high = (
         estimate(fs.plan(params, mesh, units=UNEVEN.units, strategy=s)).memory.total
-        for s in ("full_shard", "no_shard")
+        for s in ("full_shard", "shard_grad_op")
     )
     return (low + high) // 2
 

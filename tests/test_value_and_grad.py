@@ -337,15 +337,36 @@ def test_frozen_leaves_cost_one_over_w_and_have_no_optimizer_state(pools):
 
 
 def test_an_automatic_plan_that_mixes_strategies_trains_like_one_device(pools):
-    """strategy="auto" under a budget between all-no_shard and all-full_shard: units differ."""
+    """strategy="auto" under a budget at which it mixes strategies trains like one device.
+
+    The budget is the first of 32 steps from all-full_shard's memory to all-no_shard's at
+    which the search picks more than one strategy (it moves identical units together, so
+    not every budget in between mixes).
+    """
     for mesh in [(("fsdp", 2),), (("dp", 2), ("fsdp", 2))]:
         model = Model(layers=3)
         params = model.init(0)
-        totals = [
-            fs.cost.estimate(fs.plan(params, fs.Mesh(dict(mesh)), units=model.units, strategy=s))
+        low, high = (
+            fs.cost.estimate(
+                fs.plan(params, fs.Mesh(dict(mesh)), units=model.units, strategy=s)
+            ).memory.total
             for s in ("full_shard", "no_shard")
+        )
+        mixing = [
+            budget
+            for budget in range(low, high, max(1, (high - low) // 32))
+            if len(
+                {
+                    u.strategy
+                    for u in Case(
+                        model, mesh, "auto", mixed_precision=False, optimizer="adamw", budget=budget
+                    )
+                    .plan(params)
+                    .units
+                }
+            )
+            > 1
         ]
-        budget = (totals[0].memory.total + totals[1].memory.total) // 2
-        case = Case(model, mesh, "auto", mixed_precision=False, optimizer="adamw", budget=budget)
-        assert len({u.strategy for u in case.plan(params).units}) > 1
+        assert mixing, f"no budget between {low} and {high} gives a mixed plan on {mesh}"
+        case = Case(model, mesh, "auto", mixed_precision=False, optimizer="adamw", budget=mixing[0])
         check(pools, case)
