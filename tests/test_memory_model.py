@@ -205,3 +205,26 @@ def test_explain_and_json_show_the_budget_the_reserve_and_what_is_left():
     assert "75.00 GiB usable" in shown
     assert "to spare" in shown
     assert "- reserve for the CUDA context" in shown
+
+
+def test_a_moe_layer_keeps_the_activations_of_every_expert_a_token_runs():
+    """Mixtral (8 experts, 2 per token): each layer's MLP term twice, plus router logits.
+
+    Compute counts the experts a token runs: 12,879,925,248 of 46,702,792,704 parameters
+    (Mixtral's published "12.9B active").
+    """
+    import dataclasses
+
+    from funcshard._src.plan.activations import activation_bytes
+    from funcshard._src.plan.step_time import active_params
+
+    mixtral = fs.presets.get("mixtral-8x7b")
+    cfg = mixtral.config
+    dense = dataclasses.replace(cfg, n_experts=0, experts_per_token=0)
+    tokens, p = 4096, 2
+    per_layer = p * tokens * (cfg.hidden + 4 * cfg.ffn_hidden) + p * tokens * cfg.n_experts
+    assert (
+        activation_bytes(cfg, 1, tokens) - activation_bytes(dense, 1, tokens)
+        == cfg.n_layers * per_layer
+    )
+    assert active_params(mixtral.n_params, cfg) == 12_879_925_248

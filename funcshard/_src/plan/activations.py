@@ -133,7 +133,8 @@ def activation_bytes(
     - attention: ``p*sb*(h + 2*attn_dim + 2*kv_dim) + 2p*a*s^2b`` (norm output, Q,
       K, V, projection input, softmax and its dropout) plus masks ``sbh + a*s^2b``;
     - MLP: ``p*sb*(h + 2F)`` plus mask ``sbh``; gated (SwiGLU) ``p*sb*(h + 4F)``
-      (gate, its activation, up, product);
+      (gate, its activation, up, product); a MoE layer (Mixtral) ``k`` times that for
+      the ``k`` experts each token runs, plus its router logits ``p*sb*E``;
     - each norm keeps its input, ``p*sbh``.
 
     With full recomputation (``remat``) a layer keeps only its input, ``p*sbh``
@@ -187,7 +188,9 @@ def activation_bytes(
         attn = p * tokens * width + tokens * h + 4 * config.n_heads * tokens
     else:
         attn = p * (tokens * width + 2 * scores) + (tokens * h + scores)  # + dropout masks
-    mlp = p * tokens * (h + (4 if config.gated_mlp else 2) * config.ffn_hidden) + tokens * h
+    routed = max(1, config.experts_per_token)  # a MoE layer runs each token through k experts
+    mlp = p * tokens * routed * (h + (4 if config.gated_mlp else 2) * config.ffn_hidden)
+    mlp += tokens * h + p * tokens * config.n_experts  # + the mask; a MoE's router logits
     layer = attn + mlp + 2 * p * tokens * h  # + the inputs of two norms
     # An encoder-decoder keeps the encoder output for every decoder layer's cross-attention,
     # which costs a decoder layer one more attention block and norm.

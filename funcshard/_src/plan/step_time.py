@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 from funcshard._src.plan.activations import Workload
 from funcshard._src.plan.hardware import Hardware, link_bandwidth
+from funcshard._src.plan.model_config import ModelConfig
 from funcshard._src.spec.mesh import Mesh
 
 
@@ -63,6 +64,8 @@ class StepTime:
 def flops_per_token(n_params: int, workload: Workload, /, *, executed: bool = True) -> float:
     """FLOPs per token of forward and backward: ``6 * n_params + 12 * L * h * s``.
 
+    For a MoE model ``n_params`` counts the experts a token runs (:func:`active_params`).
+
     Megatron-LM's count (Narayanan et al. 2021, Sec. 5.1): every weight does a
     multiply-add per token forward and two backward, attention scores ``4 * h * s``
     per layer and token forward. Executed FLOPs with remat add one more forward:
@@ -78,7 +81,23 @@ def flops_per_token(n_params: int, workload: Workload, /, *, executed: bool = Tr
     cfg = workload.model
     seq = workload.seq_len or cfg.seq_len
     passes = 4 if executed and workload.remat else 3  # forward, backward (2), recompute
-    return passes * (2 * n_params + 4 * cfg.n_layers * cfg.hidden * seq)
+    return passes * (2 * active_params(n_params, cfg) + 4 * cfg.n_layers * cfg.hidden * seq)
+
+
+def active_params(n_params: int, config: ModelConfig, /) -> int:
+    """The parameters a token passes through: all of them, less a MoE layer's idle experts.
+
+    Each of a MoE model's ``n_experts`` SwiGLU experts holds ``3 * hidden * ffn_hidden``
+    weights per layer; a token runs ``experts_per_token`` of them.
+
+    Example:
+        >>> from funcshard._src.plan.presets import get_preset
+        >>> mixtral = get_preset("mixtral-8x7b")
+        >>> f"{active_params(mixtral.n_params, mixtral.config):,}"  # Mixtral: "12.9B active"
+        '12,879,925,248'
+    """
+    idle = config.n_experts - config.experts_per_token
+    return n_params - idle * 3 * config.hidden * config.ffn_hidden * config.n_layers
 
 
 def step_time(
