@@ -9,29 +9,9 @@ import torch
 import torch.func
 
 from funcshard._src import tree
-from funcshard._src.shard.sharded import ShardedTensor, flats_of
+from funcshard._src.shard.sharded import held_bytes as held_bytes
 
 __all__ = ["assert_trees_close", "held_bytes", "reference_value_and_grad"]
-
-
-def held_bytes(tree_: Any, /) -> int:
-    """Bytes this rank holds for ``tree_``: its flat shard buffers (each once) and plain tensors.
-
-    What :func:`funcshard.cost.estimate` predicts for params, grads and optimizer state
-    (``memory.params``, ``memory.grads``, ``memory.optimizer``) is exactly this.
-
-    Example:
-        >>> import funcshard as fs
-        >>> p = {"w": torch.zeros(10, 4), "step": torch.zeros((), dtype=torch.int64)}
-        >>> held_bytes(fs.shard(p, fs.plan(p, fs.Mesh({"x": 1}))))
-        168
-    """
-    plain = sum(
-        t.numel() * t.element_size()
-        for t in tree.leaves(tree_)
-        if isinstance(t, torch.Tensor) and not isinstance(t, ShardedTensor)
-    )
-    return plain + sum(f.data.numel() * f.data.element_size() for f in flats_of(tree_))
 
 
 def reference_value_and_grad(

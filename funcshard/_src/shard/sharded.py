@@ -183,6 +183,26 @@ def flats_of(sharded: Any, /) -> list[FlatShard]:
     return list(seen.values())
 
 
+def held_bytes(sharded: Any, /) -> int:
+    """Bytes this rank holds for ``sharded``: its flat shard buffers (each once) and plain tensors.
+
+    What :func:`funcshard.cost.estimate` predicts for params, grads and optimizer state
+    (``memory.params``, ``memory.grads``, ``memory.optimizer``) is exactly this.
+
+    Example:
+        >>> import funcshard as fs
+        >>> p = {"w": torch.zeros(10, 4), "step": torch.zeros((), dtype=torch.int64)}
+        >>> held_bytes(fs.shard(p, fs.plan(p, fs.Mesh({"x": 1}))))
+        168
+    """
+    plain = sum(
+        t.numel() * t.element_size()
+        for t in tree.leaves(sharded)
+        if isinstance(t, torch.Tensor) and not isinstance(t, ShardedTensor)
+    )
+    return plain + sum(f.data.numel() * f.data.element_size() for f in flats_of(sharded))
+
+
 def map_flats(fn: Callable[[FlatShard], FlatShard], sharded: Any, /) -> Any:
     """A tree like ``sharded`` whose sharded leaves view ``fn(flat)`` instead of ``flat``.
 

@@ -20,7 +20,7 @@ from funcshard._src.plan.cost_model import CostModel
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
 from funcshard._src.shard.shard import check_params, shard
-from funcshard._src.shard.sharded import ShardedTensor, flats_of
+from funcshard._src.shard.sharded import ShardedTensor, flats_of, held_bytes
 from funcshard._src.verify.batches import gather_batches
 from funcshard._src.verify.reference import Reference, fingerprint
 from funcshard._src.verify.report import VerifyReport
@@ -203,7 +203,7 @@ def _measure(
         )
         record["peak"] = max(record["peak"] or 0, step.stats.peak_gathered_bytes)
         if record["held"] is None:
-            record["held"] = [_held_bytes(sparams), _held_bytes(grads), _held_bytes(state)]
+            record["held"] = [held_bytes(sparams), held_bytes(grads), held_bytes(state)]
         ref_loss, ref_grads = None, None
         if reference is not None:
             try:
@@ -269,19 +269,6 @@ def _add(prints: list[list[float]], leaves: list[torch.Tensor], at: int) -> None
     for row, leaf in zip(prints, leaves):
         for k, v in enumerate(fingerprint(leaf)):
             row[at + k] += v
-
-
-def _held_bytes(tree_: Any) -> int:
-    """Bytes this rank holds for ``tree_``: its flat buffers once each, and plain tensors.
-
-    What ``funcshard.testing.held_bytes`` counts, which the cost model predicts exactly.
-    """
-    plain = sum(
-        t.numel() * t.element_size()
-        for t in tree.leaves(tree_)
-        if isinstance(t, torch.Tensor) and not isinstance(t, ShardedTensor)
-    )
-    return plain + sum(f.data.numel() * f.data.element_size() for f in flats_of(tree_))
 
 
 def _device(sparams: Any) -> torch.device | None:
