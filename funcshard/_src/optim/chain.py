@@ -16,8 +16,7 @@ from typing import Any
 from funcshard._src import tree
 from funcshard._src.optim.base import Optimizer
 from funcshard._src.optim.nonfinite import Guard
-from funcshard._src.optim.select import Mask, restrict, selected_paths
-from funcshard._src.shard.sharded import ShardedTensor
+from funcshard._src.optim.select import Mask, restrict, selected_paths, trainable_leaves
 
 
 def chain(*parts: Optimizer | Guard) -> Optimizer:
@@ -127,19 +126,11 @@ def partition(parts: dict[str, Optimizer], labels: Any, /) -> Optimizer:
 
     def masks(sparams: Any) -> dict[str, Any]:
         if callable(labels):
-            of = {
-                leaf.path: labels(leaf.path, leaf)
-                for leaf in tree.leaves(sparams)
-                if isinstance(leaf, ShardedTensor) and not leaf.frozen
-            }
+            of = {leaf.path: labels(leaf.path, leaf) for leaf in trainable_leaves(sparams)}
         else:
             paths, values, _ = tree.flatten_with_paths(labels)
             given = dict(zip(paths, values))
-            of = {
-                leaf.path: given.get(leaf.path)
-                for leaf in tree.leaves(sparams)
-                if isinstance(leaf, ShardedTensor) and not leaf.frozen
-            }
+            of = {leaf.path: given.get(leaf.path) for leaf in trainable_leaves(sparams)}
         unknown = {path: label for path, label in of.items() if label not in parts}
         if unknown:
             path, label = next(iter(unknown.items()))

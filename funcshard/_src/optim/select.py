@@ -26,7 +26,7 @@ from typing import Any, TypeAlias
 import torch
 
 from funcshard._src import tree
-from funcshard._src.plan.rules import Pattern, check_pattern, matches
+from funcshard._src.plan.rules import Pattern, check_pattern, matches_within, subtrees
 from funcshard._src.shard.flat import FlatLayout, Slot
 from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of
 
@@ -58,6 +58,13 @@ def decay_mask_default(path: str, leaf: ShardedTensor, /) -> bool:
     return True
 
 
+def trainable_leaves(sparams: Any, /) -> list[ShardedTensor]:
+    """The sharded leaves of ``sparams`` that are not frozen, in leaf order."""
+    return [
+        leaf for leaf in tree.leaves(sparams) if isinstance(leaf, ShardedTensor) and not leaf.frozen
+    ]
+
+
 def selected_paths(mask: Mask, sparams: Any, /, *, what: str) -> frozenset[str]:
     """The paths of the trainable leaves of ``sparams`` that ``mask`` selects.
 
@@ -67,9 +74,7 @@ def selected_paths(mask: Mask, sparams: Any, /, *, what: str) -> frozenset[str]:
         ValueError: a pattern that matches no leaf, or a bool tree that does not
             fit the params.
     """
-    leaves = [
-        leaf for leaf in tree.leaves(sparams) if isinstance(leaf, ShardedTensor) and not leaf.frozen
-    ]
+    leaves = trainable_leaves(sparams)
     if callable(mask):
         out: set[str] = set()
         for leaf in leaves:
@@ -91,9 +96,7 @@ def selected_paths(mask: Mask, sparams: Any, /, *, what: str) -> frozenset[str]:
 def _by_patterns(patterns: list[Pattern], leaves: list[ShardedTensor], what: str) -> frozenset[str]:
     out: set[str] = set()
     for i, pattern in enumerate(patterns):
-        hits = {
-            leaf.path for leaf in leaves if any(matches(pattern, a) for a in _prefixes(leaf.path))
-        }
+        hits = {leaf.path for leaf in leaves if matches_within(pattern, leaf.path)}
         if not hits:
             examples = ", ".join(repr(leaf.path) for leaf in leaves[:6])
             raise ValueError(
@@ -114,7 +117,7 @@ def _by_bool_tree(mask: Any, leaves: list[ShardedTensor], what: str) -> frozense
     given = {p: f for p, f in zip(paths, flags) if f is not None}
     out: set[str] = set()
     for leaf in leaves:
-        flag = next((given[a] for a in reversed(_prefixes(leaf.path)) if a in given), None)
+        flag = next((given[a] for a in reversed(subtrees(leaf.path)) if a in given), None)
         if flag is None:
             raise ValueError(
                 f"{what}: the mask tree has no bool for {leaf.path!r}; give one for every "
@@ -123,11 +126,6 @@ def _by_bool_tree(mask: Any, leaves: list[ShardedTensor], what: str) -> frozense
         if flag:
             out.add(leaf.path)
     return frozenset(out)
-
-
-def _prefixes(path: str) -> list[str]:
-    parts = path.split("/") if path else [""]
-    return ["/".join(parts[:k]) for k in range(1, len(parts) + 1)]
 
 
 def restrict(sharded: Any, selected: frozenset[str], /) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 from funcshard._src import tree
 from funcshard._src.plan.cost_model import CostModel
 from funcshard._src.plan.plan import Default, LeafPlan, Plan, Requested
-from funcshard._src.plan.rules import Rule, first_match, matches
+from funcshard._src.plan.rules import Rule, first_match, matches, matches_within
 from funcshard._src.plan.strategy import Strategy, default_spec, shard_axes
 from funcshard._src.plan.units import ROOT, Unit, resolve_units
 from funcshard._src.spec.mesh import Mesh
@@ -104,7 +104,7 @@ def frozen_paths(paths: Sequence[str], patterns: Sequence[Any], /) -> set[str]:
     """
     out: set[str] = set()
     for i, pattern in enumerate(patterns):
-        hits = {p for p in paths if any(matches(pattern, a) for a in _prefixes(p))}
+        hits = {p for p in paths if matches_within(pattern, p)}
         if not hits:
             examples = ", ".join(repr(p) for p in paths[:6])
             raise ValueError(
@@ -113,11 +113,6 @@ def frozen_paths(paths: Sequence[str], patterns: Sequence[Any], /) -> set[str]:
             )
         out |= hits
     return out
-
-
-def _prefixes(path: str) -> list[str]:
-    parts = path.split("/") if path else [""]
-    return ["/".join(parts[:k]) for k in range(1, len(parts) + 1)]
 
 
 def _unused_rule(i: int, spec: Spec) -> str:

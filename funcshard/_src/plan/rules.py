@@ -35,6 +35,27 @@ def matches(pattern: Pattern, path: str, /) -> bool:
     )
 
 
+def subtrees(path: str, /) -> list[str]:
+    """``path`` and every subtree above it, the outermost first.
+
+    Example:
+        >>> subtrees("blocks/3/w")
+        ['blocks', 'blocks/3', 'blocks/3/w']
+    """
+    parts = path.split("/") if path else [""]
+    return ["/".join(parts[:k]) for k in range(1, len(parts) + 1)]
+
+
+def matches_within(pattern: Pattern, path: str, /) -> bool:
+    """Whether ``pattern`` matches the leaf ``path`` or a subtree above it (``frozen=``, masks).
+
+    Example:
+        >>> matches_within("head", "head/w"), matches_within("blocks/*/w", "head/w")
+        (True, False)
+    """
+    return any(matches(pattern, a) for a in subtrees(path))
+
+
 def pattern_repr(pattern: Pattern, /) -> str:
     """A short readable form: ``'blocks/*'`` or ``re.compile('h\\\\d')``."""
     return repr(pattern) if isinstance(pattern, str) else f"re.compile({pattern.pattern!r})"
