@@ -45,15 +45,13 @@ def mean_over_ranks(value: Any, /) -> Any:
     paths, leaves, treedef = tree.flatten_with_paths(value)
     numbers: list[float] = []
     for path, leaf in zip(paths, leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.numel() == 1 and not leaf.is_complex():
-            numbers.append(float(leaf.detach().reshape(())))
-        elif isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
-            numbers.append(float(leaf))
-        else:
+        number = _as_float(leaf)
+        if number is None:
             raise ValueError(
                 f"mean_over_ranks: {path or '<root>'} is {_describe(leaf)}; pass numbers or "
                 f"one-element tensors (a metric per rank), e.g. float(loss)"
             )
+        numbers.append(number)
     world = runtime.world_size()
     what = f"mean_over_ranks of {len(numbers)} value(s) {paths[:4]}"
     totals: list[float] = []
@@ -158,11 +156,19 @@ class MetricLogger:
 
 
 def _number(name: str, value: Any) -> float:
+    number = _as_float(value)
+    if number is None:
+        raise ValueError(
+            f"MetricLogger: metric {name!r} is {_describe(value)}; log numbers or one-element "
+            f"tensors, e.g. float(loss)"
+        )
+    return number
+
+
+def _as_float(value: Any) -> float | None:
+    """A number or one-element real tensor as a float; ``None`` for anything else."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
         return float(value.detach().reshape(()))
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    raise ValueError(
-        f"MetricLogger: metric {name!r} is {_describe(value)}; log numbers or one-element "
-        f"tensors, e.g. float(loss)"
-    )
+    return None

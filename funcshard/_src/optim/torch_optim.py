@@ -7,8 +7,13 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from funcshard._src import tree
-from funcshard._src.optim.base import LearningRate, Optimizer, floating_flats, learning_rate
-from funcshard._src.shard.sharded import map_flats, trainable
+from funcshard._src.optim.base import (
+    LearningRate,
+    Optimizer,
+    floating_flats,
+    learning_rate,
+    zeros_like_tree,
+)
 
 # optimizers whose update of an element reads other elements of the same tensor
 # (norms, factored moments, orthogonalization): on flat shards they would be wrong
@@ -79,12 +84,7 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **options: Any) 
         return cast(Any, optimizer_class)(params, **options, **extra)
 
     def init(sparams: Any, /) -> TorchOptimState:
-        tensors = {
-            key: map_flats(
-                lambda flat: flat.with_data(torch.zeros_like(flat.data)), trainable(sparams)
-            )
-            for key in tensor_keys
-        }
+        tensors = {key: zeros_like_tree(sparams) for key in tensor_keys}
         scalars = {key: torch.zeros((), dtype=dtype) for key, dtype in scalar_keys.items()}
         return TorchOptimState(torch.zeros((), dtype=torch.int64), tensors, scalars)
 
