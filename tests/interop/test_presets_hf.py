@@ -34,9 +34,9 @@ pytestmark = pytest.mark.interop
 def hf_config(c: ModelConfig) -> Any:
     """The transformers config with ``c``'s shapes (the fields of each model's config.json)."""
     t = transformers
-    if c.arch == "llama" and (c.moe or c.qkv_bias):  # Mixtral, Qwen2: the llama layout's options
+    if c.arch == "llama":  # Mixtral and Qwen2 are the llama layout with experts or qkv biases
         assert not (c.moe and c.qkv_bias), "no transformers model has both"
-        cls = t.MixtralConfig if c.moe else t.Qwen2Config
+        cls = t.MixtralConfig if c.moe else t.Qwen2Config if c.qkv_bias else t.LlamaConfig
         moe = {"num_local_experts": c.n_experts, "num_experts_per_tok": c.experts_per_token}
         return cls(
             hidden_size=c.hidden,
@@ -49,18 +49,6 @@ def hf_config(c: ModelConfig) -> Any:
             max_position_embeddings=c.seq_len,
             tie_word_embeddings=False,
             **(moe if c.moe else {}),
-        )
-    if c.arch == "llama":
-        return t.LlamaConfig(
-            hidden_size=c.hidden,
-            intermediate_size=c.ffn_hidden,
-            num_hidden_layers=c.n_layers,
-            num_attention_heads=c.n_heads,
-            num_key_value_heads=c.n_kv_heads,
-            head_dim=c.head_dim,
-            vocab_size=c.vocab,
-            max_position_embeddings=c.seq_len,
-            tie_word_embeddings=False,
         )
     if c.arch == "bloom":  # head_dim = hidden / n_head and the MLP is 4 * hidden
         assert (c.attn_dim, c.ffn_hidden, c.n_kv_heads) == (c.hidden, 4 * c.hidden, c.n_heads)

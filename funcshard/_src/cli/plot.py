@@ -106,27 +106,17 @@ def plot(data: dict[str, Any], path: Path, /) -> None:
             fontweight="bold" if n == "auto" else "normal",
             color="black" if fits is not False else "#b00000",
         )
+
+    def line(at: int, label: str, /, **style: Any) -> None:
+        """A labelled vertical line at ``at`` bytes, above the top bar."""
+        ha = style.pop("ha", "left")
+        ax.axvline(at / GiB, color="#b00000", **style)
+        ax.text(at / GiB, len(names) - 0.45, label, color="#b00000", fontsize=8, va="bottom", ha=ha)
+
     if budget:
-        ax.axvline(budget / GiB, color="#b00000", linewidth=1.5)
-        ax.text(
-            budget / GiB,
-            len(names) - 0.45,
-            f" device {format_bytes(budget)}",
-            color="#b00000",
-            fontsize=8,
-            va="bottom",
-        )
+        line(budget, f" device {format_bytes(budget)}", linewidth=1.5)
     if budget and usable is not None and usable < budget:
-        ax.axvline(usable / GiB, color="#b00000", linewidth=1, linestyle="--")
-        ax.text(
-            usable / GiB,
-            len(names) - 0.45,
-            f"usable {format_bytes(usable)} ",
-            color="#b00000",
-            fontsize=8,
-            va="bottom",
-            ha="right",
-        )
+        line(usable, f"usable {format_bytes(usable)} ", linewidth=1, linestyle="--", ha="right")
     ax.set_yticks(rows, labels)
     for tick, n in zip(ax.get_yticklabels(), names):
         if n == "auto":
