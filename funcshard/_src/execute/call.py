@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.utils.checkpoint
@@ -88,8 +88,33 @@ def call(fn: Callable[..., _R], unit: Any, /, *args: Any, remat: bool = False, *
 
 
 def _identify(run: Run, unit: Any) -> tuple[UnitRuntime, list[ShardedTensor], tree.TreeDef]:
-    """The unit runtime behind ``unit``, its sharded leaves and structure; errors name what is wrong."""
-    paths, leaves, treedef = tree.flatten_with_paths(unit)
+    """The unit runtime behind ``unit``, its sharded leaves and structure; errors name what is wrong.
+
+    The common case costs one flatten and a set comparison per call; paths and
+    messages are built only for a subtree that is not exactly one unit's.
+    """
+    leaves, treedef = tree.flatten(unit)
+    owner: UnitRuntime | None = None
+    for leaf in leaves:
+        if not isinstance(leaf, ShardedTensor):
+            break
+        found = run.flat_owner.get(id(leaf.flat))
+        if found is None or (owner is not None and found is not owner):
+            break
+        owner = found
+    else:
+        if (
+            owner is not None
+            and len(leaves) == len(owner.slots)
+            and {leaf.slot.index for leaf in leaves} == owner.index_set
+        ):
+            return owner, leaves, treedef
+    return _refuse(run, unit)
+
+
+def _refuse(run: Run, unit: Any) -> NoReturn:
+    """Raises the error that says why ``unit`` is not exactly one unit's subtree of this step's params."""
+    paths, leaves, _ = tree.flatten_with_paths(unit)
     units = sorted(run.units)
     if not leaves:
         raise ValueError(
@@ -124,15 +149,14 @@ def _identify(run: Run, unit: Any) -> tuple[UnitRuntime, list[ShardedTensor], tr
         )
     (runtime,) = owners.values()
     given = [x.path for x in sharded]
-    missing = [p for p in runtime.unit.paths if p not in set(given)]
+    given_set = set(given)
+    missing = [p for p in runtime.unit.paths if p not in given_set]
     twice = sorted({p for p in given if given.count(p) > 1})
-    if missing or twice:
-        problem = f"missing {missing}" if missing else f"{twice} given twice"
-        raise ValueError(
-            f"fs.call got {len(set(given))} of the {len(runtime.unit.paths)} leaves of unit "
-            f"{runtime.name!r} ({problem}); pass the unit's whole subtree"
-        )
-    return runtime, sharded, treedef
+    problem = f"missing {missing}" if missing else f"{twice} given twice"
+    raise ValueError(
+        f"fs.call got {len(given_set)} of the {len(runtime.unit.paths)} leaves of unit "
+        f"{runtime.name!r} ({problem}); pass the unit's whole subtree"
+    )
 
 
 def _refuse_sharded_outside_a_step(unit: Any) -> None:

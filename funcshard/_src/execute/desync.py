@@ -16,8 +16,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from funcshard._src.comm import agree, channel
+from funcshard._src.comm import agree, channel, settle
 from funcshard._src.comm.channel import Kind
+from funcshard._src.comm.collectives import Pending
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import MixedPrecision
 
@@ -128,3 +129,19 @@ def check_end() -> None:
 
 def _short(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def settle_after_error(inflight: list[Pending], error: BaseException) -> None:
+    """After ``error`` in a step: drains the collectives in flight if every rank gave up alike.
+
+    See [Note: out of step] in ``comm/channel.py``: otherwise this process is out
+    of step and the collectives in flight are left to the process group.
+    """
+    if not settle.abort_exchange("a step", error):
+        return
+    for pending in inflight:
+        try:
+            pending.wait()
+        except Exception as e:  # pending.wait marked this process out of step
+            error.add_note(f"funcshard: after the error, a collective in flight failed too: {e}")
+            return

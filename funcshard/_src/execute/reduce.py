@@ -23,6 +23,7 @@ from funcshard._src.comm import collectives
 from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
+from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.unit_state import Part, UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
 
@@ -43,10 +44,16 @@ class Reduction:
     bound: BoundMesh
     ledger: Ledger | None
     tag: str
+    staging: torch.Tensor | None  # the packed input, for the pool once the stage is done
 
-    def finish(self) -> torch.Tensor:
-        """Waits (and all-reduces across replicas if need be); the reduced gradient, ``(numel,)``."""
+    def finish(self, pool: BufferPool) -> torch.Tensor:
+        """Waits (and all-reduces across replicas if need be); the reduced gradient, ``(numel,)``.
+
+        Gives the packed input back to ``pool`` once the first stage is done.
+        """
         out = self.stage.wait()
+        if self.staging is not None:
+            pool.give(self.staging)
         if self.then_all_reduce:
             out = collectives.all_reduce(
                 out, self.bound, self.then_all_reduce, ledger=self.ledger, tag=self.tag
@@ -57,8 +64,15 @@ class Reduction:
 class Reducer:
     """The gradients of one call of a step; per-step state, never kept across calls."""
 
-    def __init__(self, *, world_size: int, spares: dict[FlatLayout, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        spares: dict[FlatLayout, torch.Tensor],
+        pool: BufferPool | None = None,
+    ) -> None:
         self.world_size = world_size
+        self.pool = BufferPool() if pool is None else pool  # see [Note: staging lifetimes]
         self.spares = spares  # donated buffers of the last call, by layout
         self.grads: dict[FlatLayout, torch.Tensor] = {}  # the result, in the stored dtype
         self.deferred: dict[FlatLayout, torch.Tensor] = {}  # packed, (group_size, numel)
@@ -102,15 +116,18 @@ class Reducer:
             rows = spare.view(1, -1)  # no_shard: reduced in place, this becomes the gradient
             spare = None
         else:
-            rows = torch.empty(unit.group_size, layout.numel, dtype=part.grad_dtype, device=device)
+            rows = self.pool.take(unit.group_size * layout.numel, part.grad_dtype, device)
+            rows = rows.view(unit.group_size, layout.numel)
         kept = self.deferred.pop(layout, None)
         # the mean over every data-parallel rank: divide while packing, unless gradients
         # kept from earlier micro-batches are still to be added
         direct = kept is None and not defer
-        leaves = [None if g is None else g.to(part.grad_dtype) for g in mine]
+        dtype = part.grad_dtype
+        leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
         pack_into(layout, leaves, rows, unit.axes, scale=1.0 / self.world_size if direct else 1.0)
         if kept is not None:
             rows.add_(kept)
+            self.pool.give(kept)
         if defer:
             self.deferred[layout] = rows
             return
@@ -122,19 +139,23 @@ class Reducer:
                 rows.view(-1), unit.bound, replica, ledger=unit.ledger, tag=unit.name
             )
             then: tuple[str, ...] = ()
+            staging = None  # reduced in place: it becomes the gradient
         else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter
             stage = collectives.reduce_scatter(
                 rows, unit.bound, unit.axes, out=spare, ledger=unit.ledger, tag=unit.name
             )
             then = replica
+            staging = rows if unit.group_size > 1 else None  # over one rank, rows is the result
         unit.memory.log("reduce", unit.name)
-        self.pending.append(Reduction(layout, stage, then, unit.bound, unit.ledger, unit.name))
+        self.pending.append(
+            Reduction(layout, stage, then, unit.bound, unit.ledger, unit.name, staging)
+        )
 
     def _finish_oldest(self) -> None:
         """The first reduction of a layout becomes its gradient buffer as it is: no zero-filled
         buffer and no extra pass (cast to the stored dtype if need be)."""
         reduction = self.pending.pop(0)
-        out = reduction.finish()
+        out = reduction.finish(self.pool)
         layout = reduction.layout
         out = out if out.dtype == layout.dtype else out.to(layout.dtype)
         if layout in self.grads:

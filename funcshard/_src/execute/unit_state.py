@@ -44,6 +44,7 @@ from funcshard._src.comm import collectives
 from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
+from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.strategy import shard_axes
 from funcshard._src.plan.units import Unit
@@ -128,11 +129,15 @@ class UnitRuntime:
         precision: MixedPrecision,
         ledger: Ledger | None,
         memory: GatheredMemory,
+        pool: BufferPool | None = None,
     ) -> None:
         self.unit = unit
         self.bound = bound
         self.ledger = ledger
         self.memory = memory
+        self.pool = (
+            BufferPool() if pool is None else pool
+        )  # staging buffers, shared by a step's units
         mesh = bound.mesh
         # collectives for gathering run over the strategy's shard axes; gradients are
         # then all-reduced over the remaining (replica) axes
@@ -154,6 +159,7 @@ class UnitRuntime:
         # the unit's leaf order, computed once: parts in turn, slots within each
         self.slots: tuple[Slot, ...] = tuple(s for p in self.parts for s in p.layout.slots)
         self.position = {slot.index: i for i, slot in enumerate(self.slots)}
+        self.index_set = frozenset(self.position)  # what fs.call checks its subtree against
         # per leaf in the unit's order: whether it gets a gradient (floating, not frozen)
         self.trained: tuple[bool, ...] = tuple(
             p.layout.dtype.is_floating_point and not p.layout.frozen
@@ -202,7 +208,8 @@ class UnitRuntime:
         self._expect(UnitState.SHARDED, "bind")
         self.flats = list(flats)
         for part, flat in zip(self.parts, self.flats):
-            if part.aliased:  # see [Note: aliased units]
+            if part.aliased and part.full is not flat.data:  # see [Note: aliased units]
+                part.full = flat.data  # the views are made once per buffer
                 part.views = [
                     flat.data[s.offset : s.offset + s.numel].view(s.shape)
                     for s in part.layout.slots
@@ -231,8 +238,8 @@ class UnitRuntime:
                     local, self.bound, self.axes, out=part.full, ledger=self.ledger, tag=self.name
                 )
                 continue
-            out = torch.empty(  # (group_size * numel,)
-                self.group_size * local.numel(), dtype=local.dtype, device=local.device
+            out = self.pool.take(  # (group_size * numel,); see [Note: staging lifetimes]
+                self.group_size * local.numel(), local.dtype, local.device
             )
             self.memory.add(out.numel() * out.element_size())
             part.inflight = collectives.all_gather(
@@ -330,7 +337,7 @@ class UnitRuntime:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(part.full):
                 unpack_into(part.layout, gathered, part.views, self.axes)
             self.memory.sub(gathered.numel() * gathered.element_size())
-            del gathered
+            self.pool.give(gathered)
         self.memory.log("finish", self.name)
         self.state = UnitState.GATHERED
 

@@ -9,10 +9,16 @@ from typing import Any, Literal
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import groups, settle
-from funcshard._src.comm.collectives import Pending
+from funcshard._src.comm import groups
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.execute.desync import check_end, check_start, signature, start_forward_check
+from funcshard._src.execute.buffers import BufferPool
+from funcshard._src.execute.desync import (
+    check_end,
+    check_start,
+    settle_after_error,
+    signature,
+    start_forward_check,
+)
 from funcshard._src.execute.reduce import Reducer
 from funcshard._src.execute.run import Run, current_run
 from funcshard._src.execute.unit_state import GatheredMemory, UnitRuntime
@@ -37,6 +43,7 @@ class StepStats:
 
     peak_gathered_bytes: int  # gathered parameters (and all-gather buffers) alive at once, at most
     unit_gathered_bytes: dict[str, int]  # per unit, bytes of its full leaves when gathered
+    staging_bytes: int = 0  # staging buffers kept for the next call; see [Note: staging lifetimes]
 
 
 class Step:
@@ -62,6 +69,9 @@ class Step:
         self.donate_grads = donate_grads
         self.ledger = Ledger()
         self.memory = GatheredMemory()
+        # staging buffers, see [Note: staging lifetimes]: all-gather outputs, reduce-scatter inputs
+        self.gather_pool = BufferPool(depth=max(1, prefetch))
+        self.reduce_pool = BufferPool(depth=1)
         self._layouts = plan_layouts(plan)
         self._units: list[UnitRuntime] | None = None
         self._last: list[FlatShard] = []  # the gradients last returned, with donate_grads
@@ -74,7 +84,11 @@ class Step:
     def stats(self) -> StepStats:
         """Memory figures of the last call on this rank."""
         units = self._runtimes()
-        return StepStats(self.memory.peak, {u.name: u.gathered_bytes for u in units})
+        return StepStats(
+            self.memory.peak,
+            {u.name: u.gathered_bytes for u in units},
+            self.gather_pool.held_bytes + self.reduce_pool.held_bytes,
+        )
 
     def __call__(self, sparams: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """``(loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``) for this rank's batch.
@@ -133,7 +147,7 @@ class Step:
             order_hint=self._order,
             prefetch=self.prefetch,
             defer=False,
-            reducer=Reducer(world_size=self.plan.mesh.size, spares={}),
+            reducer=Reducer(world_size=self.plan.mesh.size, spares={}, pool=self.reduce_pool),
             output_dtype=self.mixed_precision.output_dtype,
             evaluation=True,
         )
@@ -146,7 +160,7 @@ class Step:
             self._order = calls
             run.close_evaluation()
         except BaseException as error:
-            _settle(run.abort(), error)
+            settle_after_error(run.abort(), error)
             raise
         return out
 
@@ -160,7 +174,13 @@ class Step:
                 by_unit.setdefault(layout.unit, []).append(layout)
             self._units = [
                 UnitRuntime(
-                    unit, by_unit[unit.name], bound, self.mixed_precision, self.ledger, self.memory
+                    unit,
+                    by_unit[unit.name],
+                    bound,
+                    self.mixed_precision,
+                    self.ledger,
+                    self.memory,
+                    self.gather_pool,
                 )
                 for unit in self.plan.units
             ]
@@ -177,7 +197,9 @@ class Step:
             f"{mode}, {len(batches)} micro-batch(es)",
             nested="a step was called inside another step's loss_fn; call steps one after the other",
         )
-        reducer = Reducer(world_size=self.plan.mesh.size, spares=self._take_donated())
+        reducer = Reducer(
+            world_size=self.plan.mesh.size, spares=self._take_donated(), pool=self.reduce_pool
+        )
         losses: list[torch.Tensor] = []
         auxes: list[Any] = []
         for i, (args, kwargs) in enumerate(batches):
@@ -202,7 +224,7 @@ class Step:
                 run.finish()
                 check_end()
             except BaseException as error:
-                _settle(run.abort(), error)
+                settle_after_error(run.abort(), error)
                 raise
             losses.append(loss.detach())
             auxes.append(aux)
@@ -255,18 +277,21 @@ class Step:
 
     def _check(self, sparams: Any) -> dict[str, list[FlatShard]]:
         """``sparams``' flat shards by unit (one per part, in the plan's layout order), if sharded with this plan."""
-        paths, leaves, treedef = tree.flatten_with_paths(sparams)
+        leaves, treedef = tree.flatten(sparams)
         if treedef != self.plan.treedef:
             raise ValueError(
                 "the params passed to the step do not have the plan's tree structure; pass the tree "
                 "fs.shard(params, plan) returned (or an optimizer's update of it)"
             )
-        for path, leaf in zip(paths, leaves):
-            if not isinstance(leaf, ShardedTensor):
-                raise TypeError(
-                    f"{path or '<root>'}: the step needs sharded params (from fs.shard), got a "
-                    f"{type(leaf).__name__}"
-                )
+        if not all(isinstance(leaf, ShardedTensor) for leaf in leaves):
+            paths, leaves, _ = tree.flatten_with_paths(sparams)
+            path, leaf = next(
+                (p, x) for p, x in zip(paths, leaves) if not isinstance(x, ShardedTensor)
+            )
+            raise TypeError(
+                f"{path or '<root>'}: the step needs sharded params (from fs.shard), got a "
+                f"{type(leaf).__name__}"
+            )
         bound = groups.bind(self.plan.mesh)
         found: dict[FlatLayout, FlatShard] = {}
         expected = {(lt.unit, lt.dtype, lt.frozen): lt for lt in self._layouts}
@@ -368,22 +393,6 @@ def value_and_grad(
         prefetch=prefetch,
         donate_grads=donate_grads,
     )
-
-
-def _settle(inflight: list[Pending], error: BaseException) -> None:
-    """After ``error`` in a step: drains the collectives in flight if every rank gave up alike.
-
-    See [Note: out of step] in ``comm/channel.py``: otherwise this process is out
-    of step and the collectives in flight are left to the process group.
-    """
-    if not settle.abort_exchange("a step", error):
-        return
-    for pending in inflight:
-        try:
-            pending.wait()
-        except Exception as e:  # pending.wait marked this process out of step
-            error.add_note(f"funcshard: after the error, a collective in flight failed too: {e}")
-            return
 
 
 def _kind(x: object) -> str:

@@ -162,16 +162,12 @@ def unpack_into(
 
     One copy per leaf when its dims divide evenly, two when they are padded.
     """
-    axes = tuple(layout.mesh.axis_names if axes is None else axes)
-    for slot, out in zip(layout.slots, outs):
-        grid = _grid(slot, layout.mesh, axes, gathered[:, slot.offset : slot.offset + slot.numel])
-        grid = grid[(0,) * _replica_count(slot, axes)]  # replicas hold the same chunk
-        split = _split_shape(slot, layout.mesh)
-        if _is_even(slot):
-            out.view(split).copy_(grid)
+    for geo, out in zip(geometry(layout, axes), outs):
+        grid = geo.grid(gathered)[geo.replica_index]  # replicas hold the same chunk
+        if geo.padded is None:
+            out.view(geo.split).copy_(grid)
         else:
-            padded = [n * c for n, c in zip(slot.sharding.num_shards(slot.shape), slot.shard_shape)]
-            out.copy_(grid.reshape(padded)[tuple(slice(0, n) for n in slot.shape)])
+            out.copy_(grid.reshape(geo.padded)[geo.unpad])
 
 
 def gathers_in_place(layout: FlatLayout, /, axes: Sequence[str] | None = None) -> bool:
@@ -232,59 +228,106 @@ def pack_into(
     A ``None`` leaf packs as zeros; padding is written as zeros. Scaling while
     copying saves a pass over ``out``.
     """
-    axes = tuple(layout.mesh.axis_names if axes is None else axes)
-    for slot, leaf in zip(layout.slots, leaves):
-        target = _grid(slot, layout.mesh, axes, out[:, slot.offset : slot.offset + slot.numel])
+    geos = geometry(layout, axes)
+    if out.shape[0] == 1 and all(
+        geo.padded is None for geo in geos
+    ):  # a row is the leaves as they are
+        row = out.view(-1)
+        for geo, leaf in zip(geos, leaves):
+            target = row[geo.start : geo.stop]
+            if leaf is None:
+                target.zero_()
+            elif scale == 1.0:
+                target.view_as(leaf).copy_(leaf)
+            else:
+                torch.mul(leaf, scale, out=target.view_as(leaf))
+        return
+    for geo, leaf in zip(geos, leaves):
+        target = geo.grid(out)
         if leaf is None:
             target.zero_()
             continue
-        split = _split_shape(slot, layout.mesh)
-        if _is_even(slot):
-            source = leaf.reshape(split)
+        if geo.padded is None:
+            source = leaf.reshape(geo.split)
         else:
-            padded = leaf.new_zeros(
-                [n * c for n, c in zip(slot.sharding.num_shards(slot.shape), slot.shard_shape)]
-            )
-            padded[tuple(slice(0, n) for n in slot.shape)] = leaf
-            source = padded.view(split)
+            padded = leaf.new_zeros(geo.padded)
+            padded[geo.unpad] = leaf
+            source = padded.view(geo.split)
         if scale == 1.0:
             target.copy_(source.expand(target.shape))
         else:
             torch.mul(source.expand(target.shape), scale, out=target)
 
 
-def _grid(slot: Slot, mesh: Mesh, axes: tuple[str, ...], block: torch.Tensor) -> torch.Tensor:
-    """``block`` ``(group_size, numel)`` seen as (replica axes, then per dim: its axes and its chunk).
+@dataclass(frozen=True)
+class SlotGeometry:
+    """How one slot sits in a gathered ``(group_size, numel)`` buffer: computed once per layout and axes.
 
-    A view: rows split into ``axes`` sizes, columns into the padded chunk shape,
-    then permuted so that each dim's axes (major first) sit just before its chunk.
+    ``grid`` views the slot's columns as (replica axes, then per dim: its axes
+    and its chunk); ``split`` is the full (padded) leaf with each dim split into
+    (its axes' sizes..., chunk); ``padded`` is the padded full shape, ``None``
+    when every dim divides evenly.
     """
-    k = len(axes)
-    dim_axes = slot.sharding.dim_axes(len(slot.shape))
-    used = {a for d in dim_axes for a in d}
-    missing = used - set(axes)
-    if missing:
-        raise ValueError(
-            f"{slot.path}: its spec uses {sorted(missing)}, outside the collective axes {list(axes)}"
+
+    start: int
+    stop: int
+    view: tuple[int, ...]
+    order: tuple[int, ...]
+    replica_index: tuple[int, ...]
+    split: tuple[int, ...]
+    padded: tuple[int, ...] | None
+    unpad: tuple[slice, ...]
+
+    def grid(self, block: torch.Tensor, /) -> torch.Tensor:
+        """The slot's part of ``block`` ``(group_size, numel)`` as its grid (a view)."""
+        return block[:, self.start : self.stop].view(self.view).permute(self.order)
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(layout: FlatLayout, axes: tuple[str, ...]) -> tuple[SlotGeometry, ...]:
+    out: list[SlotGeometry] = []
+    mesh = layout.mesh
+    for slot in layout.slots:
+        k = len(axes)
+        dim_axes = slot.sharding.dim_axes(len(slot.shape))
+        used = {a for d in dim_axes for a in d}
+        missing = used - set(axes)
+        if missing:
+            raise ValueError(
+                f"{slot.path}: its spec uses {sorted(missing)}, outside the collective axes {list(axes)}"
+            )
+        order = [i for i, a in enumerate(axes) if a not in used]
+        for dim, names in enumerate(dim_axes):
+            order += [axes.index(a) for a in names] + [k + dim]
+        split: list[int] = []
+        for dim, names in enumerate(dim_axes):
+            split += [mesh.axis_size(a) for a in names] + [slot.shard_shape[dim]]
+        num = slot.sharding.num_shards(slot.shape)
+        even = all(n * c == size for n, c, size in zip(num, slot.shard_shape, slot.shape))
+        out.append(
+            SlotGeometry(
+                start=slot.offset,
+                stop=slot.offset + slot.numel,
+                view=(*(mesh.axis_size(a) for a in axes), *slot.shard_shape),
+                order=tuple(order),
+                replica_index=(0,) * sum(1 for a in axes if a not in used),
+                split=tuple(split),
+                padded=None if even else tuple(n * c for n, c in zip(num, slot.shard_shape)),
+                unpad=tuple(slice(0, n) for n in slot.shape),
+            )
         )
-    order = [i for i, a in enumerate(axes) if a not in used]
-    for dim, names in enumerate(dim_axes):
-        order += [axes.index(a) for a in names] + [k + dim]
-    sizes = [mesh.axis_size(a) for a in axes]
-    return block.view([*sizes, *slot.shard_shape]).permute(order)
+    return tuple(out)
 
 
-def _replica_count(slot: Slot, axes: tuple[str, ...]) -> int:
-    used = set(slot.sharding.spec.axes)
-    return sum(1 for a in axes if a not in used)
+def geometry(layout: FlatLayout, axes: Sequence[str] | None = None, /) -> tuple[SlotGeometry, ...]:
+    """Per slot of ``layout``, its :class:`SlotGeometry` for a collective over ``axes`` (default: all).
 
+    Cached: the executor packs and unpacks the same layouts every step.
 
-def _split_shape(slot: Slot, mesh: Mesh) -> list[int]:
-    """The full (padded) leaf with each dim split into (its axes' sizes..., chunk)."""
-    split: list[int] = []
-    for dim, names in enumerate(slot.sharding.dim_axes(len(slot.shape))):
-        split += [mesh.axis_size(a) for a in names] + [slot.shard_shape[dim]]
-    return split
+    Raises:
+        ValueError: a slot's spec uses a mesh axis outside ``axes``.
+    """
+    return _geometry(layout, tuple(layout.mesh.axis_names if axes is None else axes))
 
 
 def _is_even(slot: Slot) -> bool:

@@ -1,0 +1,84 @@
+"""Staging buffers are reused: in steady state a step allocates none (docs/performance.md).
+
+Reference: [Note: staging lifetimes] in ``funcshard/_src/execute/buffers.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import funcshard as fs
+from funcshard._src.execute.buffers import BufferPool
+from funcshard.testing import assert_trees_close, reference_value_and_grad
+
+
+def _blocks(width: int = 6, n: int = 4) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "blocks": [
+            {
+                "w": torch.randn(width, width + 1, generator=gen),
+                "b": torch.randn(width + 1, generator=gen),
+            }
+            for _ in range(n)
+        ]
+    }
+
+
+def _loss(p, x):
+    for blk in p["blocks"]:
+        x = fs.call(lambda b, x: torch.tanh(x @ b["w"] + b["b"])[:, : x.shape[1]], blk, x)
+    return (x**2).mean()
+
+
+def _train(strategy: str, prefetch: int) -> tuple[list[int], int, int, bool]:
+    """Per step, the pool's allocations so far; its held bytes; the staging bound; grads right."""
+    params = _blocks()
+    plan = fs.plan(
+        params, fs.Mesh({"fsdp": fs.world_size()}), units=["blocks/*"], strategy=strategy
+    )
+    step = fs.value_and_grad(_loss, plan, prefetch=prefetch)
+    sparams = fs.shard(params, plan)
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(fs.rank()))
+    counts = []
+    for _ in range(3):
+        _, grads = step(sparams, x)
+        counts.append(step.gather_pool.allocations + step.reduce_pool.allocations)
+    xs = [
+        (torch.randn(3, 6, generator=torch.Generator().manual_seed(r)),)
+        for r in range(fs.world_size())
+    ]
+    _, expected = reference_value_and_grad(_loss, params, xs)
+    assert_trees_close(fs.unshard(grads), expected, rtol=1e-5, atol=1e-6)
+    unit = next(u for u in step._runtimes() if u.name == "blocks/0")
+    part = unit.parts[0]
+    one_gather = unit.group_size * part.layout.numel * 4
+    return counts, step.stats.staging_bytes, one_gather, True
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_a_step_in_steady_state_allocates_no_staging_buffer(pools, strategy, prefetch):
+    for counts, held, one, ok in pools.run(2, _train, strategy, prefetch):
+        assert ok
+        # the first step knows no call order, so it prefetches nothing: from the second on,
+        # the pools hold all a step needs
+        assert counts[0] > 0 and counts[2] == counts[1], counts
+        # what is kept: at most `prefetch` all-gather outputs and one reduce-scatter input
+        assert 0 < held <= (prefetch + 1) * one
+
+
+def test_the_pool_hands_back_what_it_was_given_up_to_its_depth():
+    pool = BufferPool(depth=1)
+    cpu = torch.device("cpu")
+    a, b = pool.take(8, torch.float32, cpu), pool.take(8, torch.float32, cpu)
+    pool.give(a.view(2, 4))  # a view of a whole buffer counts as the buffer
+    pool.give(b)  # beyond the depth: dropped
+    assert pool.held_bytes == 32 and pool.allocations == 2
+    assert pool.take(8, torch.float32, cpu) is a
+    assert pool.take(8, torch.bfloat16, cpu) is not a  # another dtype is another kind
+    pool.give(torch.zeros(8)[:4])  # part of a buffer: never kept
+    assert pool.held_bytes == 0
+    with pytest.raises(ValueError, match="depth of at least 1"):
+        BufferPool(depth=0)
