@@ -15,20 +15,24 @@ with every rank.
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from funcshard._src.comm import agree, channel, runtime
+from funcshard._src.comm import reduce_scatter as _rs
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
+from funcshard._src.comm.reduce_scatter import Algorithm
 from funcshard._src.comm.runtime import CollectiveError
 
 _all_gather_single = channel.all_gather_single
 _reduce_scatter_single = channel.reduce_scatter_single
+ALGORITHM_ENV = "FUNCSHARD_REDUCE_SCATTER"
 
 
 @dataclass
@@ -116,10 +120,26 @@ def reduce_scatter(
     out: torch.Tensor | None = None,
     ledger: Ledger | None = None,
     tag: str = "",
+    algorithm: Algorithm | None = None,
 ) -> Pending:
     """Sums ``rows`` ``(group_size, numel)`` over the group; group rank ``i`` gets row ``i``'s sum.
 
     Over a group of one rank the result is the single row (no copy unless ``out``).
+    On gloo ``rows`` is scratch space: its contents are unspecified afterwards.
+
+    Args:
+        rows: ``(group_size, numel)``, row ``i`` for group rank ``i``.
+        bound: the bound mesh.
+        axes: the mesh axes of the group.
+        out: ``(numel,)``, filled with the result when given.
+        ledger: counts ``(group_size - 1) / group_size`` of the bytes of ``rows``.
+        tag: the unit, for errors.
+        algorithm: see ``reduce_scatter.py``; ``None`` is :func:`default_algorithm`.
+            Every rank must use the same. Anything but gloo always runs ``"native"``.
+
+    Raises:
+        CollectiveError: the collective could not start.
+        ValueError: ``algorithm`` is unknown.
     """
     size = group_size(bound, axes)
     group = bound.group(axes)
@@ -129,30 +149,44 @@ def reduce_scatter(
     if out is None:
         out = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
     target = out
-    if dist.get_backend(group) == "gloo":
-        # gloo's reduce-scatter ignores the timeout of Work.wait (it waits until the peer
-        # exits) and is an all-reduce of the whole input plus a copy anyway: do exactly that
-        mine = rows[dist.get_group_rank(group, bound.rank)]
-        pending = _issue(
-            "reduce_scatter", tag, axes, bound, group, rows,
-            lambda: dist.all_reduce(rows.view(-1), group=group, async_op=True),
-        )  # fmt: skip
-        pending.then = lambda: _copy(target, mine)
-    else:
-        pending = _issue(
-            "reduce_scatter", tag, axes, bound, group, rows,
-            lambda: _reduce_scatter_single(target, rows.view(-1), group=group, async_op=True),
-        )  # fmt: skip
+    nbytes = rows.numel() * rows.element_size()
+    backend = dist.get_backend(group)
+    chosen = _rs.resolve(
+        default_algorithm() if algorithm is None else algorithm, backend, size, nbytes
+    )
+    gloo = backend == "gloo"
+
+    def call() -> Any:  # nccl: the backend's own, exactly as before
+        if gloo:
+            return _rs.start(chosen, rows, target, group)
+        return _reduce_scatter_single(target, rows.view(-1), group=group, async_op=True)
+
+    pending = _issue("reduce_scatter", tag, axes, bound, group, rows, call)
     if ledger is not None:
-        ledger.record(
-            "reduce_scatter", axes, group_size=size, full_bytes=rows.numel() * rows.element_size()
-        )
+        # every algorithm but gloo's native and all_reduce sends exactly this; those two send
+        # twice as much, which the ledger (like the cost model) does not count: see ledger.py
+        ledger.record("reduce_scatter", axes, group_size=size, full_bytes=nbytes)
     pending.result = out
     return pending
 
 
-def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
-    target.copy_(source)
+def default_algorithm() -> Algorithm:
+    """The reduce-scatter algorithm when none is given: ``FUNCSHARD_REDUCE_SCATTER``, else ``"auto"``.
+
+    Raises:
+        ValueError: the environment variable names no algorithm.
+
+    Example:
+        >>> default_algorithm()
+        'auto'
+    """
+    value = os.environ.get(ALGORITHM_ENV, "auto")
+    if value not in _rs.ALGORITHMS:
+        raise ValueError(
+            f"{ALGORITHM_ENV}={value!r} is not a reduce-scatter algorithm; "
+            f"use one of {list(_rs.ALGORITHMS)}"
+        )
+    return cast("Algorithm", value)
 
 
 def all_reduce(
