@@ -32,13 +32,15 @@ def _loss(p, x):
     return (x**2).mean()
 
 
-def _train(strategy: str, prefetch: int) -> tuple[list[int], int, int, bool]:
+def _train(
+    strategy: str, prefetch: int, bucket_bytes: int | None
+) -> tuple[list[int], int, int, bool]:
     """Per step, the pool's allocations so far; its held bytes; the staging bound; grads right."""
     params = _blocks()
     plan = fs.plan(
         params, fs.Mesh({"fsdp": fs.world_size()}), units=["blocks/*"], strategy=strategy
     )
-    step = fs.value_and_grad(_loss, plan, prefetch=prefetch)
+    step = fs.value_and_grad(_loss, plan, prefetch=prefetch, bucket_bytes=bucket_bytes)
     sparams = fs.shard(params, plan)
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(fs.rank()))
     counts = []
@@ -59,14 +61,19 @@ def _train(strategy: str, prefetch: int) -> tuple[list[int], int, int, bool]:
 
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
 @pytest.mark.parametrize("prefetch", [1, 2])
-def test_a_step_in_steady_state_allocates_no_staging_buffer(pools, strategy, prefetch):
-    for counts, held, one, ok in pools.run(2, _train, strategy, prefetch):
+@pytest.mark.parametrize("bucket_bytes", [0, None], ids=["units", "buckets"])
+def test_a_step_in_steady_state_allocates_no_staging_buffer(
+    pools, strategy, prefetch, bucket_bytes
+):
+    for counts, held, one, ok in pools.run(2, _train, strategy, prefetch, bucket_bytes):
         assert ok
         # the first step knows no call order, so it prefetches nothing: from the second on,
         # the pools hold all a step needs
-        assert counts[0] > 0 and counts[2] == counts[1], counts
-        # what is kept: at most `prefetch` all-gather outputs and one reduce-scatter input
-        assert 0 < held <= (prefetch + 1) * one
+        assert counts[0] > 0
+        assert counts[2] == counts[1], counts
+        # what is kept: at most `prefetch` all-gather outputs and one reduce-scatter input, of
+        # one unit or of one bucket (the 4 units; its gathers also keep their 1/W-sized input)
+        assert 0 < held <= (prefetch + 1) * one * (1 if bucket_bytes == 0 else 4 * 1.5)
 
 
 def test_the_pool_hands_back_what_it_was_given_up_to_its_depth():
@@ -75,7 +82,8 @@ def test_the_pool_hands_back_what_it_was_given_up_to_its_depth():
     a, b = pool.take(8, torch.float32, cpu), pool.take(8, torch.float32, cpu)
     pool.give(a.view(2, 4))  # a view of a whole buffer counts as the buffer
     pool.give(b)  # beyond the depth: dropped
-    assert pool.held_bytes == 32 and pool.allocations == 2
+    assert pool.held_bytes == 32
+    assert pool.allocations == 2
     assert pool.take(8, torch.float32, cpu) is a
     assert pool.take(8, torch.bfloat16, cpu) is not a  # another dtype is another kind
     pool.give(torch.zeros(8)[:4])  # part of a buffer: never kept

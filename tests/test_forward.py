@@ -32,7 +32,7 @@ def _evaluate(model: Model, mesh: dict[str, int], strategy: Any, prefetch: int) 
     params = model.init(0)
     plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy=strategy)
     sparams = fs.shard(params, plan)
-    step = fs.value_and_grad(_logits(model), plan, has_aux=True, prefetch=prefetch)
+    step = fs.value_and_grad(_logits(model), plan, has_aux=True, prefetch=prefetch, bucket_bytes=0)
     step.memory.events = []
     outs = [step.forward(sparams, *model.batch_for(10 * t + fs.rank())) for t in range(2)]
     events = list(step.memory.events)
@@ -42,7 +42,9 @@ def _evaluate(model: Model, mesh: dict[str, int], strategy: Any, prefetch: int) 
         + u.group_size * sum(p.layout.nbytes for p in u.parts if not p.aliased)
         for u in units
     }
-    evaluate = fs.forward(_logits(model), plan, prefetch=prefetch)  # the public spelling
+    evaluate = fs.forward(
+        _logits(model), plan, prefetch=prefetch, bucket_bytes=0
+    )  # the public spelling
     again = evaluate(sparams, *model.batch_for(fs.rank()))
     return {
         "outs": outs,

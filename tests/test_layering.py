@@ -40,13 +40,13 @@ ORDER = {
         "activations", "hardware", "step_time", "cost_model", "estimates", "leaf", "explain",
         "plan", "resolve", "cost", "search", "advice", "auto", "planner",
     ],
-    "comm": ["runtime", "channel", "agree", "settle", "lifecycle", "metrics", "ledger", "groups", "reduce_scatter", "collectives"],
+    "comm": ["runtime", "channel", "agree", "settle", "lifecycle", "metrics", "ledger", "groups", "reduce_scatter", "all_gather", "collectives"],
     "data": ["sampler", "seed"],
     "shard": [
         "aliasing", "digest", "counter_rng", "fill", "initializers", "fans", "orthogonal", "flat",
         "sharded", "shard", "materialize",
     ],
-    "execute": ["buffers", "desync", "unit_state", "reduce", "run", "call", "value_and_grad", "forward"],
+    "execute": ["buffers", "desync", "unit_state", "bucket", "reduce", "run", "call", "value_and_grad", "forward"],
     "optim": ["base", "schedules", "select", "sgd", "adamw", "lion", "clip", "nonfinite", "adafactor", "chain", "ema", "torch_optim"],
     "checkpoint": ["errors", "chunks", "manifest", "commit", "dcp_io", "rng", "save", "load", "export"],
     "interop": [

@@ -95,7 +95,7 @@ def _staging_in_a_run(model: Model, mesh: dict[str, int], bf16: bool) -> dict[st
     params = model.init(0)
     plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy="full_shard")
     mp = BF16 if bf16 else None
-    step = fs.value_and_grad(model.loss_fn, plan, mixed_precision=mp, prefetch=0)
+    step = fs.value_and_grad(model.loss_fn, plan, mixed_precision=mp, prefetch=0, bucket_bytes=0)
     step(fs.shard(params, plan), *model.batch_for(fs.rank()))
     runtimes = step._runtimes()
     # UnitRuntime.prefetch: torch.empty(group_size * local.numel()) per gathered part

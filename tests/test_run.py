@@ -27,14 +27,14 @@ UNEVEN = Model(kind="mlp", vocab=11, width=6, layers=4)
 
 
 def _held_and_peak(
-    model: Model, mesh: dict[str, int], strategy: Any, prefetch: int
+    model: Model, mesh: dict[str, int], strategy: Any, prefetch: int, bucket_bytes: int | None = 0
 ) -> dict[str, Any]:
     params = model.init(0)
     plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy=strategy)
     sparams = fs.shard(params, plan)
     opt = fs.optim.adamw(lr=1e-3)
     state = opt.init(sparams)
-    step = fs.value_and_grad(model.loss_fn, plan, prefetch=prefetch)
+    step = fs.value_and_grad(model.loss_fn, plan, prefetch=prefetch, bucket_bytes=bucket_bytes)
     _, grads = step(sparams, *model.batch_for(fs.rank()))
 
     def nbytes(tree: Any) -> int:
@@ -54,6 +54,7 @@ def _held_and_peak(
         "peak": step.stats.peak_gathered_bytes,
         "root": root,
         "max_unit": max(c for name, c in cost.items() if name != "<root>"),
+        "max_group": max_group_bytes(units, cost),
         "all_units": sum(u.gathered_bytes for u in units),
         "expected_params": param_bytes_per_rank(plan),
     }
@@ -65,6 +66,14 @@ def test_gathered_parameters_stay_within_the_prefetch_bound(pools, prefetch):
     for r in pools.run(2, _held_and_peak, EVEN, {"fsdp": 2}, "full_shard", prefetch):
         assert r["peak"] <= r["root"] + (1 + prefetch) * r["max_unit"]
         assert r["peak"] < r["all_units"]  # memory really drops: not every unit is alive at once
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("bucket_bytes", [600, 10_000])
+def test_buckets_bound_gathered_parameters_by_buckets(pools, prefetch, bucket_bytes):
+    """With buckets, the bound is (1 + prefetch) buckets: their members' full leaves and the bucket's buffer."""
+    for r in pools.run(2, _held_and_peak, EVEN, {"fsdp": 2}, "full_shard", prefetch, bucket_bytes):
+        assert r["peak"] <= r["root"] + (1 + prefetch) * r["max_group"]
 
 
 @pytest.mark.parametrize(
@@ -190,7 +199,7 @@ def _states_seen_in_forward() -> list[list[str]]:
 
     params = model.init(0)
     plan = fs.plan(params, fs.Mesh({"fsdp": 2}), units=["blocks/*"])
-    step = fs.value_and_grad(loss_fn, plan)
+    step = fs.value_and_grad(loss_fn, plan, bucket_bytes=0)  # units, not buckets
     sparams = fs.shard(params, plan)
     step(sparams, *model.batch_for(0))  # the first step learns the call order
     seen.clear()
@@ -212,7 +221,7 @@ def _trace_one_step() -> list[tuple[str, str]]:
     model = Model(kind="mlp", layers=3)
     params = model.init(0)
     plan = fs.plan(params, fs.Mesh({"fsdp": 2}), units=["blocks/*"])
-    step = fs.value_and_grad(model.loss_fn, plan)
+    step = fs.value_and_grad(model.loss_fn, plan, bucket_bytes=0)  # units, not buckets
     sparams = fs.shard(params, plan)
     step(sparams, *model.batch_for(0))
     step.memory.events = []
@@ -237,3 +246,20 @@ def test_backward_regathers_each_unit_and_prefetches_the_one_before(pools):
         ("free", "<root>"), ("reduce", "<root>"),
     ]  # fmt: skip
     assert events == forward + backward
+
+
+def max_group_bytes(units: Any, cost: dict[str, int]) -> int:
+    """The most bytes one gather group holds: a unit, or a bucket's members plus its 1/W-sized input."""
+    groups: dict[int, list[Any]] = {}
+    for u in units:
+        if not u.unit.is_root:
+            groups.setdefault(id(u.bucket) if u.bucket is not None else id(u), []).append(u)
+    return max(
+        sum(cost[u.name] for u in members)
+        + (
+            sum(p.layout.nbytes for u in members for p in u.parts if not p.aliased)
+            if len(members) > 1
+            else 0
+        )
+        for members in groups.values()
+    )

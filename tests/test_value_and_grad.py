@@ -48,6 +48,7 @@ class Case:
     steps: int = 3
     budget: int | None = None  # with strategy="auto"
     frozen: tuple[str, ...] = ()  # fs.plan(frozen=...): sharded, no gradient, never updated
+    bucket_bytes: int | None = None  # value_and_grad(bucket_bytes=...): None is the default
 
     @property
     def world_size(self) -> int:
@@ -110,7 +111,9 @@ def train_sharded(case: Case) -> tuple[list[torch.Tensor], Any]:
     sparams = fs.shard(params, plan)
     opt = case.make_optimizer()
     state = opt.init(sparams)
-    step = fs.value_and_grad(case.model.loss_fn, plan, mixed_precision=case.precision)
+    step = fs.value_and_grad(
+        case.model.loss_fn, plan, mixed_precision=case.precision, bucket_bytes=case.bucket_bytes
+    )
     losses = []
     for t in range(case.steps):
         batches = [case.batch(t, rank, m) for m in range(case.micro_batches)]
@@ -199,6 +202,9 @@ def cases(draw: st.DrawFn) -> Case:
                 [(), (), ("embed",), ("blocks/0",), ("head/temp",), ("embed", "blocks/0")]
             )
         ),
+        # 0: every unit on its own; 300: buckets of two or three small blocks; None: the
+        # backend's default (every unit of these models in one bucket on gloo)
+        bucket_bytes=draw(st.sampled_from([0, 300, None])),
     )
 
 

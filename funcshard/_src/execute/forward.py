@@ -17,13 +17,15 @@ def forward(
     *,
     mixed_precision: MixedPrecision | None = None,
     prefetch: int = 1,
+    bucket_bytes: int | None = None,
 ) -> Callable[..., Any]:
     """An evaluation ``evaluate(sparams, *args, **kwargs) -> fn(params, *args, **kwargs)``, no gradients.
 
     For validation loss, metrics and generation over sharded params: the step's
     forward (:meth:`Step.forward`) with each unit gathered once just before its
     ``fs.call`` and freed right after, under ``torch.no_grad``. Gathered
-    parameters alive at once are at most the root unit plus ``1 + prefetch`` units;
+    parameters alive at once are at most the root unit plus ``1 + prefetch`` units
+    (or buckets of units, see ``bucket_bytes``);
     no activations are kept and nothing is gathered again. Every rank calls it
     (collective), with its own inputs.
 
@@ -33,6 +35,8 @@ def forward(
         plan: the plan the params were sharded with.
         mixed_precision: compute dtypes, as for a step.
         prefetch: units whose all-gather starts ahead of use.
+        bucket_bytes: small consecutive units gathered together, as for
+            :func:`funcshard.value_and_grad`.
 
     Returns:
         ``evaluate(sparams, *args, **kwargs)``, returning what ``fn`` returns.
@@ -51,5 +55,6 @@ def forward(
         has_aux=False,
         mixed_precision=mixed_precision or FULL_PRECISION,
         prefetch=prefetch,
+        bucket_bytes=bucket_bytes,
     )
     return step.forward

@@ -23,6 +23,7 @@ from funcshard._src.comm import collectives
 from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
+from funcshard._src.execute.bucket import Bucket
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.unit_state import Part, UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
@@ -36,15 +37,22 @@ MAX_PENDING = 1
 
 @dataclass(eq=False)
 class Reduction:
-    """One part's reduction in flight; :meth:`finish` waits for it and returns the sharded gradient."""
+    """One part's reduction in flight (or a bucket's); :meth:`finish` waits and returns the sharded gradient.
 
-    layout: FlatLayout
+    ``pieces`` says whose gradient each ``[start, stop)`` of the result is: one
+    piece for one unit's part, one per member for a bucket. With ``per_piece``
+    (a bucket), the all-reduce across replicas is counted in the ledger per
+    piece, as the cost model counts it per unit.
+    """
+
+    pieces: tuple[tuple[FlatLayout, int, int], ...]
     stage: Pending
     then_all_reduce: tuple[str, ...]
     bound: BoundMesh
     ledger: Ledger | None
     tag: str
     staging: torch.Tensor | None  # the packed input, for the pool once the stage is done
+    per_piece: bool = False
 
     def finish(self, pool: BufferPool) -> torch.Tensor:
         """Waits (and all-reduces across replicas if need be); the reduced gradient, ``(numel,)``.
@@ -55,9 +63,20 @@ class Reduction:
         if self.staging is not None:
             pool.give(self.staging)
         if self.then_all_reduce:
+            size = collectives.group_size(self.bound, self.then_all_reduce)
             out = collectives.all_reduce(
-                out, self.bound, self.then_all_reduce, ledger=self.ledger, tag=self.tag
+                out,
+                self.bound,
+                self.then_all_reduce,
+                ledger=None if self.per_piece else self.ledger,
+                tag=self.tag,
             ).wait()
+            if self.per_piece and self.ledger is not None:
+                for _, a, b in self.pieces:
+                    nbytes = (b - a) * out.element_size()
+                    self.ledger.record(
+                        "all_reduce", self.then_all_reduce, group_size=size, full_bytes=nbytes
+                    )
         return out
 
 
@@ -77,6 +96,7 @@ class Reducer:
         self.grads: dict[FlatLayout, torch.Tensor] = {}  # the result, in the stored dtype
         self.deferred: dict[FlatLayout, torch.Tensor] = {}  # packed, (group_size, numel)
         self.pending: list[Reduction] = []
+        self.open_rounds: list[tuple[Bucket, int]] = []  # buckets' rounds not yet reduced, in order
 
     def reduce(
         self, unit: UnitRuntime, grads: Sequence[torch.Tensor | None], /, *, defer: bool
@@ -86,14 +106,22 @@ class Reducer:
         With ``defer``, packs and keeps them (added to what earlier deferred calls
         kept) to be reduced by a later call without ``defer``.
         """
-        for part, mine in zip(unit.parts, unit.split(grads)):
+        for j, (part, mine) in enumerate(zip(unit.parts, unit.split(grads))):
             if part.layout.dtype.is_floating_point and not part.layout.frozen:
                 while len(self.pending) >= MAX_PENDING:  # before packing: bounded memory
                     self._finish_oldest()
-                self._reduce_part(unit, part, mine, defer=defer)
+                if isinstance(unit.bucket, Bucket) and not defer:
+                    self._reduce_bucketed(unit.bucket, unit, j, part, mine)
+                else:
+                    self._reduce_part(unit, part, mine, defer=defer)
 
     def finish(self) -> None:
-        """Waits for every reduction in flight and adds it into :attr:`grads`; mutates."""
+        """Reduces the buckets' open rounds, waits for every reduction and adds it into :attr:`grads`; mutates."""
+        while self.open_rounds:
+            bucket, j = self.open_rounds[0]
+            while len(self.pending) >= MAX_PENDING:
+                self._finish_oldest()
+            self._flush(bucket, j)
         while self.pending:
             self._finish_oldest()
 
@@ -102,7 +130,84 @@ class Reducer:
         inflight = [r.stage for r in self.pending]
         self.pending.clear()
         self.deferred.clear()
+        for bucket, _ in self.open_rounds:
+            bucket.rounds.clear()
+        self.open_rounds.clear()
         return inflight
+
+    def _reduce_bucketed(
+        self,
+        bucket: Bucket,
+        unit: UnitRuntime,
+        j: int,
+        part: Part,
+        mine: Sequence[torch.Tensor | None],
+    ) -> None:
+        """Packs ``unit``'s gradients of part ``j`` into its bucket's round; the last member reduces it."""
+        layout = part.layout
+        self.spares.pop(layout, None)  # a bucket's result is one buffer: no donated one fits
+        columns, again = bucket.columns(unit.bucket_index, j, part.grad_dtype)
+        if again:  # a unit reported twice in this round: reduce what is there first
+            self._flush(bucket, j)
+            columns, _ = bucket.columns(unit.bucket_index, j, part.grad_dtype)
+        if (bucket, j) not in self.open_rounds:
+            self.open_rounds.append((bucket, j))
+        kept = self.deferred.pop(layout, None)
+        dtype = part.grad_dtype
+        leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
+        pack_into(
+            layout,
+            leaves,
+            columns,
+            unit.axes,
+            scale=1.0 if kept is not None else 1.0 / self.world_size,
+        )
+        if kept is not None:
+            columns.add_(kept)
+            self.pool.give(kept)
+            columns.div_(self.world_size)
+        if bucket.complete(j):
+            self._flush(bucket, j)
+
+    def _flush(self, bucket: Bucket, j: int) -> None:
+        """Starts reducing the open round of part ``j`` of ``bucket``; the ledger counts each member."""
+        self.open_rounds.remove((bucket, j))
+        round_ = bucket.take_round(j)
+        pieces = bucket.pieces(j, round_.reported)
+        first = pieces[0][3]
+        rows = round_.rows
+        replica = first.replica_axes if first.replica_size > 1 else ()
+        itemsize = rows.element_size()
+        if bucket.group_size == 1:  # no_shard: all-reduced in place, the rows become the gradients
+            stage = collectives.all_reduce(rows.view(-1), first.bound, replica, tag=bucket.name)
+            op, axes, group, then, staging = "all_reduce", replica, first.replica_size, (), None
+        else:
+            stage = collectives.reduce_scatter(rows, first.bound, first.axes, tag=bucket.name)
+            op, axes, group, then, staging = (
+                "reduce_scatter",
+                first.axes,
+                bucket.group_size,
+                replica,
+                rows,
+            )
+        for _, a, b, member in pieces:
+            if member.ledger is not None:
+                member.ledger.record(
+                    op, axes, group_size=group, full_bytes=rows.shape[0] * (b - a) * itemsize
+                )
+            member.memory.log("reduce", member.name)
+        self.pending.append(
+            Reduction(
+                tuple((part.layout, a, b) for part, a, b, _ in pieces),
+                stage,
+                then,
+                first.bound,
+                first.ledger,
+                bucket.name,
+                staging,
+                per_piece=True,
+            )
+        )
 
     def _reduce_part(
         self, unit: UnitRuntime, part: Part, mine: Sequence[torch.Tensor | None], *, defer: bool
@@ -148,17 +253,26 @@ class Reducer:
             staging = rows if unit.group_size > 1 else None  # over one rank, rows is the result
         unit.memory.log("reduce", unit.name)
         self.pending.append(
-            Reduction(layout, stage, then, unit.bound, unit.ledger, unit.name, staging)
+            Reduction(
+                ((layout, 0, layout.numel),),
+                stage,
+                then,
+                unit.bound,
+                unit.ledger,
+                unit.name,
+                staging,
+            )
         )
 
     def _finish_oldest(self) -> None:
         """The first reduction of a layout becomes its gradient buffer as it is: no zero-filled
         buffer and no extra pass (cast to the stored dtype if need be)."""
         reduction = self.pending.pop(0)
-        out = reduction.finish(self.pool)
-        layout = reduction.layout
-        out = out if out.dtype == layout.dtype else out.to(layout.dtype)
-        if layout in self.grads:
-            self.grads[layout].add_(out)
-        else:
-            self.grads[layout] = out
+        reduced = reduction.finish(self.pool)
+        for layout, a, b in reduction.pieces:
+            out = reduced if (a, b) == (0, reduced.numel()) else reduced[a:b]
+            out = out if out.dtype == layout.dtype else out.to(layout.dtype)
+            if layout in self.grads:
+                self.grads[layout].add_(out)
+            else:
+                self.grads[layout] = out

@@ -36,7 +36,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -60,6 +60,32 @@ class UnitState(enum.Enum):
     SHARDED = "sharded"  # only the local shard
     GATHERING = "gathering"  # an all-gather is in flight
     GATHERED = "gathered"  # every full leaf is materialized
+
+
+class InFlight(Protocol):
+    """An all-gather in flight for one part: a :class:`Pending`, or a share of a bucket's."""
+
+    result: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        """Blocks until the part's gathered ``(group_size, numel)`` buffer is ready."""
+        ...
+
+
+class SharedGather(Protocol):
+    """What a unit's bucket does for it (``bucket.py``): one all-gather for several units."""
+
+    def start_gather(self) -> None:
+        """Starts the shared all-gather of every member still SHARDED."""
+        ...
+
+    def unpacked(self, member: int, part: int, /) -> None:
+        """Member ``member`` has copied out its share of part ``part``."""
+        ...
+
+    def abandon(self) -> list[Pending]:
+        """After an error: forgets the shared collectives in flight, returning them."""
+        ...
 
 
 class UnitStateError(AssertionError):
@@ -104,7 +130,7 @@ class Part:
     in_place: bool  # gathered straight into ``full``; see [Note: persistent gathered storage]
     full: torch.Tensor | None = None  # persistent, see [Note: persistent gathered storage]
     views: list[torch.Tensor] = field(default_factory=list)
-    inflight: Pending | None = None  # this part's all-gather, while the unit is GATHERING
+    inflight: InFlight | None = None  # this part's all-gather, while the unit is GATHERING
     version: torch.autograd._unsafe_preserve_version_counter | None = None  # in_place, GATHERING
 
     @property
@@ -169,6 +195,8 @@ class UnitRuntime:
         self.state = UnitState.SHARDED
         self.flats: list[FlatShard] = []
         self._holders = 0
+        self.bucket: SharedGather | None = None  # set by bucket.Bucket; see bucket.py
+        self.bucket_index = 0  # this unit's position in its bucket
 
     @property
     def name(self) -> str:
@@ -184,6 +212,11 @@ class UnitRuntime:
     def gathered_bytes(self) -> int:
         """Bytes of this unit's full leaves when gathered (aliased parts hold none of their own)."""
         return sum(p.full_bytes for p in self.parts)
+
+    @property
+    def full_numel_bytes(self) -> int:
+        """Bytes of this unit's full leaves in the compute dtypes, aliased or not."""
+        return sum(p.full_numel * p.compute_dtype.itemsize for p in self.parts)
 
     @property
     def holders(self) -> int:
@@ -220,6 +253,9 @@ class UnitRuntime:
     def prefetch(self) -> None:
         """SHARDED -> GATHERING: issues the all-gather of every part, to be waited for by :meth:`acquire`."""
         self._expect(UnitState.SHARDED, "prefetch")
+        if self.bucket is not None and not all(p.aliased for p in self.parts):
+            self.bucket.start_gather()  # moves this unit (and others) to GATHERING
+            return
         for part, flat in zip(self.parts, self.flats):
             if part.aliased:
                 continue
@@ -245,6 +281,10 @@ class UnitRuntime:
             part.inflight = collectives.all_gather(
                 local, self.bound, self.axes, out=out, ledger=self.ledger, tag=self.name
             )
+        self.mark_gathering()
+
+    def mark_gathering(self) -> None:
+        """SHARDED -> GATHERING, once every part's all-gather (or share of one) is in flight."""
         self.memory.log("start", self.name)
         self.state = UnitState.GATHERING
 
@@ -281,16 +321,17 @@ class UnitRuntime:
 
     def discard(self) -> list[Pending]:
         """After an error: drops gathers in flight without waiting (returns them), frees storage, forgets holders."""
-        dropped: list[Pending] = []
+        dropped: list[Pending] = [] if self.bucket is None else self.bucket.abandon()
         for part in self.parts:
-            if part.inflight is not None and part.in_place:  # its storage is the collective's
+            if isinstance(part.inflight, Pending) and part.in_place:  # the collective's storage
                 dropped.append(part.inflight)
                 part.inflight = None
                 self._forget(part)
                 continue
             if part.inflight is not None:
                 self.memory.sub(part.inflight.result.numel() * part.inflight.result.element_size())
-                dropped.append(part.inflight)
+                if isinstance(part.inflight, Pending):  # a bucket's share: abandoned above
+                    dropped.append(part.inflight)
                 part.inflight = None
             if not part.aliased and part.full is not None and part.full.untyped_storage().size():
                 part.full.untyped_storage().resize_(0)
@@ -316,7 +357,7 @@ class UnitRuntime:
     def _finish_gather(self) -> None:
         """GATHERING -> GATHERED: waits, then fills every full leaf; see [Note: persistent gathered storage]."""
         self._expect(UnitState.GATHERING, "finish gathering")
-        for part in self.parts:
+        for j, part in enumerate(self.parts):
             if part.aliased:
                 continue
             assert part.inflight is not None
@@ -337,7 +378,11 @@ class UnitRuntime:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(part.full):
                 unpack_into(part.layout, gathered, part.views, self.axes)
             self.memory.sub(gathered.numel() * gathered.element_size())
-            self.pool.give(gathered)
+            if isinstance(inflight, Pending):
+                self.pool.give(gathered)
+            else:  # a share of the bucket's buffer, which the bucket gives back
+                assert self.bucket is not None
+                self.bucket.unpacked(self.bucket_index, j)
         self.memory.log("finish", self.name)
         self.state = UnitState.GATHERED
 

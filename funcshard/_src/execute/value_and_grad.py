@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from funcshard._src import tree
 from funcshard._src.comm import groups
 from funcshard._src.comm.ledger import Ledger
+from funcshard._src.execute.bucket import default_bucket_bytes, make_buckets
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.desync import (
     check_end,
@@ -58,9 +60,15 @@ class Step:
         mixed_precision: MixedPrecision,
         prefetch: int,
         donate_grads: bool = False,
+        bucket_bytes: int | None = None,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be at least 0, got {prefetch}")
+        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or bucket_bytes < 0):
+            raise ValueError(
+                f"bucket_bytes must be a number of bytes of at least 0 (0: no buckets), got {bucket_bytes!r}"
+            )
+        self.bucket_bytes = bucket_bytes
         self.loss_fn = loss_fn
         self.plan = plan
         self.has_aux = has_aux
@@ -184,6 +192,12 @@ class Step:
                 )
                 for unit in self.plan.units
             ]
+            backend = str(dist.get_backend()) if bound.distributed else None
+            limit = (
+                default_bucket_bytes(backend) if self.bucket_bytes is None else self.bucket_bytes
+            )
+            if limit:
+                make_buckets(self._units, limit, self.gather_pool, self.reduce_pool)
         return self._units
 
     def _run(
@@ -348,6 +362,7 @@ def value_and_grad(
     mixed_precision: MixedPrecision | None = None,
     prefetch: int = 1,
     donate_grads: bool = False,
+    bucket_bytes: int | None = None,
 ) -> Step:
     """A training step ``step(sparams, *args) -> (loss, grads)`` for the pure ``loss_fn(params, *args)``.
 
@@ -372,6 +387,11 @@ def value_and_grad(
             no new pages each step). The donated tree is dead: reading it raises
             ``DonatedError``; clone what you keep. Without it, no tree a call
             returned is ever written again.
+        bucket_bytes: consecutive units whose full leaves together stay within this
+            many bytes share their all-gathers and reductions (as DDP buckets its
+            all-reduces), which cuts the latency of small units; ``0`` turns it off.
+            ``None`` is the backend's default (4 MiB on gloo, off on NCCL). Gathered
+            parameters alive at once are then bounded by buckets instead of units.
 
     Returns:
         A :class:`Step`; also see :meth:`Step.accumulate` for several micro-batches.
@@ -392,6 +412,7 @@ def value_and_grad(
         mixed_precision=mixed_precision or FULL_PRECISION,
         prefetch=prefetch,
         donate_grads=donate_grads,
+        bucket_bytes=bucket_bytes,
     )
 
 

@@ -1,0 +1,124 @@
+"""Buckets: small consecutive units share collectives, and training is unchanged.
+
+Reference: ``funcshard/_src/execute/bucket.py``. Every bucket size trains like one
+device (also drawn in tests/test_value_and_grad.py); these cases add a unit called
+twice in a step (a bucket flushed early), micro-batches kept unsharded, every
+strategy, the ledger against the cost model, and the count of collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import funcshard as fs
+from funcshard._src.comm import collectives
+from funcshard.testing import assert_trees_close, reference_value_and_grad
+from tests.models import Model
+
+MODEL = Model(kind="mlp", width=6, layers=6)
+
+
+def _tied_loss(params: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """MODEL's loss with block 1 called again after block 4: one unit used twice."""
+    h = params["embed"]["tokens"][tokens]
+    for i in [0, 1, 2, 3, 4, 1, 5]:
+        h = fs.call(MODEL._block, params["blocks"][i], h)
+    logits = h @ params["head"]["w"] * params["head"]["temp"]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+def _train(
+    mesh: dict[str, int], strategy: str, bucket_bytes: int | None, tied: bool, micro: int
+) -> dict[str, Any]:
+    params = MODEL.init(0)
+    plan = fs.plan(params, fs.Mesh(mesh), units=MODEL.units, strategy=strategy)
+    loss_fn = _tied_loss if tied else MODEL.loss_fn
+    step = fs.value_and_grad(loss_fn, plan, bucket_bytes=bucket_bytes)
+    sparams = fs.shard(params, plan)
+    gathers = {"n": 0}
+    original = collectives.all_gather
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        gathers["n"] += 1
+        return original(*args, **kwargs)
+
+    collectives.all_gather = counting  # this worker's module: counts the unit gathers
+    try:
+        for t in range(2):
+            gathers["n"] = 0
+            step.ledger.reset()
+            batches = [MODEL.batch_for(100 * t + 10 * fs.rank() + m) for m in range(micro)]
+            if micro == 1:
+                _, grads = step(sparams, *batches[0])
+            else:
+                _, grads = step.accumulate(sparams, batches, mode="unsharded")
+    finally:
+        collectives.all_gather = original
+    units = step._runtimes()
+    return {
+        "grads": fs.unshard(grads),
+        "ledger": step.ledger.total(),
+        "expected": sum(fs.cost.estimate(plan).comm.values()),
+        "gathers": gathers["n"],
+        "buckets": len({id(u.bucket) for u in units if u.bucket is not None}),
+    }
+
+
+def _reference(mesh: dict[str, int], tied: bool, micro: int) -> Any:
+    world = 1
+    for n in mesh.values():
+        world *= n
+    loss_fn = _tied_loss if tied else MODEL.loss_fn
+    batches = [MODEL.batch_for(100 + 10 * r + m) for r in range(world) for m in range(micro)]
+    return reference_value_and_grad(loss_fn, MODEL.init(0), batches)[1]
+
+
+CASES = [
+    ({"fsdp": 2}, "full_shard"),
+    ({"fsdp": 2}, "shard_grad_op"),
+    ({"fsdp": 2}, "no_shard"),
+    ({"dp": 2, "fsdp": 2}, "hybrid_shard"),
+]
+
+
+@pytest.mark.parametrize(("mesh", "strategy"), CASES, ids=[s for _, s in CASES])
+@pytest.mark.parametrize("bucket_bytes", [0, 400, None], ids=["none", "pairs", "default"])
+def test_every_bucket_size_trains_like_one_device_and_counts_its_bytes(
+    pools, mesh, strategy, bucket_bytes
+):
+    world = 4 if "dp" in mesh else 2
+    expected = _reference(mesh, tied=False, micro=1)
+    for r in pools.run(world, _train, mesh, strategy, bucket_bytes, False, 1):
+        assert_trees_close(r["grads"], expected, rtol=1e-5, atol=1e-6)
+        assert r["ledger"] == r["expected"]  # bytes are the cost model's for any bucket size
+        assert (r["buckets"] > 0) == (bucket_bytes != 0)
+
+
+def test_buckets_issue_fewer_gathers(pools):
+    """full_shard W=2, six blocks: one gather per bucket instead of one per unit, twice a step."""
+    (one, *_) = pools.run(2, _train, {"fsdp": 2}, "full_shard", 0, False, 1)
+    (pairs, *_) = pools.run(2, _train, {"fsdp": 2}, "full_shard", 400, False, 1)
+    (every, *_) = pools.run(2, _train, {"fsdp": 2}, "full_shard", None, False, 1)
+    assert one["gathers"] == 1 + 2 * 6  # the root unit once, each block in forward and backward
+    assert every["buckets"] == 1
+    assert every["gathers"] == 1 + 2
+    assert 1 + 2 < pairs["gathers"] < 1 + 2 * 6
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["unit-called-twice", "micro-batches"])
+def test_a_bucket_flushed_early_or_kept_unsharded_trains_like_one_device(pools, tied):
+    micro = 1 if tied else 2
+    expected = _reference({"fsdp": 2}, tied=tied, micro=micro)
+    for r in pools.run(2, _train, {"fsdp": 2}, "full_shard", None, tied, micro):
+        assert_trees_close(r["grads"], expected, rtol=1e-5, atol=1e-6)
+        assert r["buckets"] == 1
+
+
+def test_bucket_bytes_must_be_a_size():
+    plan = fs.plan({"w": torch.ones(2)}, fs.Mesh({"fsdp": 1}))
+    for bad in (-1, True):
+        with pytest.raises(ValueError, match="bucket_bytes must be a number of bytes"):
+            fs.value_and_grad(lambda p: p["w"].sum(), plan, bucket_bytes=bad)
