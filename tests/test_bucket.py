@@ -31,7 +31,7 @@ def _tied_loss(params: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torc
 
 
 def _train(
-    mesh: dict[str, int], strategy: str, bucket_bytes: int | None, tied: bool, micro: int
+    mesh: dict[str, int], strategy: Any, bucket_bytes: int | None, tied: bool, micro: int
 ) -> dict[str, Any]:
     params = MODEL.init(0)
     plan = fs.plan(params, fs.Mesh(mesh), units=MODEL.units, strategy=strategy)

@@ -5,6 +5,8 @@ Reference: [Note: staging lifetimes] in ``funcshard/_src/execute/buffers.py``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -33,7 +35,7 @@ def _loss(p, x):
 
 
 def _train(
-    strategy: str, prefetch: int, bucket_bytes: int | None
+    strategy: Any, prefetch: int, bucket_bytes: int | None
 ) -> tuple[list[int], int, int, bool]:
     """Per step, the pool's allocations so far; its held bytes; the staging bound; grads right."""
     params = _blocks()
