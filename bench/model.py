@@ -38,6 +38,33 @@ class Config:
 
 TINY = Config(vocab=64, width=32, heads=2, layers=2, seq=16, batch=2)
 
+# --size: GPTs of about 8M, 34M (the default Config) and 126M parameters, and the deep
+# narrow model where each unit's fixed cost (hooks, gathers, bookkeeping) dominates
+SIZES = {
+    "8m": Config(vocab=4096, width=256, heads=4, layers=8),
+    "34m": Config(),
+    "126m": Config(vocab=26624, width=768, heads=12, layers=12),
+    "deep": Config(vocab=256, width=128, heads=2, layers=96, seq=64, batch=2),
+}
+# what --tiny runs for each size: the same shape, in seconds
+TINY_SIZES = {
+    "8m": TINY,
+    "34m": TINY,
+    "126m": Config(vocab=128, width=64, heads=2, layers=2, seq=16, batch=2),
+    "deep": Config(vocab=64, width=32, heads=2, layers=12, seq=16, batch=2),
+}
+
+
+def param_count(cfg: Config) -> int:
+    """The GPT's parameter count under ``cfg``.
+
+    >>> [f"{param_count(c) / 1e6:.1f}M" for c in SIZES.values()]
+    ['8.5M', '33.7M', '126.1M', '19.0M']
+    """
+    w, v, s, layers = cfg.width, cfg.vocab, cfg.seq, cfg.layers
+    block = 2 * w + 3 * w * w + w * w + 2 * w + 4 * w * w + 4 * w + 4 * w * w
+    return v * w + s * w + layers * block + 2 * w + w * v
+
 
 def init_params(cfg: Config, seed: int = 0) -> dict[str, Any]:
     """The parameter pytree every mode starts from."""

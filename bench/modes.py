@@ -4,6 +4,21 @@ Every mode starts from the same parameter tensors, trains with AdamW
 (lr 1e-3, weight decay 0.1, the fused kernel everywhere: ``torch.optim.AdamW(
 fused=True)`` for PyTorch's modes, as funcshard's default) and sees the same
 batches; a step is forward, backward and the optimizer update.
+
+A mode is one :class:`Mode` in :data:`MODES`: its description, its builder, and
+how it runs (one process per rank in a process group, or one process alone).
+A new mode (say ``funcshard/compiled``) is one more entry there; the runner,
+the worker and the report read everything else from it.
+
+``floor`` is one rank's work alone: one process with the per-rank thread count
+(``--threads``, default 1), this rank's batch (the global batch / W), no
+process group and no communication, the plain ``nn.Module`` GPT and
+``torch.optim.AdamW(fused=True)``. No data-parallel mode can beat it per step;
+the report gives every mode's median step as a multiple of it. ``plain`` is the
+same computation under another name, the plain-PyTorch reference that
+funcshard's and FSDP2's per-unit overhead is measured against at W=1 (the
+``deep`` size). ``single`` trains every rank's batch in one process: the loss
+reference.
 """
 
 from __future__ import annotations
@@ -36,27 +51,53 @@ class Trainer:
     expected_comm_bytes: int | None = (
         None  # what the cost model predicts per step, where there is one
     )
+    units: int | None = None  # communication units (funcshard units, fully_shard calls)
     notes: list[str] = field(default_factory=list)
 
 
-MODES: dict[str, str] = {
-    "funcshard/full_shard": "funcshard, full_shard (ZeRO-3)",
-    "funcshard/shard_grad_op": "funcshard, shard_grad_op (ZeRO-2)",
-    "funcshard/no_shard": "funcshard, no_shard (DDP-like)",
-    "funcshard/hybrid_shard": "funcshard, hybrid_shard (2 x W/2)",
-    "fsdp2": "PyTorch FSDP2 fully_shard (each block, then the root)",
-    "fsdp2/no_reshard": "PyTorch FSDP2, reshard_after_forward=False",
-    "fsdp1": "PyTorch FSDP1, transformer auto-wrap",
-    "ddp": "PyTorch DDP",
-    "single": "one process, all ranks' batches",
-}
+Builder = Callable[[Config, Any, torch.device], Trainer]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How one benchmarked mode is built and run.
+
+    Attributes:
+        description: one line for the report.
+        build: ``build(cfg, params, device)`` on each rank, from the full ``params``
+            (which it may consume); the process group, if any, is initialized.
+        distributed: one process per rank in a process group of ``--world-size``
+            ranks; ``False``: one process alone, no process group.
+        batches: for a process alone, how many ranks' batches one step trains on
+            (``None``: all W, as ``single``).
+        forkable: whether its ranks may fork from ``--tiny``'s preloaded server.
+    """
+
+    description: str
+    build: Builder
+    distributed: bool = True
+    batches: int | None = 1
+    forkable: bool = True
+
+    def processes(self, world: int) -> int:
+        return world if self.distributed else 1
+
+    def batches_per_step(self, world: int) -> int:
+        """How many ranks' batches each process trains on per step."""
+        if self.distributed:
+            return 1
+        return world if self.batches is None else self.batches
+
+    def tokens_per_step(self, world: int, cfg: Config) -> int:
+        """Tokens all of this mode's processes train on in one step."""
+        return self.processes(world) * self.batches_per_step(world) * cfg.batch * cfg.seq
 
 
 def build(mode: str, cfg: Config, params: Any, device: torch.device) -> Trainer:
     """Builds ``mode`` on this rank from the full ``params`` (which it may consume)."""
-    if mode.startswith("funcshard/"):
-        return _funcshard(mode.split("/", 1)[1], cfg, params, device)
-    return _torch(mode, cfg, params, device)
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; modes: {sorted(MODES)}")
+    return MODES[mode].build(cfg, params, device)
 
 
 def _funcshard(strategy: Any, cfg: Config, params: Any, device: torch.device) -> Trainer:
@@ -89,34 +130,42 @@ def _funcshard(strategy: Any, cfg: Config, params: Any, device: torch.device) ->
         }
 
     return Trainer(
-        run, state_bytes, lambda: step.ledger.total(), sum(fs.cost.estimate(plan).comm.values())
+        run,
+        state_bytes,
+        lambda: step.ledger.total(),
+        sum(fs.cost.estimate(plan).comm.values()),
+        units=len(plan.units),
     )
 
 
-def _torch(mode: str, cfg: Config, params: Any, device: torch.device) -> Trainer:
+def _torch(wrap: str | None, cfg: Config, params: Any, device: torch.device) -> Trainer:
+    """PyTorch's modes: the GPT module wrapped by ``wrap`` (``None``: not wrapped)."""
     model = GPT(params, cfg.heads).to(device)
     notes: list[str] = []
+    units = None
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if mode in ("fsdp2", "fsdp2/no_reshard"):
+    if wrap in ("fsdp2", "fsdp2/no_reshard"):
         from torch.distributed.fsdp import fully_shard
 
-        reshard = mode == "fsdp2"
+        reshard = wrap == "fsdp2"
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
-    elif mode == "fsdp1":
+        units = len(model.blocks) + 1
+    elif wrap == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
         model = FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=device)
-    elif mode == "ddp":
+        units = cfg.layers + 1
+    elif wrap == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
         notes.append(
             "DDP all-reduces from C++; its bytes are 2 (W-1)/W of the gradient bytes, computed"
         )
-    elif mode != "single":
-        raise ValueError(f"unknown mode {mode!r}; modes: {sorted(MODES)}")
+    elif wrap is not None:
+        raise ValueError(f"unknown wrapping {wrap!r}")
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     counter = Counter()
     grad_bytes = {"value": 0}
@@ -132,7 +181,7 @@ def _torch(mode: str, cfg: Config, params: Any, device: torch.device) -> Trainer
             )
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if mode == "ddp":
+        if wrap == "ddp":
             counter.bytes = 2 * param_bytes * (world - 1) // world
         return loss.detach()
 
@@ -149,7 +198,52 @@ def _torch(mode: str, cfg: Config, params: Any, device: torch.device) -> Trainer
             "optimizer": optimizer,
         }
 
-    return Trainer(run, state_bytes, lambda: counter.bytes, notes=notes)
+    return Trainer(run, state_bytes, lambda: counter.bytes, units=units, notes=notes)
+
+
+_plain = functools.partial(_torch, None)
+MODES: dict[str, Mode] = {
+    "funcshard/full_shard": Mode(
+        "funcshard, full_shard (ZeRO-3)", functools.partial(_funcshard, "full_shard")
+    ),
+    "funcshard/shard_grad_op": Mode(
+        "funcshard, shard_grad_op (ZeRO-2)", functools.partial(_funcshard, "shard_grad_op")
+    ),
+    "funcshard/no_shard": Mode(
+        "funcshard, no_shard (DDP-like)", functools.partial(_funcshard, "no_shard")
+    ),
+    "funcshard/hybrid_shard": Mode(
+        "funcshard, hybrid_shard (2 x W/2)", functools.partial(_funcshard, "hybrid_shard")
+    ),
+    "fsdp2": Mode(
+        "PyTorch FSDP2 fully_shard (each block, then the root)",
+        functools.partial(_torch, "fsdp2"),
+    ),
+    "fsdp2/no_reshard": Mode(
+        "PyTorch FSDP2, reshard_after_forward=False",
+        functools.partial(_torch, "fsdp2/no_reshard"),
+    ),
+    "fsdp1": Mode("PyTorch FSDP1, transformer auto-wrap", functools.partial(_torch, "fsdp1")),
+    # DDP's ranks forked from the server hang in about half of the runs (its reducer's
+    # threads and gloo after fork): they start as fresh interpreters even with --tiny
+    "ddp": Mode("PyTorch DDP", functools.partial(_torch, "ddp"), forkable=False),
+    "floor": Mode(
+        "one rank's work alone: its batch, one process, no communication, plain PyTorch",
+        _plain,
+        distributed=False,
+    ),
+    "plain": Mode(
+        "plain PyTorch, not distributed (floor's computation): the per-unit reference",
+        _plain,
+        distributed=False,
+    ),
+    "single": Mode(
+        "one process, all ranks' batches (the loss reference)",
+        _plain,
+        distributed=False,
+        batches=None,
+    ),
+}
 
 
 def _local_bytes(t: torch.Tensor) -> int:

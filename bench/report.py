@@ -1,81 +1,27 @@
-"""Summaries of a benchmark run: JSON, a Markdown table, a PNG chart, and the ratios to PyTorch."""
+"""A benchmark run's report: results.json, results.md (a section per size) and results.png.
+
+The header of results.md states the command, the machine, the date and the
+allocators; each size's section has the headline table (step time, tokens/s,
+multiples of the floor: from glibc's default allocator when it ran), the
+memory table (peak RSS under each allocator), the ratios to PyTorch and to
+the floor, and where ``plain`` ran, the per-unit overhead over plain torch.
+"""
 
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.modes import MODES
+from bench.summary import memory_allocator, summarize
 
-PAIRS = [  # (funcshard mode, the PyTorch mode it must match or beat)
-    ("funcshard/full_shard", "fsdp2"),
-    ("funcshard/shard_grad_op", "fsdp2/no_reshard"),
-    ("funcshard/no_shard", "ddp"),
-]
 MIB = 2**20
-
-
-def summarize(runs: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    """Per mode: step times, tokens/s, peak memory, state and communicated bytes, losses; and ratios."""
-    cfg = meta["config"]
-    modes: dict[str, dict[str, Any]] = {}
-    for mode in dict.fromkeys(r["mode"] for r in runs):
-        mine = [r for r in runs if r["mode"] == mode]
-        times = [t for r in mine for t in r["ranks"][0]["step_times_s"]]
-        rss = [max(rank["peak_rss_mib"] for rank in r["ranks"]) for r in mine]
-        first = mine[0]["ranks"][0]
-        median = statistics.median(times)
-        cuda = [
-            rank["peak_cuda_mib"]
-            for r in mine
-            for rank in r["ranks"]
-            if rank["peak_cuda_mib"] is not None
-        ]
-        modes[mode] = {
-            "description": MODES[mode],
-            "median_step_s": median,
-            "min_step_s": min(times),
-            "tokens_per_s": meta["world_size"] * cfg["batch"] * cfg["seq"] / median,
-            "peak_rss_mib_per_rank": statistics.median(rss),
-            "peak_rss_mib_min": min(rss),
-            "peak_cuda_mib": max(cuda) if cuda else None,
-            "state_bytes_per_rank": first["state_bytes"],
-            "comm_bytes_per_step": first["comm_bytes_per_step"],
-            "expected_comm_bytes_per_step": first["expected_comm_bytes_per_step"],
-            "losses": first["losses"],
-            "notes": first["notes"],
-        }
-    reference = "single" if "single" in modes else next(iter(modes))
-    ref_losses = modes[reference]["losses"]
-    for summary in modes.values():
-        summary["largest_loss_difference"] = max(
-            abs(a - b) for a, b in zip(summary["losses"], ref_losses)
-        )
-    n_params = _param_count(cfg)
-    ideal = (
-        16 * n_params / meta["world_size"]
-    )  # fp32 params, grads and two AdamW moments, split W ways
-    for mode, summary in modes.items():
-        if mode.startswith("funcshard/") and mode != "funcshard/no_shard":
-            held = sum(summary["state_bytes_per_rank"].values())
-            summary["state_vs_ideal"] = held / ideal
-    ratios = {}
-    for ours, theirs in PAIRS:
-        if ours in modes and theirs in modes:
-            ratios[f"{ours} / {theirs}"] = {
-                "median_step": modes[ours]["median_step_s"] / modes[theirs]["median_step_s"],
-                "peak_rss": modes[ours]["peak_rss_mib_per_rank"]
-                / modes[theirs]["peak_rss_mib_per_rank"],
-            }
-    return {
-        "meta": meta,
-        "parameters": n_params,
-        "reference_for_losses": reference,
-        "modes": modes,
-        "ratios": ratios,
-    }
+FLOOR_MEANS = (
+    "`floor` is one rank's work alone: its batch (the global batch / W), one process with "
+    "the per-rank thread count, no process group and no communication, the plain "
+    "`nn.Module` GPT and `torch.optim.AdamW(fused=True)`; `Nx floor` is a mode's median "
+    "step over the floor's"
+)
 
 
 def write_report(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -83,9 +29,10 @@ def write_report(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) ->
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(runs, meta)
     (out / "results.json").write_text(json.dumps({**summary, "runs": runs}, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(summary))
+    text = markdown(summary)
+    (out / "results.md").write_text(text)
     chart = _chart(summary, out / "results.png")
-    print(markdown(summary))
+    print(text)
     if chart is not None:
         print(chart)
     return summary
@@ -95,51 +42,113 @@ def markdown(summary: dict[str, Any]) -> str:
     """The summary as a Markdown report."""
     meta = summary["meta"]
     preload = meta["spec"].get("preload")  # None or absent: spawned
+    spec = meta["spec"]
     lines = [
         "# Benchmark: funcshard against PyTorch FSDP2, FSDP1 and DDP",
         "",
         f"- command: `{meta['command']}`",
         f"- date: {meta['date']} ({meta['duration_s']} s)",
         f"- machine: {meta['machine']['cpus']} CPUs, {meta['machine']['platform']}, Python {meta['machine']['python']}, torch {meta['machine']['torch']}",
-        f"- world size {meta['world_size']}, backend {meta['spec']['backend']}, {meta['spec']['threads']} thread(s) per rank, "
-        f"{meta['spec']['warmup']} warm-up + {meta['spec']['steps']} timed steps per run, interleaved rounds; "
+        f"- world size {meta['world_size']}, backend {spec['backend']}, {spec['threads']} thread(s) per rank, "
+        f"{spec['warmup']} warm-up + {spec['steps']} timed steps per run, interleaved rounds; "
         f"env {', '.join(f'{k}={v}' for k, v in meta['env'].items())}",
+        f"- allocator: {' and '.join(_allocator_words(m) for m in meta['malloc'])}; "
+        "step times and tokens/s are from the default allocator's runs where they ran, "
+        "peak RSS is shown for each",
         "- each run spawns fresh processes"
         if not preload
         else f"- each run forks its ranks from a server that imported {', '.join(f'`{m}`' for m in preload)} "
         "(--tiny): peak RSS counts them in every mode and is not comparable with a full run's",
-        f"- model: GPT, {summary['parameters'] / 1e6:.1f}M parameters ({', '.join(f'{k} {v}' for k, v in meta['config'].items())}); AdamW, its fused kernel in every mode",
+        f"- {FLOOR_MEANS}",
+        "- AdamW, its fused kernel in every mode",
+    ]
+    for size, s in summary["sizes"].items():
+        lines += ["", *_section(size, s, meta)]
+    return "\n".join(lines) + "\n"
+
+
+def _allocator_words(malloc: str) -> str:
+    if malloc == "default":
+        return "glibc's default (`MALLOC_MMAP_THRESHOLD_` unset)"
+    return "`MALLOC_MMAP_THRESHOLD_=65536` (mmap: reproducible peak RSS)"
+
+
+def _section(size: str, s: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    cfg = s["config"]
+    modes = s["modes"]
+    headline = sorted({m["allocator"] for m in modes.values()})
+    lines = [
+        f"## {size}: GPT, {s['parameters']:,} parameters ({s['parameters'] / 1e6:.1f}M)",
         "",
-        "| mode | median step (s) | min step (s) | tokens/s | peak RSS / rank (MiB) | params / grads / AdamW per rank (MiB) | sent / step / rank (MiB) | cost model (MiB) | largest loss diff |",
+        f"- {', '.join(f'{k} {v}' for k, v in cfg.items())} (batch per rank)",
+        "",
+        f"Step time and throughput (allocator: {', '.join(headline)}):",
+        "",
+        "| mode | median step (s) | x floor | min step (s) | tokens/s | params / grads / AdamW per rank (MiB) | sent / step / rank (MiB) | cost model (MiB) | largest loss diff |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for mode, s in summary["modes"].items():
-        state = s["state_bytes_per_rank"]
-        expected = s["expected_comm_bytes_per_step"]
+    for mode, m in modes.items():
+        state = m["state_bytes_per_rank"]
+        expected = m["expected_comm_bytes_per_step"]
+        floor = f"{m['floor_multiple']:.2f}x floor" if "floor_multiple" in m else ""
         lines.append(
-            f"| {mode} | {s['median_step_s']:.3f} | {s['min_step_s']:.3f} | {s['tokens_per_s']:,.0f} | "
-            f"{s['peak_rss_mib_per_rank']:.0f} | {state['params'] / MIB:.1f} / {state['grads'] / MIB:.1f} / {state['optimizer'] / MIB:.1f} | "
-            f"{s['comm_bytes_per_step'] / MIB:.2f} | {'' if expected is None else f'{expected / MIB:.2f}'} | {s['largest_loss_difference']:.2e} |"
+            f"| {mode} | {m['median_step_s']:.3f} | {floor} | {m['min_step_s']:.3f} | {m['tokens_per_s']:,.0f} | "
+            f"{state['params'] / MIB:.1f} / {state['grads'] / MIB:.1f} / {state['optimizer'] / MIB:.1f} | "
+            f"{m['comm_bytes_per_step'] / MIB:.2f} | {'' if expected is None else f'{expected / MIB:.2f}'} | {m['largest_loss_difference']:.2e} |"
         )
-    lines += ["", "Ratios (below 1: funcshard is faster or leaner):", ""]
-    for pair, r in summary["ratios"].items():
-        lines.append(f"- {pair}: step time {r['median_step']:.3f}, peak RSS {r['peak_rss']:.3f}")
-    lines += [""]
-    for mode, s in summary["modes"].items():
-        if "state_vs_ideal" in s:
+    lines += [
+        "",
+        "Peak memory:",
+        "",
+        "| mode | allocator | runs | peak RSS / rank, median (MiB) | min (MiB) |",
+        "|---|---|---|---|---|",
+    ]
+    for mode, m in modes.items():
+        for malloc, mem in m["memory"].items():
             lines.append(
-                f"- {mode}: model state per rank = {s['state_vs_ideal']:.4f} x (params + grads + AdamW) / W"
+                f"| {mode} | {malloc} | {mem['runs']} | {mem['peak_rss_mib_per_rank']:.0f} | {mem['peak_rss_mib_min']:.0f} |"
             )
-        if s["expected_comm_bytes_per_step"] is not None:
-            same = s["comm_bytes_per_step"] == s["expected_comm_bytes_per_step"]
+    lines += ["", "Ratios (below 1: funcshard is faster or leaner):", ""]
+    for pair, r in s["ratios"].items():
+        rss = (
+            ""
+            if r["peak_rss"] is None
+            else f", peak RSS {r['peak_rss']:.3f} ({r['peak_rss_allocator']})"
+        )
+        lines.append(f"- {pair}: step time {r['median_step']:.3f}{rss}")
+    per_unit = s["per_unit_us"]
+    if per_unit is not None:
+        world = meta["world_size"]
+        lines.append(
+            f"- per-unit overhead over plain torch at W={world}, (median step - `{per_unit['reference']}` median step) / units: "
+            + "; ".join(
+                f"{mode} {us:,.0f} µs/unit ({per_unit['units'][mode]} units)"
+                for mode, us in per_unit["us"].items()
+            )
+            + (
+                ""
+                if world == 1
+                else " (includes the communication not hidden; --world-size 1 for the overhead alone)"
+            )
+        )
+    lines += [""]
+    for mode, m in modes.items():
+        if "state_vs_ideal" in m:
+            lines.append(
+                f"- {mode}: model state per rank = {m['state_vs_ideal']:.4f} x (params + grads + AdamW) / W"
+            )
+        if m["expected_comm_bytes_per_step"] is not None:
+            same = m["comm_bytes_per_step"] == m["expected_comm_bytes_per_step"]
             lines.append(
                 f"- {mode}: bytes sent per step {'equal' if same else 'DIFFER from'} the cost model"
             )
-        lines += [f"- {mode}: {note}" for note in s["notes"]]
+        lines += [f"- {mode}: {note}" for note in m["notes"]]
+    references = sorted({m["loss_reference"] for m in modes.values()})
+    steps = len(next(iter(modes.values()))["losses"])
     lines.append(
-        f"- losses compared with `{summary['reference_for_losses']}` over {len(next(iter(summary['modes'].values()))['losses'])} steps"
+        f"- losses compared with {' and '.join(f'`{r}`' for r in references)} (the mode that trains the same batches) over {steps} steps"
     )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _chart(summary: dict[str, Any], path: Path) -> str | None:
@@ -150,27 +159,29 @@ def _chart(summary: dict[str, Any], path: Path) -> str | None:
         import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports]
     except ImportError:
         return "matplotlib is not installed: no chart (pip install matplotlib)"
-    modes = list(summary["modes"])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = ["tab:blue" if m.startswith("funcshard/") else "tab:gray" for m in modes]
-    left.barh(modes, [summary["modes"][m]["median_step_s"] for m in modes], color=colors)
-    left.set_xlabel("median step time (s)")
-    left.invert_yaxis()
-    right.barh(modes, [summary["modes"][m]["peak_rss_mib_per_rank"] for m in modes], color=colors)
-    right.set_xlabel("peak RSS per rank (MiB)")
-    right.invert_yaxis()
-    right.set_yticklabels([])
+    sizes = summary["sizes"]
+    fig, axes = plt.subplots(len(sizes), 2, figsize=(12, 1.2 + 3.3 * len(sizes)), squeeze=False)
+    for (left, right), (size, s) in zip(axes, sizes.items()):
+        modes = list(s["modes"])
+        colors = ["tab:blue" if m.startswith("funcshard/") else "tab:gray" for m in modes]
+        left.barh(modes, [s["modes"][m]["median_step_s"] for m in modes], color=colors)
+        left.set_xlabel(
+            f"{size}: median step time (s), {s['modes'][modes[0]]['allocator']} allocator"
+        )
+        left.invert_yaxis()
+        rss = []
+        for m in modes:
+            mem = s["modes"][m]["memory"]
+            rss.append(mem[memory_allocator(s["modes"][m])]["peak_rss_mib_per_rank"])
+        right.barh(modes, rss, color=colors)
+        right.set_xlabel(f"{size}: peak RSS per rank (MiB), mmap allocator where it ran")
+        right.invert_yaxis()
+        right.set_yticklabels([])
     meta = summary["meta"]
     fig.suptitle(
-        f"GPT {summary['parameters'] / 1e6:.1f}M, W={meta['world_size']}, {meta['spec']['backend']}, {meta['date']}"
+        f"funcshard bench, W={meta['world_size']}, {meta['spec']['backend']}, {meta['date']}"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
-
-
-def _param_count(cfg: dict[str, int]) -> int:
-    w, v, s, layers = cfg["width"], cfg["vocab"], cfg["seq"], cfg["layers"]
-    block = 2 * w + 3 * w * w + w * w + 2 * w + 4 * w * w + 4 * w + 4 * w * w
-    return v * w + s * w + layers * block + 2 * w + w * v

@@ -1,4 +1,4 @@
-"""One run of one mode on one rank, in a fresh process: build, warm up, time, report."""
+"""One run of one mode on one rank, in a fresh process: allocator, build, warm up, time, report."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bench import allocator as malloc
 from bench import model as gpt
-from bench.modes import build
+from bench.modes import MODES, build
 
 
 def main(
@@ -23,17 +24,20 @@ def main(
     rank: int,
     store: str,
     spec: dict[str, Any],
+    allocator: str,
     out: str,
 ) -> None:
-    """Runs ``mode``; writes this rank's figures as JSON to ``out``."""
+    """Runs ``mode`` under ``allocator``; writes this rank's figures as JSON to ``out``."""
     import faulthandler
 
+    set_by = malloc.apply(allocator)
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(spec["threads"])
     cfg = gpt.Config(**cfg_json)
     backend = spec["backend"]
-    ranks = 1 if mode == "single" else world
-    if ranks > 1 or mode != "single":
+    kind = MODES[mode]
+    ranks = kind.processes(world)
+    if kind.distributed:  # a process group even of one rank: --world-size 1
         dist.init_process_group(
             backend,
             store=dist.FileStore(store, ranks),  # pyright: ignore[reportPrivateImportUsage]
@@ -45,7 +49,7 @@ def main(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     trainer = build(mode, cfg, gpt.init_params(cfg), device)
-    per_batch = world if mode == "single" else 1  # one process trains on every rank's batch
+    per_batch = kind.batches_per_step(world)  # single: one process trains every rank's batch
     times: list[float] = []
     losses: list[float] = []
     comm: list[int] = []
@@ -64,6 +68,9 @@ def main(
         "mode": mode,
         "rank": rank,
         "world_size": ranks,
+        "malloc": allocator,
+        "malloc_set_by": set_by,
+        "units": trainer.units,
         "step_times_s": times,
         "losses": losses,
         "comm_bytes_per_step": comm[-1],

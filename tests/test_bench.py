@@ -1,8 +1,11 @@
-"""The benchmark keeps working: a tiny configuration of every PyTorch-comparable mode, one round.
+"""The benchmark keeps working: tiny configurations of the PyTorch-comparable modes, one round.
 
 Numbers are not asserted here (timed tests are noise on a shared machine); only
-that every mode runs, follows the same loss trajectory, and that funcshard's
-bytes match the cost model. The real run is `nox -s bench`.
+that every mode runs under each allocator, follows the same loss trajectory,
+that funcshard's bytes match the cost model and its state is the ideal split,
+and that the report has its pieces: a section per size, the floor multiples,
+the allocator of each memory row, the per-unit overhead. The real run is
+`nox -s bench`.
 """
 
 from __future__ import annotations
@@ -12,11 +15,10 @@ import json
 import pytest
 
 
-@pytest.mark.parametrize("modes", ["funcshard/full_shard,funcshard/shard_grad_op,fsdp2,ddp,single"])
-def test_tiny_benchmark_runs_every_mode(tmp_path, modes):
+def _tiny(tmp_path, *args):
     from bench.__main__ import main
 
-    summary = main(
+    return main(
         [
             "--tiny",
             "--rounds",
@@ -25,35 +27,96 @@ def test_tiny_benchmark_runs_every_mode(tmp_path, modes):
             "0",
             "--steps",
             "2",
-            "--modes",
-            modes,
             "--timeout",  # a rank that hangs fails the test in a minute, not the suite
             "60",
             "--out",
             str(tmp_path),
+            *args,
         ]
     )
-    assert set(summary["modes"]) == set(modes.split(","))
-    for mode, s in summary["modes"].items():
+
+
+@pytest.mark.parametrize(
+    "modes", ["funcshard/full_shard,funcshard/shard_grad_op,fsdp2,ddp,single,floor"]
+)
+def test_tiny_benchmark_runs_every_mode(tmp_path, monkeypatch, modes):
+    """Both allocators at W=2; a failure in the memory rows or `malloc_set_by` localises to
+    bench/allocator.py (the variable leaked into a default run, or mallopt failed)."""
+    # a default-allocator rank that inherits this fails (bench/allocator.py: apply)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    summary = _tiny(tmp_path, "--modes", modes, "--size", "34m", "--malloc", "both")
+    assert list(summary["sizes"]) == ["34m"]
+    size = summary["sizes"]["34m"]
+    assert set(size["modes"]) == set(modes.split(","))
+    for mode, s in size["modes"].items():
         assert s["largest_loss_difference"] < 1e-4, mode
+        assert s["allocator"] == "default", mode
         if mode.startswith("funcshard/"):
             assert s["comm_bytes_per_step"] == s["expected_comm_bytes_per_step"], mode
-    assert "funcshard/full_shard / fsdp2" in summary["ratios"]
+            assert s["state_vs_ideal"] == pytest.approx(1.0), mode
+        # a spawned mode (ddp) runs under the first allocator only with --tiny
+        want = {"default"} if mode == "ddp" else {"default", "mmap"}
+        assert set(s["memory"]) == want, mode
+    assert size["modes"]["floor"]["floor_multiple"] == 1.0
+    assert size["modes"]["single"]["loss_reference"] == "single"
+    assert size["modes"]["floor"]["loss_reference"] == "floor"  # one rank's batch only
+    assert {"funcshard/full_shard / fsdp2", "funcshard/full_shard / floor"} <= set(size["ratios"])
     assert not (tmp_path / "bench").exists()
     written = json.loads((tmp_path / "results.json").read_text())
-    assert written["modes"].keys() == summary["modes"].keys()
-    assert (tmp_path / "results.md").read_text().startswith("# Benchmark")
+    assert written["sizes"]["34m"]["modes"].keys() == size["modes"].keys()
+    for run in written["runs"]:
+        for rank in run["ranks"]:
+            assert rank["malloc"] == run["malloc"]
+            assert rank["malloc_set_by"] == (None if run["malloc"] == "default" else "mallopt")
+    md = (tmp_path / "results.md").read_text()
+    assert md.startswith("# Benchmark")
+    assert "## 34m: GPT" in md
+    assert "`floor` is one rank's work alone" in md
+    assert "| funcshard/full_shard | mmap |" in md
+    assert "| funcshard/full_shard | default |" in md
+    assert "| floor | 0." in md
+    assert "1.00x floor |" in md
+    assert "- funcshard/full_shard / floor: step time" in md
+
+
+def test_tiny_deep_at_one_rank_gives_the_per_unit_overhead(tmp_path):
+    """--world-size 1: funcshard and FSDP2 on a 1-rank process group against plain torch;
+    a failure localises to bench/summary.py's _per_unit or the W=1 path of bench/worker.py."""
+    summary = _tiny(
+        tmp_path,
+        "--size",
+        "deep",
+        "--world-size",
+        "1",
+        "--malloc",
+        "mmap",
+        "--modes",
+        "funcshard/full_shard,fsdp2,plain",
+    )
+    deep = summary["sizes"]["deep"]
+    units = deep["config"]["layers"] + 1  # every block, and the root
+    assert deep["per_unit_us"]["reference"] == "plain"
+    assert deep["per_unit_us"]["units"] == {"funcshard/full_shard": units, "fsdp2": units}
+    for mode, s in deep["modes"].items():
+        assert s["allocator"] == "mmap", mode
+        assert s["largest_loss_difference"] < 1e-4, mode
+        assert "floor_multiple" not in s  # no floor ran
+    md = (tmp_path / "results.md").read_text()
+    assert "## deep: GPT" in md
+    assert "per-unit overhead over plain torch at W=1" in md
+    assert f"µs/unit ({units} units)" in md
 
 
 def test_a_tiny_run_without_out_never_replaces_the_measured_results(monkeypatch, tmp_path):
-    """--tiny defaults to one round of two steps, written to a temporary directory, its ranks
-    forked from a server that imported PyTorch's optimizer and FSDP modules once (bench/__main__.py)."""
+    """--tiny defaults to one round of two steps, at 34m and deep (shrunk), under glibc's
+    default allocator, written to a temporary directory, its ranks forked from a server that
+    imported PyTorch's optimizer and FSDP modules once (bench/__main__.py)."""
     from bench import __main__ as bench
 
     seen = {}
 
     def report(runs, meta, out):
-        seen.update(out=out, spec=meta["spec"], rounds=len(runs))
+        seen.update(out=out, spec=meta["spec"], runs=runs, meta=meta)
         return {}
 
     monkeypatch.setattr(bench, "write_report", report)
@@ -61,5 +124,46 @@ def test_a_tiny_run_without_out_never_replaces_the_measured_results(monkeypatch,
     bench.main(["--tiny", "--modes", "single"])
     assert "funcshard-bench-" in str(seen["out"])
     assert seen["spec"]["steps"] == 2
-    assert seen["rounds"] == 1
+    assert {r["round"] for r in seen["runs"]} == {0}
+    assert [(r["size"], r["malloc"]) for r in seen["runs"]] == [
+        ("34m", "default"),
+        ("deep", "default"),
+    ]
+    assert seen["meta"]["malloc"] == ["default"]
+    seen.clear()
+    bench.main(["--tiny", "--modes", "single", "--size", "34m", "--malloc", "both"])
+    assert [r["malloc"] for r in seen["runs"]] == ["default", "mmap"]
     assert seen["spec"]["preload"] == bench.TINY_PRELOAD
+
+
+def test_sizes_and_overrides():
+    """--size takes a comma list or repeats; --width and the like apply on top of each size."""
+    from bench import __main__ as bench
+    from bench import model as gpt
+
+    assert bench._sizes(["8m,deep", "126m", "8m"]) == ["8m", "deep", "126m"]
+    with pytest.raises(SystemExit, match="unknown size"):
+        bench._sizes(["35m"])
+    assert gpt.param_count(gpt.SIZES["34m"]) == 33_719_296
+    assert 120e6 < gpt.param_count(gpt.SIZES["126m"]) < 130e6
+    assert (gpt.SIZES["deep"].layers, gpt.SIZES["deep"].width) == (96, 128)
+    assert bench._modes(None, "deep", 2) == bench.DEFAULT_MODES_DEEP
+    with pytest.raises(SystemExit, match="unknown mode"):
+        bench._modes("fsdp3", "34m", 2)
+
+
+def test_the_allocator_environment_is_set_and_removed(monkeypatch):
+    import os
+
+    from bench import allocator
+
+    monkeypatch.setenv(allocator.ENV, "123")
+    with allocator.environment("default"):
+        assert allocator.ENV not in os.environ
+        assert allocator.apply("default") is None
+    with allocator.environment("mmap"):
+        assert os.environ[allocator.ENV] == "65536"
+        assert allocator.apply("mmap") == "environment"
+    assert os.environ[allocator.ENV] == "123"
+    with pytest.raises(RuntimeError, match="inherited"):
+        allocator.apply("default")
