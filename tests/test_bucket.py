@@ -21,18 +21,34 @@ from tests.models import Model
 MODEL = Model(kind="mlp", width=6, layers=6)
 
 
+ORDERS = {
+    "tied": [0, 1, 2, 3, 4, 1, 5],  # block 1 again after block 4: a round flushed early
+    # block 0 again while blocks 2-5 still wait on the first gather, never to be called
+    "partial": [0, 1, 0],
+}
+
+
 def _tied_loss(params: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """MODEL's loss with block 1 called again after block 4: one unit used twice."""
+    """MODEL's loss with the blocks called in ``ORDERS[params order]``: one unit used twice."""
     h = params["embed"]["tokens"][tokens]
-    for i in [0, 1, 2, 3, 4, 1, 5]:
+    for i in ORDERS[_ORDER[0]]:
         h = fs.call(MODEL._block, params["blocks"][i], h)
     logits = h @ params["head"]["w"] * params["head"]["temp"]
     return torch.nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
+_ORDER = ["tied"]
+
+
 def _train(
-    mesh: dict[str, int], strategy: Any, bucket_bytes: int | None, tied: bool, micro: int
+    mesh: dict[str, int],
+    strategy: Any,
+    bucket_bytes: int | None,
+    tied: bool,
+    micro: int,
+    order: str = "tied",
 ) -> dict[str, Any]:
+    _ORDER[0] = order
     params = MODEL.init(0)
     plan = fs.plan(params, fs.Mesh(mesh), units=MODEL.units, strategy=strategy)
     loss_fn = _tied_loss if tied else MODEL.loss_fn
@@ -67,7 +83,8 @@ def _train(
     }
 
 
-def _reference(mesh: dict[str, int], tied: bool, micro: int) -> Any:
+def _reference(mesh: dict[str, int], tied: bool, micro: int, order: str = "tied") -> Any:
+    _ORDER[0] = order
     world = 1
     for n in mesh.values():
         world *= n
@@ -108,11 +125,15 @@ def test_buckets_issue_fewer_gathers(pools):
     assert 1 + 2 < pairs["gathers"] < 1 + 2 * 6
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["unit-called-twice", "micro-batches"])
-def test_a_bucket_flushed_early_or_kept_unsharded_trains_like_one_device(pools, tied):
+@pytest.mark.parametrize(
+    ("tied", "order"),
+    [(True, "tied"), (True, "partial"), (False, "tied")],
+    ids=["unit-called-twice", "called-again-while-others-wait", "micro-batches"],
+)
+def test_a_bucket_flushed_early_or_kept_unsharded_trains_like_one_device(pools, tied, order):
     micro = 1 if tied else 2
-    expected = _reference({"fsdp": 2}, tied=tied, micro=micro)
-    for r in pools.run(2, _train, {"fsdp": 2}, "full_shard", None, tied, micro):
+    expected = _reference({"fsdp": 2}, tied=tied, micro=micro, order=order)
+    for r in pools.run(2, _train, {"fsdp": 2}, "full_shard", None, tied, micro, order):
         assert_trees_close(r["grads"], expected, rtol=1e-5, atol=1e-6)
         assert r["buckets"] == 1
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,28 +43,33 @@ from funcshard._src.execute.unit_state import Part, UnitRuntime, UnitState
 
 
 @dataclass(eq=False)
+class _Gathering:
+    """One part's bucketed all-gather, and the members whose share is not yet unpacked."""
+
+    pending: Pending
+    staging: tuple[torch.Tensor, torch.Tensor]  # input, output: for the pool
+    open: set[int]
+    waited: bool = False
+
+    def wait(self) -> None:
+        """Waits for the all-gather (once)."""
+        if not self.waited:
+            self.pending.wait()
+            self.waited = True
+
+
+@dataclass(eq=False)
 class Share:
     """One member's part of a bucketed all-gather: :meth:`wait` gives its ``(group_size, numel)`` columns."""
 
-    bucket: Bucket
-    part: int
+    gathering: _Gathering
     member: int
     result: torch.Tensor  # the member's columns of the gathered buffer (a view)
 
     def wait(self) -> torch.Tensor:
         """Blocks until the bucket's all-gather is done; the member's columns."""
-        self.bucket.wait_gather(self.part)
+        self.gathering.wait()
         return self.result
-
-
-@dataclass(eq=False)
-class _Gathering:
-    """One part's bucketed all-gather in flight, and the shares not yet unpacked."""
-
-    pending: Pending
-    staging: tuple[torch.Tensor, torch.Tensor]  # input, output: for the pool
-    open: set[int]  # members whose share is not yet unpacked
-    waited: bool = False
 
 
 @dataclass(eq=False)
@@ -95,7 +101,9 @@ class Bucket:
                 n += member.parts[j].layout.numel
             self.offsets.append(offsets)
             self.numels.append(n)
-        self._gathering: dict[int, _Gathering] = {}
+        # all-gathers with shares not yet unpacked: a later one may start for members that
+        # were freed while others still wait on an earlier one (a unit called again)
+        self._gathering: list[_Gathering] = []
         self.rounds: dict[int, _Round] = {}
         for i, member in enumerate(self.members):
             member.bucket, member.bucket_index = self, i
@@ -124,11 +132,12 @@ class Bucket:
             out = self.pool.take(self.group_size * numel, part.compute_dtype, device)
             pending = collectives.all_gather(local, first.bound, first.axes, out=out, tag=self.name)
             gathered = pending.result  # (group_size, numel)
-            self._gathering[j] = _Gathering(pending, (local, out), set(joining))
+            gathering = _Gathering(pending, (local, out), set(joining))
+            self._gathering.append(gathering)
             for i in joining:
                 member = self.members[i]
                 a, n = self.offsets[j][i], member.parts[j].layout.numel
-                member.parts[j].inflight = Share(self, j, i, gathered[:, a : a + n])
+                member.parts[j].inflight = Share(gathering, i, gathered[:, a : a + n])
                 member.memory.add(self.group_size * n * part.compute_dtype.itemsize)
                 if member.ledger is not None:
                     member.ledger.record(
@@ -140,28 +149,19 @@ class Bucket:
         for i in joining:
             self.members[i].mark_gathering()
 
-    def wait_gather(self, part: int, /) -> None:
-        """Waits for part ``part``'s all-gather (once)."""
-        gathering = self._gathering[part]
-        if not gathering.waited:
-            gathering.pending.wait()
-            gathering.waited = True
-
-    def unpacked(self, member: int, part: int, /) -> None:
-        """Member ``member`` is done with its share of part ``part``: the last one frees the buffers."""
-        gathering = self._gathering.get(part)
-        if gathering is None:
-            return
-        gathering.open.discard(member)
-        if not gathering.open:
-            del self._gathering[part]
+    def unpacked(self, share: Any, /) -> None:
+        """A member is done with ``share`` (a :class:`Share`): the last one frees the buffers."""
+        gathering = share.gathering
+        gathering.open.discard(share.member)
+        if not gathering.open and gathering in self._gathering:
+            self._gathering.remove(gathering)
             if gathering.waited:
                 for t in gathering.staging:
                     self.pool.give(t)
 
     def abandon(self) -> list[Pending]:
         """After an error: forgets every collective in flight (returned, not waited for) and every round."""
-        inflight = [g.pending for g in self._gathering.values() if not g.waited]
+        inflight = [g.pending for g in self._gathering if not g.waited]
         self._gathering.clear()
         self.rounds.clear()
         return inflight

@@ -36,7 +36,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -79,8 +79,8 @@ class SharedGather(Protocol):
         """Starts the shared all-gather of every member still SHARDED."""
         ...
 
-    def unpacked(self, member: int, part: int, /) -> None:
-        """Member ``member`` has copied out its share of part ``part``."""
+    def unpacked(self, share: Any, /) -> None:
+        """A member has copied out ``share``, its part of a shared all-gather."""
         ...
 
     def abandon(self) -> list[Pending]:
@@ -357,7 +357,7 @@ class UnitRuntime:
     def _finish_gather(self) -> None:
         """GATHERING -> GATHERED: waits, then fills every full leaf; see [Note: persistent gathered storage]."""
         self._expect(UnitState.GATHERING, "finish gathering")
-        for j, part in enumerate(self.parts):
+        for part in self.parts:
             if part.aliased:
                 continue
             assert part.inflight is not None
@@ -382,7 +382,7 @@ class UnitRuntime:
                 self.pool.give(gathered)
             else:  # a share of the bucket's buffer, which the bucket gives back
                 assert self.bucket is not None
-                self.bucket.unpacked(self.bucket_index, j)
+                self.bucket.unpacked(inflight)
         self.memory.log("finish", self.name)
         self.state = UnitState.GATHERED
 
