@@ -42,7 +42,16 @@ def _install(session: nox.Session, *extras: str) -> None:
 def tests(session: nox.Session) -> None:
     """The test suite (single- and multi-process on CPU gloo); JAX-oracle tests run in `interop`."""
     _install(session, "test")
-    session.run("pytest", *(session.posargs or ["tests", "--ignore=tests/interop"]))
+    session.run(
+        "pytest", *(session.posargs or ["tests", "--ignore=tests/interop", "-m", "not slow"])
+    )
+
+
+@nox.session
+def slow(session: nox.Session) -> None:
+    """The tests that compile with Inductor (minutes each): ``-m slow``."""
+    _install(session, "test")
+    session.run("pytest", "tests", "--ignore=tests/interop", "-m", "slow", *session.posargs)
 
 
 @nox.session(name="torch_range")

@@ -9,6 +9,7 @@ import torch
 import torch.utils.checkpoint
 
 from funcshard._src import tree
+from funcshard._src.execute.compiled import compiled_call
 from funcshard._src.execute.run import Run, current_run
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.sharded import ShardedTensor
@@ -47,6 +48,8 @@ def call(fn: Callable[..., _R], unit: Any, /, *args: Any, remat: bool = False, *
         >>> call(lambda p, x: x @ p["w"], {"w": torch.eye(2)}, torch.ones(1, 2))
         tensor([[1., 1.]])
     """
+    if torch.compiler.is_compiling():  # see [Note: compiled calls] in compiled.py
+        return compiled_call(fn, unit, args, kwargs, remat=remat)
     run = current_run()
     if run is None:
         _refuse_sharded_outside_a_step(unit)

@@ -58,6 +58,25 @@ def current_run() -> Run | None:
     return _CURRENT.get()
 
 
+# the run between its begin and its end (finish, close_evaluation or abort), whatever the thread:
+# the kernels of compiled calls run in backward too, maybe on autograd's device threads
+_STEP_RUN: list[Run | None] = [None]
+
+
+def step_run() -> Run | None:
+    """The run of the step in progress in this process (forward or backward), if any."""
+    return _STEP_RUN[0]
+
+
+# what a compiled graph with one unit called twice does: its two gathers are one op there
+_TWICE_UNDER_COMPILE = (
+    "has no call awaiting backward: a unit called twice in one compiled loss_fn (shared "
+    "weights) is not supported, as the graph merges the two identical gathers into one; "
+    "run that loss_fn eagerly, or compile the function inside the call instead: "
+    "fs.call(torch.compile(fn), unit, ...)"
+)
+
+
 class CallPhase(enum.Enum):
     """Where one use of a unit is in its step; it holds its unit gathered in FORWARD, KEPT and BACKWARD."""
 
@@ -81,6 +100,7 @@ class CallRecord:
     unit: UnitRuntime
     phase: CallPhase = CallPhase.FORWARD
     expects_backward: bool = False  # outputs that require grad were hooked
+    compiled: bool = False  # a compiled call: its gather op copied the leaves out and released
 
 
 class _Gather(torch.autograd.Function):
@@ -135,6 +155,7 @@ class Run:
         self._in_backward: set[int] = set()  # calls whose backward began and has not reduced
         self.forward_check: Agreement | None = None  # finished before backward's first collective
         self._token: Any = None
+        self._forward_done = False
 
     # -- forward -----------------------------------------------------------------
 
@@ -156,6 +177,7 @@ class Run:
                 self.root_leaf_ids.add(id(leaf))
         self._prefetch_forward(0)
         self._token = _CURRENT.set(self)
+        _STEP_RUN[0] = self
         return tree.tree_map(
             lambda x: (
                 root_leaves[x.slot.index]
@@ -215,6 +237,7 @@ class Run:
         for unit in self.units.values():
             unit.drop_unused()
         self._next_backward = len(self.calls) - 1
+        self._forward_done = True
         return [c.unit.name for c in self.calls]
 
     # -- backward ----------------------------------------------------------------
@@ -247,7 +270,9 @@ class Run:
         later = sorted(i for i in self._in_backward if i > record.index)
         if later and not agreed:  # reductions out of reverse call order; [Note: collective order]
             check_reduction(record.index, record.unit.name, later)
-        if record.phase.holds:  # first: the full parameters are not needed to reduce
+        if (
+            record.phase.holds and not record.compiled
+        ):  # first: the full parameters are not needed to reduce
             record.unit.release()
         self.reducer.reduce(record.unit, grads, defer=self.defer)
         record.phase = CallPhase.DONE
@@ -267,11 +292,13 @@ class Run:
         self.reducer.finish()
         for unit in self.units.values():
             unit.release_all()
+        _STEP_RUN[0] = None
 
     def close_evaluation(self) -> None:
         """After an evaluation's forward: frees every unit (the root unit's hold included)."""
         for unit in self.units.values():
             unit.release_all()
+        _STEP_RUN[0] = None
 
     def abort(self) -> list[Pending]:
         """After an error: leaves the forward context and drops everything, waiting for nothing.
@@ -283,10 +310,89 @@ class Run:
         if self._token is not None:
             _CURRENT.reset(self._token)
             self._token = None
+        _STEP_RUN[0] = None
         inflight = self.reducer.abandon()
         for unit in self.units.values():
             inflight.extend(unit.discard())
         return inflight
+
+    # -- compiled calls (see [Note: compiled calls] in compiled.py) ------------------
+
+    def compiled_runtime(self, name: str, slots: Sequence[int]) -> UnitRuntime:
+        """The unit ``name`` of a compiled call, checking that ``slots`` are exactly its leaves."""
+        unit = self.units.get(name)
+        if unit is None:
+            raise ValueError(
+                f"fs.call (compiled): no unit {name!r} in this step (units: {sorted(self.units)})"
+            )
+        if sorted(slots) != sorted(unit.position) or unit.unit.is_root:
+            raise ValueError(
+                f"fs.call (compiled) got {len(set(slots))} of the {len(unit.slots)} leaves of unit "
+                f"{name!r}; pass the unit's whole subtree"
+            )
+        return unit
+
+    def compiled_gather(self, name: str, slots: Sequence[int]) -> list[torch.Tensor]:
+        """The real kernel of ``funcshard::gather``: the unit's full leaves ``slots``, copied out.
+
+        In forward: a new call (acquire, prefetch, as :meth:`enter_call`). After forward: the
+        backward re-gather of the last call of the unit that awaits it (as :meth:`pre_backward`).
+        Either way the unit is released at once: the copies are the graph's.
+        """
+        unit = self.compiled_runtime(name, slots)
+        if self.output_dtype is not None:
+            raise NotImplementedError(
+                "MixedPrecision(output_dtype=...) is not applied inside a compiled loss_fn yet; "
+                "cast the outputs in the function you pass to fs.call, or leave output_dtype unset"
+            )
+        if self.active is not None:
+            raise RuntimeError(
+                f"nested fs.call: unit {name!r} inside the function of {self.active.unit.name!r}"
+            )
+        if not self._forward_done:
+            record, _ = self.enter_call(unit)
+            record.compiled = True
+        else:
+            record = next(
+                (
+                    r
+                    for r in reversed(self.calls)
+                    if r.unit is unit and r.phase is CallPhase.WAITING
+                ),
+                None,
+            )
+            if record is None:
+                raise RuntimeError(f"funcshard::gather: unit {name!r} {_TWICE_UNDER_COMPILE}")
+            self.pre_backward(record)
+        full = [v for p in unit.parts for v in p.views]
+        out = [full[unit.position[s]].detach().clone() for s in slots]
+        unit.release()
+        if not self._forward_done:
+            if self.evaluation:
+                record.phase = CallPhase.DONE
+            else:
+                record.phase = CallPhase.WAITING
+                record.expects_backward = True
+        return out
+
+    def compiled_reduce(
+        self, name: str, slots: Sequence[int], grads: Sequence[torch.Tensor | None]
+    ) -> None:
+        """The real kernel of ``funcshard::reduce``: one compiled call's gradients to the reducer."""
+        unit = self.compiled_runtime(name, slots)
+        record = next(
+            (r for r in reversed(self.calls) if r.unit is unit and r.phase is CallPhase.BACKWARD),
+            None,
+        ) or next(
+            (r for r in reversed(self.calls) if r.unit is unit and r.phase is CallPhase.WAITING),
+            None,
+        )
+        if record is None:
+            raise RuntimeError(f"funcshard::reduce: unit {name!r} {_TWICE_UNDER_COMPILE}")
+        ordered: list[torch.Tensor | None] = [None] * len(unit.slots)
+        for s, g in zip(slots, grads):
+            ordered[unit.position[s]] = g
+        self.post_backward(record, ordered)
 
     # -- helpers -----------------------------------------------------------------
 
