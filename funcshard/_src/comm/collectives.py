@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from funcshard._src.comm import agree, channel, runtime
+from funcshard._src.comm import all_gather as _ag
 from funcshard._src.comm import reduce_scatter as _rs
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
@@ -84,12 +85,28 @@ def all_gather(
     out: torch.Tensor | None = None,
     ledger: Ledger | None = None,
     tag: str = "",
+    algorithm: _ag.Algorithm | None = None,
 ) -> Pending:
     """Gathers every group member's ``flat`` into ``(group_size, numel)``, row = group rank.
 
-    ``out`` (``group_size * numel`` elements) is filled when given. Over a group of
-    one rank the result is ``flat`` itself viewed as one row (no copy) unless
-    ``out`` is given.
+    Over a group of one rank the result is ``flat`` itself viewed as one row (no
+    copy) unless ``out`` is given.
+
+    Args:
+        flat: ``(numel,)``, this rank's part.
+        bound: the bound mesh.
+        axes: the mesh axes of the group.
+        out: ``group_size * numel`` elements, filled with the result when given;
+            it must not overlap ``flat``.
+        ledger: counts ``(group_size - 1) / group_size`` of the bytes gathered.
+        tag: the unit, for errors.
+        algorithm: see ``all_gather.py``; ``None`` is ``FUNCSHARD_ALL_GATHER``, else
+            ``"auto"``. Every rank must use the same. Anything but gloo always runs
+            ``"native"``.
+
+    Raises:
+        CollectiveError: the collective could not start.
+        ValueError: ``algorithm`` is unknown.
     """
     size = group_size(bound, axes)
     group = bound.group(axes)
@@ -99,14 +116,22 @@ def all_gather(
     if out is None:
         out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
     target = out
-    pending = _issue(
-        "all_gather", tag, axes, bound, group, flat,
-        lambda: _all_gather_single(target.view(-1), flat, group=group, async_op=True),
-    )  # fmt: skip
+    nbytes = out.numel() * out.element_size()
+    backend = dist.get_backend(group)
+    chosen = _ag.resolve(
+        _ag.default_algorithm() if algorithm is None else algorithm, backend, size, nbytes
+    )
+    gloo = backend == "gloo"
+
+    def call() -> Any:  # nccl: the backend's own, exactly as before
+        if gloo:
+            return _ag.start(chosen, flat, target.view(size, -1), group)
+        return _all_gather_single(target.view(-1), flat, group=group, async_op=True)
+
+    pending = _issue("all_gather", tag, axes, bound, group, flat, call)
     if ledger is not None:
-        ledger.record(
-            "all_gather", axes, group_size=size, full_bytes=out.numel() * out.element_size()
-        )
+        # gloo's native and the rings alike: (W - 1) / W of the gathered bytes, see ledger.py
+        ledger.record("all_gather", axes, group_size=size, full_bytes=nbytes)
     pending.result = out.view(size, -1)
     return pending
 

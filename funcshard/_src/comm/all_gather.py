@@ -1,0 +1,201 @@
+"""All-gather algorithms: which one runs on a backend, and the point-to-point ones for gloo.
+
+gloo's own ``all_gather_into_tensor`` stages the input and the output through
+buffers of its own and copies the result out, on top of the transfer. The
+algorithms here, over a group of ``W`` ranks, gather ``flat`` ``(n,)`` into
+``rows`` ``(W, n)``, row ``j`` from group rank ``j``:
+
+- ``"native"``: the backend's ``all_gather_into_tensor``; always on nccl.
+- ``"ring"``: copy ``flat`` into this rank's row, then ``W - 1`` steps; in
+  each, send the row received in the step before (``flat`` in the first) to
+  the next rank and receive the previous rank's into its own row of ``rows``:
+  no buffer of its own, no copy but this rank's row. At ``W = 2`` this is the
+  pairwise exchange: send ``flat``, receive the other rank's row.
+- ``"ring_overlapped"``: the ring, with the copy of this rank's row made after
+  the first step is issued, while it runs.
+
+Both rings send exactly ``(W - 1) / W`` of the gathered bytes per rank, the
+count the ledger records (see ``ledger.py``) and the cost model assumes.
+
+[Note: all-gather steps]
+A ring's steps depend on each other (step ``s + 1`` forwards the row that
+step ``s`` received), so only the first step, which sends ``flat``, is issued
+when the gather starts; ``wait()`` drives the rest: it waits for each receive
+and issues the next step's send and receive. At ``W = 2`` there is one step,
+so the whole transfer runs in the background. A step's send and receive are
+issued together, never a receive ahead of its send: point-to-point messages
+between two ranks pair up by order, so with other point-to-point operations in
+flight on the group (another gather, a ring reduce-scatter) a receive issued
+early would take the next rank's message for another operation. Every rank
+issues the same operations in the same order, so they pair up as collectives
+do; a failed or timed-out wait leaves the process out of step
+(``collectives.Pending``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Literal, cast
+
+import torch
+import torch.distributed as dist
+
+from funcshard._src.comm.channel import all_gather_single
+
+Algorithm = Literal["auto", "native", "ring", "ring_overlapped"]
+ALGORITHMS: tuple[Algorithm, ...] = ("auto", "native", "ring", "ring_overlapped")
+ALGORITHM_ENV = "FUNCSHARD_ALL_GATHER"
+# "auto" on gloo (bench/all_gather.py on a loaded 2-core machine, 6-9 runs of the median of 9-11
+# rounds): at W = 2 ring_overlapped took 0.68-0.82x gloo's native time from 8 MiB per rank (a
+# 16 MiB output) in every run (0.25-0.29x at 48 MiB), but 0.68-1.16x at 4 MiB, up to 1.25x at
+# 2 MiB and 1.4-1.9x at 256 KiB (latency); the plain ring took 0.70-1.01x at 8 MiB. At W = 4
+# (4 ranks on 2 cores, three runs of 5 rounds) both rings took 0.64-0.79x at 4 MiB and
+# 0.29-0.48x at 12 MiB, too few runs on an oversubscribed machine to rely on: auto keeps native.
+RING_MIN_BYTES = 16 << 20  # of the whole output
+
+
+def resolve(algorithm: Algorithm, backend: str, world_size: int, nbytes: int, /) -> Algorithm:
+    """The algorithm that runs for ``algorithm`` on ``backend`` over ``world_size`` ranks.
+
+    ``"auto"`` keeps the backend's own collective, except on gloo: there it runs
+    ``"ring_overlapped"`` (the pairwise exchange) for two ranks and outputs of at
+    least :data:`RING_MIN_BYTES`, where it measured faster, and ``"native"``
+    otherwise. Anything but gloo always runs ``"native"`` (the others are for
+    gloo on CPU).
+
+    Args:
+        algorithm: one of :data:`ALGORITHMS`.
+        backend: the process group's backend, ``"gloo"`` or ``"nccl"``.
+        world_size: ranks in the group.
+        nbytes: bytes of the whole gathered output ``rows``.
+
+    Returns:
+        The algorithm to run (never ``"auto"``).
+
+    Raises:
+        ValueError: ``algorithm`` is not one of :data:`ALGORITHMS`.
+
+    Example:
+        >>> resolve("auto", "nccl", 8, 1 << 30)
+        'native'
+        >>> resolve("auto", "gloo", 2, 64 << 20)
+        'ring_overlapped'
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"all-gather algorithm {algorithm!r} is unknown; use one of {list(ALGORITHMS)}"
+        )
+    if backend != "gloo":
+        return "native"
+    if algorithm != "auto":
+        return algorithm
+    return "ring_overlapped" if world_size == 2 and nbytes >= RING_MIN_BYTES else "native"
+
+
+def default_algorithm() -> Algorithm:
+    """The all-gather algorithm when none is given: ``FUNCSHARD_ALL_GATHER``, else ``"auto"``.
+
+    Raises:
+        ValueError: the environment variable names no algorithm.
+
+    Example:
+        >>> default_algorithm()
+        'auto'
+    """
+    value = os.environ.get(ALGORITHM_ENV, "auto")
+    if value not in ALGORITHMS:
+        raise ValueError(
+            f"{ALGORITHM_ENV}={value!r} is not an all-gather algorithm; "
+            f"use one of {list(ALGORITHMS)}"
+        )
+    return cast("Algorithm", value)
+
+
+def start(
+    algorithm: Algorithm, flat: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup, /
+) -> Any:
+    """Starts gathering every group rank's ``flat`` ``(n,)`` into ``rows`` ``(W, n)``; writes ``rows``.
+
+    Returns a handle whose ``wait(timeout=...)`` finishes it (``rows[j]`` then
+    holds group rank ``j``'s ``flat``), as a ``torch.distributed`` ``Work`` does.
+
+    Raises:
+        ValueError: ``algorithm`` is not resolved, or a ring's ``rows`` overlaps
+            ``flat`` other than as exactly this rank's row (a receive would
+            overwrite ``flat`` before it is sent).
+    """
+    if algorithm == "native":
+        return all_gather_single(rows.view(-1), flat, group=group, async_op=True)
+    if algorithm in ("ring", "ring_overlapped"):
+        me = dist.get_group_rank(group, dist.get_rank())
+        return _Ring(flat.view(-1), rows, group, me, overlap=algorithm == "ring_overlapped")
+    raise ValueError(f"all-gather algorithm {algorithm!r} cannot start; resolve() it first")
+
+
+Timeout = datetime.timedelta | None
+
+
+def _wait(work: Any, timeout: Timeout) -> None:
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout=timeout)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``t`` covers (contiguous ``t``)."""
+    lo = t.data_ptr()
+    return lo, lo + t.numel() * t.element_size()
+
+
+class _Ring:
+    """A ring all-gather; see [Note: all-gather steps].
+
+    At step ``s`` group rank ``r`` sends row ``(r - s) % W`` (its own, ``flat``,
+    at ``s = 0``) to rank ``r + 1`` and receives row ``(r - s - 1) % W`` from
+    rank ``r - 1`` into that row of ``rows``.
+    """
+
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        rows: torch.Tensor,
+        group: dist.ProcessGroup,
+        me: int,
+        *,
+        overlap: bool,
+    ) -> None:
+        w = rows.shape[0]
+        self.rows, self.group, self.me, self.w = rows, group, me, w
+        self.next, self.prev = (me + 1) % w, (me - 1) % w
+        own = rows[me]
+        in_place = flat.data_ptr() == own.data_ptr() and flat.numel() == own.numel()
+        (f_lo, f_hi), (r_lo, r_hi) = _span(flat), _span(rows)
+        if not in_place and f_lo < r_hi and r_lo < f_hi:
+            raise ValueError(
+                "a ring all-gather's output overlaps its input other than as this rank's row; "
+                "pass an out= buffer of its own"
+            )
+        if not (overlap or in_place):
+            own.copy_(flat)
+        self.sends: list[Any] = []
+        self.recv = self._step(0, flat)
+        if overlap and not in_place:
+            own.copy_(flat)  # while the first step runs
+
+    def _step(self, s: int, send: torch.Tensor) -> Any:
+        """Issues step ``s``: sends ``send``, receives row ``(me - s - 1) % W``; returns the receive."""
+        self.sends.append(dist.isend(send, group=self.group, group_dst=self.next))
+        into = self.rows[(self.me - s - 1) % self.w]
+        return dist.irecv(into, group=self.group, group_src=self.prev)
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        for s in range(self.w - 1):
+            _wait(self.recv, timeout)
+            if s < self.w - 2:  # forward what just arrived
+                self.recv = self._step(s + 1, self.rows[(self.me - s - 1) % self.w])
+        for work in self.sends:
+            _wait(work, timeout)
+        self.sends = []
+        return True
