@@ -45,11 +45,96 @@ from torch.utils.checkpoint import (
 )
 
 from funcshard._src import tree
-from funcshard._src.execute.run import step_run
+from funcshard._src.execute.run import CallPhase, Run, step_run
+from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.sharded import ShardedTensor
 
 # the input autograd follows through every compiled gather; its gradient is always zero
 ANCHOR = torch.zeros((), requires_grad=True)
+
+
+# what a compiled graph with one unit called twice does: its two gathers are one op there
+_TWICE_UNDER_COMPILE = (
+    "has no call awaiting backward: a unit called twice in one compiled loss_fn (shared "
+    "weights) is not supported, as the graph merges the two identical gathers into one; "
+    "run that loss_fn eagerly, or compile the function inside the call instead: "
+    "fs.call(torch.compile(fn), unit, ...)"
+)
+
+
+def compiled_runtime(run: Run, name: str, slots: Sequence[int]) -> UnitRuntime:
+    """The unit ``name`` of a compiled call, checking that ``slots`` are exactly its leaves."""
+    unit = run.units.get(name)
+    if unit is None:
+        raise ValueError(
+            f"fs.call (compiled): no unit {name!r} in this step (units: {sorted(run.units)})"
+        )
+    if sorted(slots) != sorted(unit.position) or unit.unit.is_root:
+        raise ValueError(
+            f"fs.call (compiled) got {len(set(slots))} of the {len(unit.slots)} leaves of unit "
+            f"{name!r}; pass the unit's whole subtree"
+        )
+    return unit
+
+
+def compiled_gather(run: Run, name: str, slots: Sequence[int]) -> list[torch.Tensor]:
+    """The real kernel of ``funcshard::gather``: the unit's full leaves ``slots``, copied out.
+
+    In forward: a new call (acquire, prefetch, as :meth:`enter_call`). After forward: the
+    backward re-gather of the last call of the unit that awaits it (as :meth:`pre_backward`).
+    Either way the unit is released at once: the copies are the graph's.
+    """
+    unit = compiled_runtime(run, name, slots)
+    if run.output_dtype is not None:
+        raise NotImplementedError(
+            "MixedPrecision(output_dtype=...) is not applied inside a compiled loss_fn yet; "
+            "cast the outputs in the function you pass to fs.call, or leave output_dtype unset"
+        )
+    if run.active is not None:
+        raise RuntimeError(
+            f"nested fs.call: unit {name!r} inside the function of {run.active.unit.name!r}"
+        )
+    if not run.forward_done:
+        record, _ = run.enter_call(unit)
+        record.compiled = True
+    else:
+        record = next(
+            (r for r in reversed(run.calls) if r.unit is unit and r.phase is CallPhase.WAITING),
+            None,
+        )
+        if record is None:
+            raise RuntimeError(f"funcshard::gather: unit {name!r} {_TWICE_UNDER_COMPILE}")
+        run.pre_backward(record)
+    full = [v for p in unit.parts for v in p.views]
+    out = [full[unit.position[s]].detach().clone() for s in slots]
+    unit.release()
+    if not run.forward_done:
+        if run.evaluation:
+            record.phase = CallPhase.DONE
+        else:
+            record.phase = CallPhase.WAITING
+            record.expects_backward = True
+    return out
+
+
+def compiled_reduce(
+    run: Run, name: str, slots: Sequence[int], grads: Sequence[torch.Tensor | None]
+) -> None:
+    """The real kernel of ``funcshard::reduce``: one compiled call's gradients to the reducer."""
+    unit = compiled_runtime(run, name, slots)
+    record = next(
+        (r for r in reversed(run.calls) if r.unit is unit and r.phase is CallPhase.BACKWARD),
+        None,
+    ) or next(
+        (r for r in reversed(run.calls) if r.unit is unit and r.phase is CallPhase.WAITING),
+        None,
+    )
+    if record is None:
+        raise RuntimeError(f"funcshard::reduce: unit {name!r} {_TWICE_UNDER_COMPILE}")
+    ordered: list[torch.Tensor | None] = [None] * len(unit.slots)
+    for s, g in zip(slots, grads):
+        ordered[unit.position[s]] = g
+    run.post_backward(record, ordered)
 
 
 def _run_for(what: str) -> Any:
@@ -65,12 +150,12 @@ def _run_for(what: str) -> Any:
 @torch.library.custom_op("funcshard::gather", mutates_args=())
 def gather(anchor: torch.Tensor, unit: str, slots: Sequence[int]) -> list[torch.Tensor]:
     """The full leaves ``slots`` of ``unit``, gathered by the current run (fresh tensors)."""
-    return _run_for("gather").compiled_gather(unit, list(slots))
+    return compiled_gather(_run_for("gather"), unit, list(slots))
 
 
 @gather.register_fake
 def _(anchor: torch.Tensor, unit: str, slots: Sequence[int]) -> list[torch.Tensor]:
-    runtime = _run_for("gather").compiled_runtime(unit, list(slots))
+    runtime = compiled_runtime(_run_for("gather"), unit, list(slots))
     out = []
     for s in slots:
         slot = runtime.slots[runtime.position[s]]
@@ -94,7 +179,7 @@ def reduce(
     anchor: torch.Tensor, unit: str, slots: Sequence[int], grads: Sequence[torch.Tensor | None]
 ) -> torch.Tensor:
     """Hands one call's gradients to the current run's reducer; a zero gradient for ``anchor``."""
-    _run_for("reduce").compiled_reduce(unit, list(slots), list(grads))
+    compiled_reduce(_run_for("reduce"), unit, list(slots), list(grads))
     return torch.zeros_like(anchor)
 
 
@@ -110,7 +195,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.unit, ctx.slots = unit, list(slots)
     runtime = step_run()
     if runtime is not None:
-        rt = runtime.compiled_runtime(unit, list(slots))
+        rt = compiled_runtime(runtime, unit, list(slots))
         frozen = [o for o, s in zip(output, slots) if not rt.trained[rt.position[s]]]
         if frozen:
             ctx.mark_non_differentiable(*frozen)

@@ -68,15 +68,6 @@ def step_run() -> Run | None:
     return _STEP_RUN[0]
 
 
-# what a compiled graph with one unit called twice does: its two gathers are one op there
-_TWICE_UNDER_COMPILE = (
-    "has no call awaiting backward: a unit called twice in one compiled loss_fn (shared "
-    "weights) is not supported, as the graph merges the two identical gathers into one; "
-    "run that loss_fn eagerly, or compile the function inside the call instead: "
-    "fs.call(torch.compile(fn), unit, ...)"
-)
-
-
 class CallPhase(enum.Enum):
     """Where one use of a unit is in its step; it holds its unit gathered in FORWARD, KEPT and BACKWARD."""
 
@@ -155,7 +146,7 @@ class Run:
         self._in_backward: set[int] = set()  # calls whose backward began and has not reduced
         self.forward_check: Agreement | None = None  # finished before backward's first collective
         self._token: Any = None
-        self._forward_done = False
+        self.forward_done = False
 
     # -- forward -----------------------------------------------------------------
 
@@ -237,7 +228,7 @@ class Run:
         for unit in self.units.values():
             unit.drop_unused()
         self._next_backward = len(self.calls) - 1
-        self._forward_done = True
+        self.forward_done = True
         return [c.unit.name for c in self.calls]
 
     # -- backward ----------------------------------------------------------------
@@ -315,84 +306,6 @@ class Run:
         for unit in self.units.values():
             inflight.extend(unit.discard())
         return inflight
-
-    # -- compiled calls (see [Note: compiled calls] in compiled.py) ------------------
-
-    def compiled_runtime(self, name: str, slots: Sequence[int]) -> UnitRuntime:
-        """The unit ``name`` of a compiled call, checking that ``slots`` are exactly its leaves."""
-        unit = self.units.get(name)
-        if unit is None:
-            raise ValueError(
-                f"fs.call (compiled): no unit {name!r} in this step (units: {sorted(self.units)})"
-            )
-        if sorted(slots) != sorted(unit.position) or unit.unit.is_root:
-            raise ValueError(
-                f"fs.call (compiled) got {len(set(slots))} of the {len(unit.slots)} leaves of unit "
-                f"{name!r}; pass the unit's whole subtree"
-            )
-        return unit
-
-    def compiled_gather(self, name: str, slots: Sequence[int]) -> list[torch.Tensor]:
-        """The real kernel of ``funcshard::gather``: the unit's full leaves ``slots``, copied out.
-
-        In forward: a new call (acquire, prefetch, as :meth:`enter_call`). After forward: the
-        backward re-gather of the last call of the unit that awaits it (as :meth:`pre_backward`).
-        Either way the unit is released at once: the copies are the graph's.
-        """
-        unit = self.compiled_runtime(name, slots)
-        if self.output_dtype is not None:
-            raise NotImplementedError(
-                "MixedPrecision(output_dtype=...) is not applied inside a compiled loss_fn yet; "
-                "cast the outputs in the function you pass to fs.call, or leave output_dtype unset"
-            )
-        if self.active is not None:
-            raise RuntimeError(
-                f"nested fs.call: unit {name!r} inside the function of {self.active.unit.name!r}"
-            )
-        if not self._forward_done:
-            record, _ = self.enter_call(unit)
-            record.compiled = True
-        else:
-            record = next(
-                (
-                    r
-                    for r in reversed(self.calls)
-                    if r.unit is unit and r.phase is CallPhase.WAITING
-                ),
-                None,
-            )
-            if record is None:
-                raise RuntimeError(f"funcshard::gather: unit {name!r} {_TWICE_UNDER_COMPILE}")
-            self.pre_backward(record)
-        full = [v for p in unit.parts for v in p.views]
-        out = [full[unit.position[s]].detach().clone() for s in slots]
-        unit.release()
-        if not self._forward_done:
-            if self.evaluation:
-                record.phase = CallPhase.DONE
-            else:
-                record.phase = CallPhase.WAITING
-                record.expects_backward = True
-        return out
-
-    def compiled_reduce(
-        self, name: str, slots: Sequence[int], grads: Sequence[torch.Tensor | None]
-    ) -> None:
-        """The real kernel of ``funcshard::reduce``: one compiled call's gradients to the reducer."""
-        unit = self.compiled_runtime(name, slots)
-        record = next(
-            (r for r in reversed(self.calls) if r.unit is unit and r.phase is CallPhase.BACKWARD),
-            None,
-        ) or next(
-            (r for r in reversed(self.calls) if r.unit is unit and r.phase is CallPhase.WAITING),
-            None,
-        )
-        if record is None:
-            raise RuntimeError(f"funcshard::reduce: unit {name!r} {_TWICE_UNDER_COMPILE}")
-        ordered: list[torch.Tensor | None] = [None] * len(unit.slots)
-        for s, g in zip(slots, grads):
-            ordered[unit.position[s]] = g
-        self.post_backward(record, ordered)
 
     # -- helpers -----------------------------------------------------------------
 

@@ -45,6 +45,7 @@ from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute.buffers import BufferPool
+from funcshard._src.execute.memory import GatheredMemory
 from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.strategy import shard_axes
 from funcshard._src.plan.units import Unit
@@ -90,33 +91,6 @@ class SharedGather(Protocol):
 
 class UnitStateError(AssertionError):
     """A unit was asked for a transition its state does not allow: a bug in funcshard."""
-
-
-@dataclass
-class GatheredMemory:
-    """Bytes of gathered parameters alive on this rank, and their peak; optionally a trace.
-
-    With ``events`` a list, every unit transition appends ``(event, unit name)``:
-    ``start`` (all-gather issued), ``finish`` (gathered), ``free`` and ``reduce``.
-    """
-
-    current: int = 0
-    peak: int = 0
-    events: list[tuple[str, str]] | None = None
-
-    def log(self, event: str, unit: str) -> None:
-        """Appends to ``events`` when tracing; mutates."""
-        if self.events is not None:
-            self.events.append((event, unit))
-
-    def add(self, nbytes: int) -> None:
-        """Counts ``nbytes`` more; mutates."""
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
-
-    def sub(self, nbytes: int) -> None:
-        """Counts ``nbytes`` fewer; mutates."""
-        self.current -= nbytes
 
 
 @dataclass(eq=False)

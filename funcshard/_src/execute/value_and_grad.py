@@ -21,9 +21,11 @@ from funcshard._src.execute.desync import (
     signature,
     start_forward_check,
 )
+from funcshard._src.execute.loss import split_loss
+from funcshard._src.execute.memory import GatheredMemory
 from funcshard._src.execute.reduce import Reducer
 from funcshard._src.execute.run import Run, current_run
-from funcshard._src.execute.unit_state import GatheredMemory, UnitRuntime
+from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
 from funcshard._src.shard.flat import FlatLayout
@@ -231,7 +233,7 @@ class Step:
                     view = run.begin(sparams, by_unit)
                     out = self.loss_fn(view, *args, **kwargs)
                     calls = run.end_forward()
-                    loss, aux = self._split(out)
+                    loss, aux = split_loss(out, has_aux=self.has_aux)
                     run.forward_check = start_forward_check(calls)
                     self._order = calls
                     torch.autograd.backward(loss)
@@ -327,31 +329,6 @@ class Step:
                 by_unit.setdefault(layout.unit, []).append(found[layout])
         return by_unit
 
-    def _split(self, out: Any) -> tuple[torch.Tensor, Any]:
-        if self.has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError(
-                    f"has_aux=True: loss_fn must return (loss, aux), got {type(out).__name__}"
-                )
-            loss, aux = out
-        else:
-            loss, aux = out, None
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-            hint = (
-                "; to return (loss, aux), pass has_aux=True"
-                if not self.has_aux and isinstance(loss, tuple)
-                else ""
-            )
-            raise TypeError(
-                f"loss_fn must return a floating-point scalar tensor as the loss, got {_kind(loss)}{hint}"
-            )
-        if not loss.requires_grad:
-            raise ValueError(
-                "the loss does not depend on any parameter (it does not require grad); use the params "
-                "loss_fn receives, through fs.call for unit leaves"
-            )
-        return loss.reshape(()), aux
-
 
 def value_and_grad(
     loss_fn: Callable[..., Any],
@@ -414,9 +391,3 @@ def value_and_grad(
         donate_grads=donate_grads,
         bucket_bytes=bucket_bytes,
     )
-
-
-def _kind(x: object) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
-    return f"a {type(x).__name__}"
