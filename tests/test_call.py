@@ -283,6 +283,7 @@ def _held_gradients(strategy: Any, donate: bool) -> tuple[bool, bool, str]:
         lambda p, x: fs.call(layer, p["blocks"][0], p["embed"][x]).sum(),
         plan,
         donate_grads=donate,
+        bucket_bytes=0,  # a bucket's gradients are one new buffer: donation is per unit
     )
     sparams = fs.shard(params, plan)
     opt = fs.optim.sgd(lr=0.1)

@@ -35,8 +35,10 @@ Outcome = tuple[str, str, float]  # (exception name or "ok", message, seconds th
 
 
 def _setup(**step_options: Any) -> tuple[Any, Any, fs.Step]:
+    """The cases below name the collective each unit's schedule fails at: units, not buckets."""
     params = MODEL.init(0)
     plan = fs.plan(params, fs.Mesh({"fsdp": 2}), units=MODEL.units)
+    step_options.setdefault("bucket_bytes", 0)
     return plan, fs.shard(params, plan), fs.value_and_grad(MODEL.loss_fn, plan, **step_options)
 
 
@@ -107,7 +109,7 @@ def _late_rng_states() -> None:
 
 def _error_caught_and_carried_on() -> None:
     plan, sparams, _ = _setup()
-    step = fs.value_and_grad(_loss_that_fails_in_block_1, plan)
+    step = fs.value_and_grad(_loss_that_fails_in_block_1, plan, bucket_bytes=0)
     step(sparams, *MODEL.batch_for(fs.rank()), fail=False)  # the call order is known now
     if fs.rank() == 1:
         with contextlib.suppress(RuntimeError):  # the user catches it and carries on

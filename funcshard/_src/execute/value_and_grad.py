@@ -363,7 +363,8 @@ def value_and_grad(
             writes its gradients into those buffers instead of fresh memory (faster:
             no new pages each step). The donated tree is dead: reading it raises
             ``DonatedError``; clone what you keep. Without it, no tree a call
-            returned is ever written again.
+            returned is ever written again. Units in a bucket (``bucket_bytes``)
+            reduce into one new buffer per bucket; ``bucket_bytes=0`` donates all.
         bucket_bytes: consecutive units whose full leaves together stay within this
             many bytes share their all-gathers and reductions (as DDP buckets its
             all-reduces), which cuts the latency of small units; ``0`` turns it off.
