@@ -90,5 +90,8 @@ def test_the_pool_hands_back_what_it_was_given_up_to_its_depth():
     assert pool.take(8, torch.bfloat16, cpu) is not a  # another dtype is another kind
     pool.give(torch.zeros(8)[:4])  # part of a buffer: never kept
     assert pool.held_bytes == 0
-    with pytest.raises(ValueError, match="depth of at least 1"):
-        BufferPool(depth=0)
+    keeps_nothing = BufferPool(depth=0)  # the root unit's: used once a step, not held
+    keeps_nothing.give(keeps_nothing.take(8, torch.float32, cpu))
+    assert keeps_nothing.held_bytes == 0
+    with pytest.raises(ValueError, match="depth of at least 0"):
+        BufferPool(depth=-1)

@@ -32,11 +32,15 @@ _Key = tuple[int, torch.dtype, torch.device]
 
 
 class BufferPool:
-    """Free staging buffers by (numel, dtype, device), at most ``depth`` of each; mutates."""
+    """Free staging buffers by (numel, dtype, device), at most ``depth`` of each; mutates.
+
+    ``depth=0`` keeps nothing: the root unit's staging, used once a step and as large
+    as the embeddings, would otherwise be held through every forward.
+    """
 
     def __init__(self, depth: int = 1) -> None:
-        if depth < 1:
-            raise ValueError(f"a buffer pool needs a depth of at least 1, got {depth}")
+        if depth < 0:
+            raise ValueError(f"a buffer pool needs a depth of at least 0, got {depth}")
         self.depth = depth
         self.allocations = 0  # buffers made because none of the kind was free
         self._free: dict[_Key, list[torch.Tensor]] = {}

@@ -221,7 +221,8 @@ class Reducer:
             rows = spare.view(1, -1)  # no_shard: reduced in place, this becomes the gradient
             spare = None
         else:
-            rows = self.pool.take(unit.group_size * layout.numel, part.grad_dtype, device)
+            pool = unit.pool if unit.unit.is_root else self.pool  # the root's: not kept
+            rows = pool.take(unit.group_size * layout.numel, part.grad_dtype, device)
             rows = rows.view(unit.group_size, layout.numel)
         kept = self.deferred.pop(layout, None)
         # the mean over every data-parallel rank: divide while packing, unless gradients
@@ -250,7 +251,8 @@ class Reducer:
                 rows, unit.bound, unit.axes, out=spare, ledger=unit.ledger, tag=unit.name
             )
             then = replica
-            staging = rows if unit.group_size > 1 else None  # over one rank, rows is the result
+            # over one rank, rows is the result; the root's rows are not kept for the next step
+            staging = rows if unit.group_size > 1 and not unit.unit.is_root else None
         unit.memory.log("reduce", unit.name)
         self.pending.append(
             Reduction(
