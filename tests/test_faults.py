@@ -132,8 +132,8 @@ def _head(p: Any, h: torch.Tensor) -> torch.Tensor:
     return (h @ p["head"]["w"]).square().mean() * p["head"]["temp"]
 
 
-def _skip_a_unit(steps_before: int) -> None:
-    _, sparams, step = _setup()
+def _skip_a_unit(steps_before: int, bucket_bytes: int | None = 0) -> None:
+    _, sparams, step = _setup(bucket_bytes=bucket_bytes)
     for t in range(steps_before):
         step(sparams, *MODEL.batch_for(t))
 
@@ -316,6 +316,8 @@ BODIES: dict[str, Callable[..., None]] = {
     "error-caught-and-carried-on": _error_caught_and_carried_on,
     "skip-a-unit-first-step": lambda: _skip_a_unit(0),
     "skip-a-unit-later-step": lambda: _skip_a_unit(2),
+    # the blocks share one bucket (the default on gloo): the ranks part at an agreement
+    "skip-a-unit-in-a-bucket": lambda: _skip_a_unit(2, bucket_bytes=None),
     "stop-early": _stop_early,
     "ignore-a-units-parameters": _ignore_a_units_parameters,
     "different-mixed-precision": _different_mixed_precision,
@@ -372,6 +374,10 @@ EXPECTED: dict[str, list[tuple[str, str]]] = {  # per rank: (error, regex of its
             r"all_gather of unit 'blocks/2' over mesh axes \['fsdp'\] on rank 0 failed",
         ),
         ("CollectiveError|DesyncError", r"call #1 of the step"),
+    ],
+    "skip-a-unit-in-a-bucket": [  # no unit's gather is issued alone: the agreements catch it
+        ("DesyncError", r"ranks are at different operations .*rank 0 at the end of forward"),
+        ("DesyncError", r"ranks are at different operations .*rank 1 at call #1 of the step"),
     ],
     "stop-early": [
         (
