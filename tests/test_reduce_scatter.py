@@ -146,8 +146,8 @@ def test_auto_keeps_native_off_gloo_and_picks_the_ring_for_large_buffers_on_two_
 def test_unknown_algorithms_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="reduce-scatter algorithm 'tree' is unknown"):
         rs.resolve("tree", "gloo", 2, 10)  # pyright: ignore[reportArgumentType]
-    monkeypatch.setenv(collectives.ALGORITHM_ENV, "ring")
-    assert collectives.default_algorithm() == "ring"
-    monkeypatch.setenv(collectives.ALGORITHM_ENV, "tree")
+    monkeypatch.setenv(rs.ALGORITHM_ENV, "ring")
+    assert rs.default_algorithm() == "ring"
+    monkeypatch.setenv(rs.ALGORITHM_ENV, "tree")
     with pytest.raises(ValueError, match="FUNCSHARD_REDUCE_SCATTER='tree'"):
-        collectives.default_algorithm()
+        rs.default_algorithm()

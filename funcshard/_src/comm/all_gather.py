@@ -34,13 +34,12 @@ do; a failed or timed-out wait leaves the process out of step
 
 from __future__ import annotations
 
-import datetime
-import os
 from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 
+from funcshard._src.comm.algorithm import Timeout, check_known, from_env, wait_work
 from funcshard._src.comm.channel import all_gather_single
 
 Algorithm = Literal["auto", "native", "ring", "ring_overlapped"]
@@ -82,10 +81,7 @@ def resolve(algorithm: Algorithm, backend: str, world_size: int, nbytes: int, /)
         >>> resolve("auto", "gloo", 2, 64 << 20)
         'ring_overlapped'
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(
-            f"all-gather algorithm {algorithm!r} is unknown; use one of {list(ALGORITHMS)}"
-        )
+    check_known(algorithm, ALGORITHMS, "all-gather")
     if backend != "gloo":
         return "native"
     if algorithm != "auto":
@@ -103,13 +99,7 @@ def default_algorithm() -> Algorithm:
         >>> default_algorithm()
         'auto'
     """
-    value = os.environ.get(ALGORITHM_ENV, "auto")
-    if value not in ALGORITHMS:
-        raise ValueError(
-            f"{ALGORITHM_ENV}={value!r} is not an all-gather algorithm; "
-            f"use one of {list(ALGORITHMS)}"
-        )
-    return cast("Algorithm", value)
+    return cast("Algorithm", from_env(ALGORITHM_ENV, ALGORITHMS, "all-gather"))
 
 
 def start(
@@ -131,16 +121,6 @@ def start(
         me = dist.get_group_rank(group, dist.get_rank())
         return _Ring(flat.view(-1), rows, group, me, overlap=algorithm == "ring_overlapped")
     raise ValueError(f"all-gather algorithm {algorithm!r} cannot start; resolve() it first")
-
-
-Timeout = datetime.timedelta | None
-
-
-def _wait(work: Any, timeout: Timeout) -> None:
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(timeout=timeout)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -192,10 +172,10 @@ class _Ring:
 
     def wait(self, timeout: Timeout = None) -> bool:
         for s in range(self.w - 1):
-            _wait(self.recv, timeout)
+            wait_work(self.recv, timeout)
             if s < self.w - 2:  # forward what just arrived
                 self.recv = self._step(s + 1, self.rows[(self.me - s - 1) % self.w])
         for work in self.sends:
-            _wait(work, timeout)
+            wait_work(work, timeout)
         self.sends = []
         return True

@@ -15,10 +15,9 @@ with every rank.
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,6 @@ from funcshard._src.comm.runtime import CollectiveError
 
 _all_gather_single = channel.all_gather_single
 _reduce_scatter_single = channel.reduce_scatter_single
-ALGORITHM_ENV = "FUNCSHARD_REDUCE_SCATTER"
 
 
 @dataclass
@@ -159,7 +157,7 @@ def reduce_scatter(
         out: ``(numel,)``, filled with the result when given.
         ledger: counts ``(group_size - 1) / group_size`` of the bytes of ``rows``.
         tag: the unit, for errors.
-        algorithm: see ``reduce_scatter.py``; ``None`` is :func:`default_algorithm`.
+        algorithm: see ``reduce_scatter.py``; ``None`` is ``FUNCSHARD_REDUCE_SCATTER``, else ``"auto"``.
             Every rank must use the same. Anything but gloo always runs ``"native"``.
 
     Raises:
@@ -177,7 +175,7 @@ def reduce_scatter(
     nbytes = rows.numel() * rows.element_size()
     backend = dist.get_backend(group)
     chosen = _rs.resolve(
-        default_algorithm() if algorithm is None else algorithm, backend, size, nbytes
+        _rs.default_algorithm() if algorithm is None else algorithm, backend, size, nbytes
     )
     gloo = backend == "gloo"
 
@@ -193,25 +191,6 @@ def reduce_scatter(
         ledger.record("reduce_scatter", axes, group_size=size, full_bytes=nbytes)
     pending.result = out
     return pending
-
-
-def default_algorithm() -> Algorithm:
-    """The reduce-scatter algorithm when none is given: ``FUNCSHARD_REDUCE_SCATTER``, else ``"auto"``.
-
-    Raises:
-        ValueError: the environment variable names no algorithm.
-
-    Example:
-        >>> default_algorithm()
-        'auto'
-    """
-    value = os.environ.get(ALGORITHM_ENV, "auto")
-    if value not in _rs.ALGORITHMS:
-        raise ValueError(
-            f"{ALGORITHM_ENV}={value!r} is not a reduce-scatter algorithm; "
-            f"use one of {list(_rs.ALGORITHMS)}"
-        )
-    return cast("Algorithm", value)
 
 
 def all_reduce(

@@ -35,18 +35,19 @@ the process out of step (``collectives.Pending``).
 
 from __future__ import annotations
 
-import datetime
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 
+from funcshard._src.comm.algorithm import Timeout, check_known, from_env, wait_work
 from funcshard._src.comm.channel import reduce_scatter_single
 
 Algorithm = Literal["auto", "native", "all_reduce", "all_to_all", "ring", "ring_pipelined"]
 ALGORITHMS: tuple[Algorithm, ...] = (
     "auto", "native", "all_reduce", "all_to_all", "ring", "ring_pipelined",
 )  # fmt: skip
+ALGORITHM_ENV = "FUNCSHARD_REDUCE_SCATTER"
 # "auto" on gloo (bench/reduce_scatter.py on a loaded 2-core machine, median of 9 rounds): at
 # W = 2 the ring took 0.4-0.7x the time of all_reduce from 4 MiB to 64 MiB in every run, 1.0x
 # at 1 MiB and 2-5x as long at 64 KiB and below (one more round trip). At W = 4 (4 ranks on 2
@@ -82,15 +83,25 @@ def resolve(algorithm: Algorithm, backend: str, world_size: int, nbytes: int, /)
         >>> resolve("auto", "gloo", 2, 64 << 20)
         'ring'
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(
-            f"reduce-scatter algorithm {algorithm!r} is unknown; use one of {list(ALGORITHMS)}"
-        )
+    check_known(algorithm, ALGORITHMS, "reduce-scatter")
     if backend != "gloo":
         return "native"
     if algorithm != "auto":
         return algorithm
     return "ring" if world_size == 2 and nbytes >= RING_MIN_BYTES else "all_reduce"
+
+
+def default_algorithm() -> Algorithm:
+    """The reduce-scatter algorithm when none is given: ``FUNCSHARD_REDUCE_SCATTER``, else ``"auto"``.
+
+    Raises:
+        ValueError: the environment variable names no algorithm.
+
+    Example:
+        >>> default_algorithm()
+        'auto'
+    """
+    return cast("Algorithm", from_env(ALGORITHM_ENV, ALGORITHMS, "reduce-scatter"))
 
 
 def start(
@@ -129,16 +140,6 @@ def start(
     raise ValueError(f"reduce-scatter algorithm {algorithm!r} cannot start; resolve() it first")
 
 
-Timeout = datetime.timedelta | None
-
-
-def _wait(work: Any, timeout: Timeout) -> None:
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(timeout=timeout)
-
-
 class _Native:
     """The backend's own reduce-scatter; a separate class only to hold the work."""
 
@@ -146,7 +147,7 @@ class _Native:
         self.work = work
 
     def wait(self, timeout: Timeout = None) -> bool:
-        _wait(self.work, timeout)
+        wait_work(self.work, timeout)
         return True
 
 
@@ -157,7 +158,7 @@ class _Then:
         self.work, self.then = work, then
 
     def wait(self, timeout: Timeout = None) -> bool:
-        _wait(self.work, timeout)
+        wait_work(self.work, timeout)
         self.then()
         return True
 
@@ -205,13 +206,13 @@ class _Ring:
             add_row = (self.me - s - 2) % self.w
             last = s == self.w - 2
             for i, (lo, hi) in enumerate(self.bounds):
-                _wait(self.recvs[i], timeout)
+                wait_work(self.recvs[i], timeout)
                 if last:  # add_row is this rank's row: the sum goes to out
                     self.out[lo:hi].add_(self.rows[add_row, lo:hi])
                 else:
                     self.rows[add_row, lo:hi].add_(self.out[lo:hi])
                     self.recvs[i] = self._step(s + 1, i)
         for work in self.sends:
-            _wait(work, timeout)
+            wait_work(work, timeout)
         self.sends = []
         return True
