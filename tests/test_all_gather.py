@@ -10,7 +10,6 @@ dtype and the size.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -18,9 +17,9 @@ import torch
 
 import funcshard as fs
 from funcshard._src.comm import all_gather as ag
-from funcshard._src.comm import channel, collectives, groups
+from funcshard._src.comm import collectives, groups
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.comm.runtime import CollectiveError
+from tests.ring_timeout import check_a_ring_that_a_peer_never_joins
 
 ALGORITHMS: list[ag.Algorithm] = [a for a in ag.ALGORITHMS if a != "auto"]
 SIZES = [1, 7, 1001]  # numel per rank: odd, and a single element
@@ -119,32 +118,8 @@ def test_rings_in_flight_together_pair_their_messages(pools, world):
         assert ok == [True, True, True], f"rank {rank}: (gather a, gather b, reduce-scatter) {ok}"
 
 
-def _time_out_in_a_ring() -> tuple[str, float, bool]:
-    """Rank 0 starts a ring that rank 1 never joins: its wait fails within the timeout."""
-    bound = groups.bind(fs.Mesh({"fsdp": 2}))
-    if bound.rank == 1:
-        return "", 0.0, True
-    fs.set_collective_timeout(2.0)
-    start = time.monotonic()
-    try:
-        collectives.all_gather(torch.ones(5), bound, ("fsdp",), tag="b/1", algorithm="ring").wait()
-        error = ""
-    except CollectiveError as e:
-        error = str(e)
-    finally:
-        fs.set_collective_timeout(None)
-    ch = channel.existing_channel()
-    return error, time.monotonic() - start, ch is not None and ch.out_of_step is not None
-
-
 def test_a_ring_that_a_peer_never_joins_fails_in_time_and_leaves_the_rank_out_of_step(pools):
-    try:
-        (error, seconds, out_of_step), _ = pools.run(2, _time_out_in_a_ring, timeout_s=60)
-    finally:
-        pools.pool(2).close()  # rank 0 is out of step: the next test starts fresh
-    assert "all_gather of unit 'b/1' over mesh axes ['fsdp'] on rank 0 failed" in error
-    assert seconds < 2.0 + 5
-    assert out_of_step
+    check_a_ring_that_a_peer_never_joins(pools, "all_gather")
 
 
 def _overlapping_output() -> str:

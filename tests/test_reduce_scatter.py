@@ -12,17 +12,16 @@ A failure names the algorithm, the group, the dtype and the size.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 import torch
 
 import funcshard as fs
-from funcshard._src.comm import channel, collectives, groups
+from funcshard._src.comm import collectives, groups
 from funcshard._src.comm import reduce_scatter as rs
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.comm.runtime import CollectiveError
+from tests.ring_timeout import check_a_ring_that_a_peer_never_joins
 
 ALGORITHMS: list[rs.Algorithm] = [a for a in rs.ALGORITHMS if a != "auto"]
 SIZES = [1, 7, 1001]  # numel per row: odd, and one row of a single element
@@ -104,34 +103,8 @@ def test_every_algorithm_equals_native_and_the_exact_sum(pools, name, n, dtype, 
             torch.testing.assert_close(got.double(), exact, rtol=rtol, atol=atol, msg=where)
 
 
-def _time_out_in_a_ring() -> tuple[str, float, bool]:
-    """Rank 0 starts a ring that rank 1 never joins: its wait fails within the timeout."""
-    bound = groups.bind(fs.Mesh({"fsdp": 2}))
-    if bound.rank == 1:
-        return "", 0.0, True
-    fs.set_collective_timeout(2.0)
-    start = time.monotonic()
-    try:
-        collectives.reduce_scatter(
-            torch.ones(2, 5), bound, ("fsdp",), tag="b/1", algorithm="ring"
-        ).wait()
-        error = ""
-    except CollectiveError as e:
-        error = str(e)
-    finally:
-        fs.set_collective_timeout(None)
-    ch = channel.existing_channel()
-    return error, time.monotonic() - start, ch is not None and ch.out_of_step is not None
-
-
 def test_a_ring_that_a_peer_never_joins_fails_in_time_and_leaves_the_rank_out_of_step(pools):
-    try:
-        (error, seconds, out_of_step), _ = pools.run(2, _time_out_in_a_ring, timeout_s=60)
-    finally:
-        pools.pool(2).close()  # rank 0 is out of step: the next test starts fresh
-    assert "reduce_scatter of unit 'b/1' over mesh axes ['fsdp'] on rank 0 failed" in error
-    assert seconds < 2.0 + 5
-    assert out_of_step
+    check_a_ring_that_a_peer_never_joins(pools, "reduce_scatter")
 
 
 def test_auto_keeps_native_off_gloo_and_picks_the_ring_for_large_buffers_on_two_gloo_ranks():
