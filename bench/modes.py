@@ -24,6 +24,7 @@ reference.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,7 +110,12 @@ def _funcshard(
         if strategy == "hybrid_shard"
         else fs.Mesh({"fsdp": world})
     )
-    plan = fs.plan(params, mesh, units=["blocks/*"], strategy=strategy)
+    # the planner's default placement; FUNCSHARD_BENCH_DEFAULT=largest_dim times the other one
+    chosen = os.environ.get("FUNCSHARD_BENCH_DEFAULT", "dim_0")
+    if chosen not in ("dim_0", "largest_dim"):
+        raise ValueError(f"FUNCSHARD_BENCH_DEFAULT must be dim_0 or largest_dim, got {chosen!r}")
+    default = "largest_dim" if chosen == "largest_dim" else "dim_0"
+    plan = fs.plan(params, mesh, units=["blocks/*"], strategy=strategy, default=default)
     sparams = fs.shard(params, plan, device=device)
     opt = fs.optim.adamw(lr=LR, weight_decay=WEIGHT_DECAY)
     state = opt.init(sparams)

@@ -30,8 +30,22 @@ def gpt_params():
     }
 
 
-def test_default_shards_the_largest_dim_over_every_axis():
+def test_default_shards_dim_0_over_every_axis_unless_another_dim_pads_less():
     p = plan(gpt_params(), Mesh({"dp": 2, "fsdp": 2}))
+    assert p.leaf("embed").spec == P(("dp", "fsdp"))
+    assert p.leaf("blocks/0/mlp/w1").spec == P(("dp", "fsdp"))
+    assert p.leaf("head/scale").spec == P()
+    assert p.leaf("blocks/0/attn/wq").spec == P(("dp", "fsdp"))
+    odd = plan(
+        {"w": torch.zeros(3, 8), "v": torch.zeros(3, 5), "b": torch.zeros(2)}, Mesh({"fsdp": 4})
+    )
+    assert odd.leaf("w").spec == P(None, "fsdp")  # dim 0 would pad a row of 8
+    assert odd.leaf("v").spec == P("fsdp")  # dim 0 pads 5 elements, dim 1 pads 9
+    assert odd.leaf("b").spec == P("fsdp")  # padded: no other dim
+
+
+def test_default_largest_dim_shards_the_largest_dim():
+    p = plan(gpt_params(), Mesh({"dp": 2, "fsdp": 2}), default="largest_dim")
     assert p.leaf("embed").spec == P(("dp", "fsdp"))
     assert p.leaf("blocks/0/mlp/w1").spec == P(None, ("dp", "fsdp"))
     assert p.leaf("head/scale").spec == P()
@@ -192,7 +206,7 @@ def test_fingerprint_follows_the_placement(p):
             ValueError,
             r"embed: rules\[0\] \('embed', P\('fsdp'\)\) shards over mesh axis 'fsdp', but strategy 'no_shard' shards only over \[\]",
         ),
-        ({"default": "first"}, TypeError, r"default must be 'largest_dim', a P or None"),
+        ({"default": "first"}, TypeError, r"default must be 'dim_0', 'largest_dim', a P or None"),
         (
             {"strict": True},
             SpecError,

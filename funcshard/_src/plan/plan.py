@@ -29,7 +29,7 @@ from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.named_sharding import NamedSharding
 from funcshard._src.spec.partition_spec import P
 
-Default = Literal["largest_dim"] | P | None
+Default = Literal["dim_0", "largest_dim"] | P | None
 Requested = Strategy | Literal["auto"]
 _JSON_VERSION = 1
 

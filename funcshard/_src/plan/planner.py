@@ -36,7 +36,7 @@ def plan(
     units: Sequence[Any] | Literal["auto"] = (),
     frozen: Sequence[Any] = (),
     strategy: Requested = "full_shard",
-    default: Default = "largest_dim",
+    default: Default = "dim_0",
     strict: bool = False,
     memory_budget: int | str | None = None,
     cost: CostModel | None = None,
@@ -60,9 +60,10 @@ def plan(
         strategy: ``"full_shard"``, ``"shard_grad_op"``, ``"no_shard"``,
             ``"hybrid_shard"``, or ``"auto"``: per unit, the one with the least
             communication that fits ``memory_budget``.
-        default: the spec of a leaf no rule matches: ``"largest_dim"`` (its largest
-            dim over the strategy's shard axes; scalars replicate), a fixed ``P``,
-            or ``None`` to require a rule for every leaf.
+        default: the spec of a leaf no rule matches: ``"dim_0"`` (dim 0 over the
+            strategy's shard axes, unless another dim needs less padding; scalars
+            replicate), ``"largest_dim"`` (its largest dim), a fixed ``P``, or
+            ``None`` to require a rule for every leaf.
         strict: refuse dims that do not divide by their shard count, as JAX does.
         memory_budget: bytes per rank (an int or a size like ``"80GiB"``) that the
             plan must fit under ``cost``; required by ``strategy="auto"``.
@@ -102,8 +103,8 @@ def plan(
         raise TypeError(
             f"units must be a list of patterns, e.g. [{units!r}], or 'auto'; got {units!r}"
         )
-    if not (default is None or default == "largest_dim" or isinstance(default, P)):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise TypeError(f"default must be 'largest_dim', a P or None; got {default!r}")
+    if not (default is None or default in ("dim_0", "largest_dim") or isinstance(default, P)):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise TypeError(f"default must be 'dim_0', 'largest_dim', a P or None; got {default!r}")
     budget = _check_budget(memory_budget, strategy)
 
     paths, leaves, treedef = tree.flatten_with_paths(params)

@@ -158,7 +158,7 @@ def _resolve_spec(
     elif isinstance(default, P):
         spec, origin = default, f"default {default!r}"
     else:
-        return default_spec(shape, strategy, mesh)
+        return default_spec(shape, strategy, mesh, default)
     allowed = shard_axes(strategy, mesh)
     outside = [a for a in spec.axes if a in mesh.axis_names and a not in allowed]
     if outside:

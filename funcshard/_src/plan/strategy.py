@@ -9,6 +9,7 @@ all-reduce across replicas).
 
 from __future__ import annotations
 
+import math
 from typing import Literal, TypeAlias
 
 from funcshard._src.spec.mesh import Mesh
@@ -45,20 +46,42 @@ def shard_axes(strategy: Strategy, mesh: Mesh, /) -> tuple[str, ...]:
     return mesh.axis_names
 
 
-def default_spec(shape: tuple[int, ...], strategy: Strategy, mesh: Mesh, /) -> P:
-    """The spec of a leaf no rule matches: its largest dim over the strategy's shard axes.
+def default_spec(
+    shape: tuple[int, ...], strategy: Strategy, mesh: Mesh, /, how: str = "dim_0"
+) -> P:
+    """The spec of a leaf no rule matches: one dim split over the strategy's shard axes.
 
-    Ties go to the first such dim; scalars and ``no_shard`` replicate.
+    ``how="dim_0"`` (the default) splits dim 0, unless another dim needs less
+    zero padding to divide by the shard count (the one needing least; ties go to
+    the first): a shard of dim 0 is one contiguous range of the leaf, so packing
+    and unpacking it are plain copies and a unit of one such leaf is gathered in
+    place. ``how="largest_dim"`` splits the largest dim (ties: the first). Scalars
+    and ``no_shard`` replicate. Either is an ordinary ``PartitionSpec``.
 
     Example:
         >>> default_spec((8, 32), "full_shard", Mesh({"dp": 2, "fsdp": 2}))
-        P(None, ('dp', 'fsdp'))
+        P(('dp', 'fsdp'))
+        >>> default_spec((2, 32), "full_shard", Mesh({"fsdp": 4}))  # dim 0 would pad 2 rows
+        P(None, 'fsdp')
+        >>> default_spec((8, 32), "full_shard", Mesh({"fsdp": 2}), "largest_dim")
+        P(None, 'fsdp')
         >>> default_spec((), "full_shard", Mesh({"fsdp": 2}))
         P()
     """
     axes = shard_axes(strategy, mesh)
     if not shape or not axes:
         return P()
-    dim = max(range(len(shape)), key=lambda d: (shape[d], -d))
+    if how == "largest_dim":
+        dim = max(range(len(shape)), key=lambda d: (shape[d], -d))
+    else:
+        count = math.prod(mesh.axis_size(a) for a in axes)
+        numel = math.prod(shape)
+
+        def padding(d: int) -> int:  # elements of zero padding when dim d is split
+            if shape[d] == 0:
+                return 0
+            return (-shape[d] % count) * (numel // shape[d])
+
+        dim = min(range(len(shape)), key=lambda d: (padding(d), d))
     entry = axes[0] if len(axes) == 1 else axes
     return P(*([None] * dim), entry)
