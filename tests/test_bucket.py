@@ -79,6 +79,12 @@ def _train(
         "ledger": step.ledger.total(),
         "expected": sum(fs.cost.estimate(plan).comm.values()),
         "gathers": gathers["n"],
+        # a unit's collectives per gather when not bucketed: one per part, or one per leaf
+        # of a part gathered leaf by leaf ([Note: persistent gathered storage])
+        "per_gather": {
+            u.name: sum(len(p.layout.slots) if p.in_place else 1 for p in u.parts if not p.aliased)
+            for u in units
+        },
         "buckets": len({id(u.bucket) for u in units if u.bucket is not None}),
     }
 
@@ -119,10 +125,15 @@ def test_buckets_issue_fewer_gathers(pools):
     (one, *_) = pools.run(2, _train, {"fsdp": 2}, "full_shard", 0, False, 1)
     (pairs, *_) = pools.run(2, _train, {"fsdp": 2}, "full_shard", 400, False, 1)
     (every, *_) = pools.run(2, _train, {"fsdp": 2}, "full_shard", None, False, 1)
-    assert one["gathers"] == 1 + 2 * 6  # the root unit once, each block in forward and backward
+    per = one["per_gather"]
+    blocks = [per[f"blocks/{i}"] for i in range(6)]
+    assert blocks == [blocks[0]] * 6
+    assert blocks[0] > 1  # each leaf of a block on its own
+    # the root unit once, each block in forward and backward
+    assert one["gathers"] == per["<root>"] + 2 * sum(blocks)
     assert every["buckets"] == 1
-    assert every["gathers"] == 1 + 2
-    assert 1 + 2 < pairs["gathers"] < 1 + 2 * 6
+    assert every["gathers"] == per["<root>"] + 2
+    assert per["<root>"] + 2 < pairs["gathers"] < one["gathers"]
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,7 @@ ORDER = {
         "aliasing", "digest", "counter_rng", "fill", "initializers", "fans", "orthogonal", "flat",
         "sharded", "shard", "materialize",
     ],
-    "execute": ["memory", "loss", "buffers", "desync", "unit_state", "bucket", "reduce", "run", "compiled", "call", "value_and_grad", "forward"],
+    "execute": ["memory", "loss", "buffers", "desync", "part", "unit_state", "bucket", "reduce", "run", "compiled", "call", "value_and_grad", "forward"],
     "optim": ["base", "schedules", "select", "sgd", "adamw", "lion", "clip", "nonfinite", "adafactor", "chain", "ema", "torch_optim"],
     "checkpoint": ["errors", "chunks", "manifest", "commit", "dcp_io", "rng", "save", "load", "export"],
     "interop": [

@@ -116,7 +116,7 @@ def _staging_in_a_run(model: Model, mesh: dict[str, int], bf16: bool) -> dict[st
     )
     root = sum(u.gathered_bytes for u in runtimes if u.unit.is_root)
     peak = root + max(u.gathered_bytes + gather[u.name] for u in runtimes if not u.unit.is_root)
-    est = estimate(plan, CostModel(mixed_precision=mp, prefetch=0))
+    est = estimate(plan, CostModel(mixed_precision=mp, prefetch=0, backend="gloo"))
     return {
         "staging": est.memory.staging,
         "expected": max(gather.values()) + reduce,

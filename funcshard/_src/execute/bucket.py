@@ -39,7 +39,8 @@ import torch
 from funcshard._src.comm import collectives
 from funcshard._src.comm.collectives import Pending
 from funcshard._src.execute.buffers import BufferPool
-from funcshard._src.execute.unit_state import Part, UnitRuntime, UnitState
+from funcshard._src.execute.part import Part
+from funcshard._src.execute.unit_state import UnitRuntime, UnitState
 
 
 @dataclass(eq=False)
@@ -239,9 +240,10 @@ def make_buckets(
     """Joins consecutive units (in ``units``' order) whose collectives can be shared, up to ``bucket_bytes``.
 
     Units join when they have the same strategy, collective axes and parts
-    (dtype, compute and gradient dtype, frozen, aliased), none gathered in place
-    and not the root unit, and their full leaves together stay within
-    ``bucket_bytes``. A bucket of one unit is no bucket.
+    (dtype, compute and gradient dtype, frozen, aliased), no part of one leaf
+    gathered in place and not the root unit, and their full leaves together stay within
+    ``bucket_bytes``. A bucket of one unit is no bucket. Mutates the members: a
+    bucket gathers their leaves packed (:meth:`UnitRuntime.pack_gathers`).
     """
     buckets: list[Bucket] = []
     run: list[UnitRuntime] = []
@@ -249,6 +251,8 @@ def make_buckets(
 
     def close() -> None:
         if len(run) > 1:
+            for member in run:  # a bucket gathers its members' leaves in one packed buffer
+                member.pack_gathers()
             buckets.append(Bucket(run, gather_pool, reduce_pool))
         run.clear()
 
@@ -268,7 +272,11 @@ def make_buckets(
 
 
 def _eligible(unit: UnitRuntime) -> bool:
-    if unit.unit.is_root or any(p.in_place for p in unit.parts) or not unit.parts:
+    if (
+        unit.unit.is_root
+        or any(p.in_place and len(p.layout.slots) == 1 for p in unit.parts)
+        or not unit.parts
+    ):
         return False
     if unit.group_size > 1:
         return True

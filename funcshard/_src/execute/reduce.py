@@ -25,7 +25,8 @@ from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute.bucket import Bucket
 from funcshard._src.execute.buffers import BufferPool
-from funcshard._src.execute.unit_state import Part, UnitRuntime
+from funcshard._src.execute.part import Part
+from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
 
 # reductions in flight when the next unit's gradients are packed: the older ones are

@@ -20,9 +20,13 @@ the same).
 
 A part of one leaf that :func:`gathers_in_place` (an embedding or a head alone in
 its unit) is all-gathered straight into its full storage: no gathered buffer
-beside it, no unpacking copy. Its collective writes into that storage, so
-:meth:`UnitRuntime.discard` never frees the storage of such a gather in flight;
-it forgets it (the pending collective keeps it alive until drained).
+beside it, no unpacking copy. On gloo over two ranks, so is a part of several
+leaves that all :func:`leaves_gather_in_place` (each split evenly on dim 0, the
+default placement): one collective per leaf, each writing its full leaf, a view
+of ``Part.full`` (``LEAF_GATHERS`` says why only there). The collectives write
+into that storage, so :meth:`UnitRuntime.discard` never frees the storage of
+such a gather in flight; it forgets it (the pending collectives keep it alive
+until drained).
 
 [Note: aliased units]
 A part that needs no collective and no cast (``no_shard`` without mixed
@@ -35,21 +39,29 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 
+from funcshard._src.comm import all_gather as _ag
 from funcshard._src.comm import collectives
 from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.memory import GatheredMemory
+from funcshard._src.execute.part import LeafGathers, Part, SharedGather
 from funcshard._src.plan.precision import MixedPrecision
-from funcshard._src.plan.strategy import shard_axes
+from funcshard._src.plan.strategy import LEAF_GATHERS, shard_axes
 from funcshard._src.plan.units import Unit
-from funcshard._src.shard.flat import FlatLayout, Slot, gathers_in_place, unpack_into
+from funcshard._src.shard.flat import (
+    FlatLayout,
+    Slot,
+    gathers_in_place,
+    leaves_gather_in_place,
+    unpack_into,
+)
 from funcshard._src.shard.sharded import FlatShard
 
 _T = TypeVar("_T")
@@ -63,59 +75,8 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"  # every full leaf is materialized
 
 
-class InFlight(Protocol):
-    """An all-gather in flight for one part: a :class:`Pending`, or a share of a bucket's."""
-
-    result: torch.Tensor
-
-    def wait(self) -> torch.Tensor:
-        """Blocks until the part's gathered ``(group_size, numel)`` buffer is ready."""
-        ...
-
-
-class SharedGather(Protocol):
-    """What a unit's bucket does for it (``bucket.py``): one all-gather for several units."""
-
-    def start_gather(self) -> None:
-        """Starts the shared all-gather of every member still SHARDED."""
-        ...
-
-    def unpacked(self, share: Any, /) -> None:
-        """A member has copied out ``share``, its part of a shared all-gather."""
-        ...
-
-    def abandon(self) -> list[Pending]:
-        """After an error: forgets the shared collectives in flight, returning them."""
-        ...
-
-
 class UnitStateError(AssertionError):
     """A unit was asked for a transition its state does not allow: a bug in funcshard."""
-
-
-@dataclass(eq=False)
-class Part:
-    """One dtype of a unit: its layout, persistent full storage and full leaf views."""
-
-    layout: FlatLayout
-    compute_dtype: torch.dtype
-    grad_dtype: torch.dtype
-    aliased: bool
-    in_place: bool  # gathered straight into ``full``; see [Note: persistent gathered storage]
-    full: torch.Tensor | None = None  # persistent, see [Note: persistent gathered storage]
-    views: list[torch.Tensor] = field(default_factory=list)
-    inflight: InFlight | None = None  # this part's all-gather, while the unit is GATHERING
-    version: torch.autograd._unsafe_preserve_version_counter | None = None  # in_place, GATHERING
-
-    @property
-    def full_numel(self) -> int:
-        """Elements of all full leaves of this part."""
-        return sum(math.prod(s.shape) for s in self.layout.slots)
-
-    @property
-    def full_bytes(self) -> int:
-        """Bytes of this part's gathered storage (none of its own when aliased)."""
-        return 0 if self.aliased else self.full_numel * self.compute_dtype.itemsize
 
 
 class UnitRuntime:
@@ -145,6 +106,8 @@ class UnitRuntime:
         self.replica_axes = tuple(a for a in mesh.axis_names if a not in self.axes)
         self.group_size = collectives.group_size(bound, self.axes)
         self.replica_size = collectives.group_size(bound, self.replica_axes)
+        backend = str(dist.get_backend()) if bound.distributed else ""
+        leafwise = (backend, self.group_size) in LEAF_GATHERS
         self.parts = [
             Part(
                 layout,
@@ -152,7 +115,11 @@ class UnitRuntime:
                 precision.gradient_dtype(layout.dtype),
                 aliased=self.group_size == 1
                 and precision.compute_dtype(layout.dtype) == layout.dtype,
-                in_place=self.group_size > 1 and gathers_in_place(layout, self.axes),
+                in_place=self.group_size > 1
+                and (
+                    gathers_in_place(layout, self.axes)
+                    or (leafwise and leaves_gather_in_place(layout, self.axes))
+                ),
             )
             for layout in layouts
         ]
@@ -244,9 +211,17 @@ class UnitRuntime:
                 # the refill is not an in-place change of tensors autograd saved: the
                 # version is put back once the collective has written (after its wait)
                 part.version = torch.autograd._unsafe_preserve_version_counter(part.full)
-                part.inflight = collectives.all_gather(
-                    local, self.bound, self.axes, out=part.full, ledger=self.ledger, tag=self.name
-                )
+                if len(part.layout.slots) == 1:
+                    part.inflight = collectives.all_gather(
+                        local,
+                        self.bound,
+                        self.axes,
+                        out=part.full,
+                        ledger=self.ledger,
+                        tag=self.name,
+                    )
+                else:  # one collective per leaf, each into its full leaf
+                    part.inflight = LeafGathers(self._gather_leaves(part, local), part.full)
                 continue
             out = self.pool.take(  # (group_size * numel,); see [Note: staging lifetimes]
                 self.group_size * local.numel(), local.dtype, local.device
@@ -256,6 +231,33 @@ class UnitRuntime:
                 local, self.bound, self.axes, out=out, ledger=self.ledger, tag=self.name
             )
         self.mark_gathering()
+
+    def _gather_leaves(self, part: Part, local: torch.Tensor) -> list[Pending]:
+        algorithm = _ag.leaf_algorithm()
+        pendings: list[Pending] = []
+        for slot, view in zip(part.layout.slots, part.views):
+            pendings.append(
+                collectives.all_gather(
+                    local[slot.offset : slot.offset + slot.numel],
+                    self.bound,
+                    self.axes,
+                    out=view.view(-1),
+                    ledger=self.ledger,
+                    tag=self.name,
+                    algorithm=algorithm,
+                )
+            )
+        return pendings
+
+    def pack_gathers(self) -> None:
+        """Gathers every part through one packed buffer, none leaf by leaf (for a bucket); mutates.
+
+        A part of one leaf gathered in place keeps its way: such units join no bucket.
+        """
+        self._expect(UnitState.SHARDED, "pack its gathers")
+        for part in self.parts:
+            if part.in_place and len(part.layout.slots) > 1:
+                part.in_place = False
 
     def mark_gathering(self) -> None:
         """SHARDED -> GATHERING, once every part's all-gather (or share of one) is in flight."""
@@ -297,8 +299,12 @@ class UnitRuntime:
         """After an error: drops gathers in flight without waiting (returns them), frees storage, forgets holders."""
         dropped: list[Pending] = [] if self.bucket is None else self.bucket.abandon()
         for part in self.parts:
-            if isinstance(part.inflight, Pending) and part.in_place:  # the collective's storage
-                dropped.append(part.inflight)
+            if part.in_place and isinstance(part.inflight, (Pending, LeafGathers)):
+                # the collectives write into the part's storage: forget it, free nothing
+                if isinstance(part.inflight, LeafGathers):
+                    dropped.extend(part.inflight.pendings)
+                else:
+                    dropped.append(part.inflight)
                 part.inflight = None
                 self._forget(part)
                 continue

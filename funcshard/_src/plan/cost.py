@@ -37,7 +37,7 @@ from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
 from funcshard._src.plan.sizes import parse_bytes
 from funcshard._src.plan.step_time import describe as describe_time
 from funcshard._src.plan.step_time import step_time
-from funcshard._src.plan.strategy import Strategy, shard_axes
+from funcshard._src.plan.strategy import LEAF_GATHERS, Strategy, shard_axes
 from funcshard._src.plan.units import Unit
 
 
@@ -111,7 +111,9 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     comm: Counter[Key] = Counter()
     full = _numel_by_part(plan, unit, whole=True)
     in_place: set[tuple[torch.dtype, bool]] = (
-        _gathers_in_place(plan, unit, axes) if g > 1 else set()
+        _gathers_in_place(plan, unit, axes, leafwise=(model.backend, g) in LEAF_GATHERS)
+        if g > 1
+        else set()
     )
     for (dtype, is_frozen), n in _numel_by_part(plan, unit, whole=False).items():
         compute, grad = mp.compute_dtype(dtype), mp.gradient_dtype(dtype)
@@ -173,7 +175,9 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
 #   compute dtype, alive from the gather's start until its leaves are copied out, when the
 #   unit also holds its full leaves: the unit being unpacked holds both. None for a part
 #   gathered in place (one leaf split evenly on dim 0 over exactly the shard axes: its
-#   output is its full storage) or aliased (no collective, no cast).
+#   output is its full storage; on gloo over two ranks, LEAF_GATHERS, every leaf of the
+#   part so split, one collective per leaf) or aliased (no collective, no cast). Buckets
+#   (execute/bucket.py) gather their members packed: their staging is not modelled.
 # - Reducer._reduce_part: per trained part, packed rows of group_size * (shard numel) in the
 #   reduce dtype, alive while its reduction is in flight; MAX_PENDING = 1 reduction at a
 #   time (the older is waited for before the next is packed). no_shard (group_size 1)
@@ -184,12 +188,14 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
 
 
 def _gathers_in_place(
-    plan: Plan, unit: Unit, axes: tuple[str, ...], /
+    plan: Plan, unit: Unit, axes: tuple[str, ...], /, *, leafwise: bool
 ) -> set[tuple[torch.dtype, bool]]:
     """The ``(dtype, frozen)`` parts of ``unit`` that the executor gathers into their full storage.
 
     A part of one leaf, split evenly on dim 0 over exactly ``axes`` and nowhere else
-    (``funcshard._src.shard.flat.gathers_in_place``): an embedding or a head alone.
+    (``funcshard._src.shard.flat.gathers_in_place``): an embedding or a head alone;
+    with ``leafwise`` (``LEAF_GATHERS``), a part whose every leaf is so split
+    (``leaves_gather_in_place``), gathered one leaf at a time.
     """
     members: dict[tuple[torch.dtype, bool], list[str]] = {}
     for path in unit.paths:
@@ -197,20 +203,27 @@ def _gathers_in_place(
         members.setdefault((leaf.dtype, leaf.frozen), []).append(path)
     out: set[tuple[torch.dtype, bool]] = set()
     for key, paths in members.items():
-        if len(paths) != 1 or not axes:
-            continue
-        leaf = plan.leaf(paths[0])
-        sharding = leaf.sharding(plan.mesh)
-        dims = sharding.dim_axes(len(leaf.shape))
-        even = all(
-            n * c == size
-            for n, c, size in zip(
-                sharding.num_shards(leaf.shape), sharding.shard_shape(leaf.shape), leaf.shape
-            )
-        )
-        if leaf.shape and even and tuple(dims[0]) == axes and not any(dims[1:]):
+        if (
+            (len(paths) == 1 or leafwise)
+            and axes
+            and all(_splits_on_dim_0(plan, p, axes) for p in paths)
+        ):
             out.add(key)
     return out
+
+
+def _splits_on_dim_0(plan: Plan, path: str, axes: tuple[str, ...], /) -> bool:
+    """Whether leaf ``path`` is split evenly on dim 0 over exactly ``axes`` and nowhere else."""
+    leaf = plan.leaf(path)
+    sharding = leaf.sharding(plan.mesh)
+    dims = sharding.dim_axes(len(leaf.shape))
+    even = all(
+        n * c == size
+        for n, c, size in zip(
+            sharding.num_shards(leaf.shape), sharding.shard_shape(leaf.shape), leaf.shape
+        )
+    )
+    return bool(leaf.shape) and even and tuple(dims[0]) == axes and not any(dims[1:])
 
 
 def _numel_by_part(

@@ -98,6 +98,10 @@ class CostModel:
         reserve: device memory kept back from every budget for the runtime
             (:class:`Reserve`); ``None`` is the default, 5 % + 1 GiB on device-sized
             budgets (see :func:`usable_budget`); ``Reserve()`` keeps nothing back.
+        backend: the collective backend of the run, ``"nccl"`` or ``"gloo"``: on
+            gloo over two ranks the executor gathers a part whose every leaf splits
+            evenly on dim 0 leaf by leaf, straight into its storage, with no staging
+            buffer (``memory.staging``).
         buffers: bytes every rank holds whole besides the params (an
             ``nn.Module``'s buffers, ``apply.state``), for planning;
             ``fs.cost.estimate(..., state=...)`` counts them from the tensors instead.
@@ -116,6 +120,7 @@ class CostModel:
     hardware: Hardware | None = None
     reserve: Reserve | None = None
     buffers: int = 0
+    backend: Literal["nccl", "gloo"] = "nccl"
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -128,6 +133,8 @@ class CostModel:
             raise ValueError(
                 f"accumulate must be 'sharded' or 'unsharded', got {self.accumulate!r}"
             )
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"CostModel.backend must be 'nccl' or 'gloo', got {self.backend!r}")
         if self.buffers < 0:
             raise ValueError(f"CostModel.buffers must be >= 0 bytes, got {self.buffers}")
         if self.reserve is not None and not isinstance(self.reserve, Reserve):  # pyright: ignore[reportUnnecessaryIsInstance]

@@ -188,10 +188,37 @@ def gathers_in_place(layout: FlatLayout, /, axes: Sequence[str] | None = None) -
     if len(layout.slots) != 1:
         return False
     (slot,) = layout.slots
+    return slot.numel == layout.numel and _slot_in_place(slot, axes)
+
+
+def leaves_gather_in_place(layout: FlatLayout, /, axes: Sequence[str] | None = None) -> bool:
+    """Whether every leaf of ``layout`` can be all-gathered on its own straight into its full storage.
+
+    True when each leaf is sharded evenly on dim 0 over exactly ``axes`` (in
+    order) and nowhere else: a rank's shard of such a leaf is one contiguous
+    range of the flat buffer, and the group's shards in rank order are the full
+    leaf in memory order. One collective per leaf then needs no gathered buffer
+    beside the leaves and no unpacking copy (:func:`gathers_in_place` is the
+    case of one leaf).
+
+    Example:
+        >>> from funcshard._src.plan.planner import plan as make_plan
+        >>> from funcshard._src.spec.mesh import Mesh
+        >>> p = make_plan({"w": torch.zeros(8, 2), "b": torch.zeros(4)}, Mesh({"fsdp": 4}))
+        >>> leaves_gather_in_place(layouts(p)[0], ("fsdp",))
+        True
+        >>> p = make_plan({"w": torch.zeros(8, 2), "s": torch.zeros(())}, Mesh({"fsdp": 4}))
+        >>> leaves_gather_in_place(layouts(p)[0], ("fsdp",))  # a scalar is replicated
+        False
+    """
+    axes = tuple(layout.mesh.axis_names if axes is None else axes)
+    return bool(layout.slots) and all(_slot_in_place(slot, axes) for slot in layout.slots)
+
+
+def _slot_in_place(slot: Slot, axes: tuple[str, ...], /) -> bool:
     dim_axes = slot.sharding.dim_axes(len(slot.shape))
     return (
         len(slot.shape) > 0
-        and slot.numel == layout.numel
         and _is_even(slot)
         and tuple(dim_axes[0]) == axes
         and all(not names for names in dim_axes[1:])

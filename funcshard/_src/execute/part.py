@@ -1,0 +1,81 @@
+"""One dtype of a unit on this rank (:class:`Part`) and the collectives that gather it.
+
+``unit_state.py`` moves a unit between its states; this module holds what each
+part keeps across those moves and the handles of its gathers in flight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from funcshard._src.comm.collectives import Pending
+from funcshard._src.shard.flat import FlatLayout
+
+
+class InFlight(Protocol):
+    """An all-gather in flight for one part: a :class:`Pending`, or a share of a bucket's."""
+
+    result: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        """Blocks until the part's gathered ``(group_size, numel)`` buffer is ready."""
+        ...
+
+
+class SharedGather(Protocol):
+    """What a unit's bucket does for it (``bucket.py``): one all-gather for several units."""
+
+    def start_gather(self) -> None:
+        """Starts the shared all-gather of every member still SHARDED."""
+        ...
+
+    def unpacked(self, share: Any, /) -> None:
+        """A member has copied out ``share``, its part of a shared all-gather."""
+        ...
+
+    def abandon(self) -> list[Pending]:
+        """After an error: forgets the shared collectives in flight, returning them."""
+        ...
+
+
+@dataclass
+class LeafGathers:
+    """The all-gathers of one part gathered leaf by leaf, each straight into its full leaf."""
+
+    pendings: list[Pending]
+    result: torch.Tensor  # the part's full storage
+
+    def wait(self) -> torch.Tensor:
+        """Waits for every leaf's collective, in the order they were issued."""
+        for pending in self.pendings:
+            pending.wait()
+        return self.result
+
+
+@dataclass(eq=False)
+class Part:
+    """One dtype of a unit: its layout, persistent full storage and full leaf views."""
+
+    layout: FlatLayout
+    compute_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    aliased: bool
+    in_place: bool  # gathered straight into ``full``; see [Note: persistent gathered storage]
+    full: torch.Tensor | None = None  # persistent, see [Note: persistent gathered storage]
+    views: list[torch.Tensor] = field(default_factory=list)
+    inflight: InFlight | None = None  # this part's all-gather, while the unit is GATHERING
+    version: torch.autograd._unsafe_preserve_version_counter | None = None  # in_place, GATHERING
+
+    @property
+    def full_numel(self) -> int:
+        """Elements of all full leaves of this part."""
+        return sum(math.prod(s.shape) for s in self.layout.slots)
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of this part's gathered storage (none of its own when aliased)."""
+        return 0 if self.aliased else self.full_numel * self.compute_dtype.itemsize
