@@ -57,7 +57,10 @@ def _start_step_export(source: str, directory: str) -> dict[str, Any]:
             sparams = apply.materialize(plan, seed=0)
         opt = fs.optim.adamw(1e-3)
         state = opt.init(sparams)
-        step = fs.value_and_grad(lambda p, x: apply(p, input_ids=x, labels=x).loss, plan)
+        # no buckets: a bucket gathers several small units at once, up to bucket_bytes
+        step = fs.value_and_grad(
+            lambda p, x: apply(p, input_ids=x, labels=x).loss, plan, bucket_bytes=0
+        )
         loss, grads = step(sparams, ids)
         sparams, state = opt.update_(grads, state, sparams)
         apply.save_pretrained(sparams, Path(directory, f"out-{source}"), max_shard_size="64KB")
