@@ -62,13 +62,13 @@ def full_numel(plan: Plan, unit: Unit, /) -> dict[torch.dtype, int]:
 
 
 def param_bytes_per_rank(plan: Plan, /) -> int:
-    """Bytes of sharded parameters one rank holds.
+    """Bytes of sharded parameters one rank holds, padding included.
 
     Example:
         >>> from funcshard._src.plan.planner import plan as make_plan
         >>> from funcshard._src.spec.mesh import Mesh
-        >>> param_bytes_per_rank(make_plan({"w": torch.zeros(10, 4)}, Mesh({"fsdp": 4})))
-        48
+        >>> param_bytes_per_rank(make_plan({"w": torch.zeros(10, 3)}, Mesh({"fsdp": 4})))
+        36
     """
     return sum(
         n * dtype.itemsize for unit in plan.units for dtype, n in shard_numel(plan, unit).items()
