@@ -123,9 +123,13 @@ def _funcshard(
     def loss(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return loss_fn(p, x, y, cfg.heads)
 
-    # no donation: each step's gradients live from their unit's reduction to the update,
-    # as FSDP2's do (set_to_none), instead of across the next step's forward
-    step = fs.value_and_grad(torch.compile(loss) if compiled else loss, plan)
+    # sharded strategies do not donate: each step's gradients live from their unit's
+    # reduction to the update, as FSDP2's do (set_to_none), instead of across the next
+    # step's forward. no_shard donates them to the next step, as DDP keeps its gradient
+    # buckets from step to step: the same memory, and no fresh pages to fault in each step
+    step = fs.value_and_grad(
+        torch.compile(loss) if compiled else loss, plan, donate_grads=strategy == "no_shard"
+    )
     held: dict[str, Any] = {"params": sparams, "state": state, "grad_bytes": 0}
 
     def run(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
