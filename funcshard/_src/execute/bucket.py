@@ -272,11 +272,7 @@ def make_buckets(
 
 
 def _eligible(unit: UnitRuntime) -> bool:
-    if (
-        unit.unit.is_root
-        or any(p.in_place and len(p.layout.slots) == 1 for p in unit.parts)
-        or not unit.parts
-    ):
+    if unit.unit.is_root or any(p.in_place and not p.by_leaf for p in unit.parts) or not unit.parts:
         return False
     if unit.group_size > 1:
         return True

@@ -44,7 +44,11 @@ class SharedGather(Protocol):
 
 @dataclass
 class LeafGathers:
-    """The all-gathers of one part gathered leaf by leaf, each straight into its full leaf."""
+    """The all-gathers of a part gathered in place: each writes full leaves straight into ``result``.
+
+    One for a part of one leaf, one per leaf for a part gathered leaf by leaf
+    (:attr:`Part.by_leaf`).
+    """
 
     pendings: list[Pending]
     result: torch.Tensor  # the part's full storage
@@ -69,6 +73,11 @@ class Part:
     views: list[torch.Tensor] = field(default_factory=list)
     inflight: InFlight | None = None  # this part's all-gather, while the unit is GATHERING
     version: torch.autograd._unsafe_preserve_version_counter | None = None  # in_place, GATHERING
+
+    @property
+    def by_leaf(self) -> bool:
+        """Whether the part is gathered in place with one collective per leaf (``LEAF_GATHERS``)."""
+        return self.in_place and len(self.layout.slots) > 1
 
     @property
     def full_numel(self) -> int:

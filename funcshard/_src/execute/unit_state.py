@@ -211,17 +211,21 @@ class UnitRuntime:
                 # the refill is not an in-place change of tensors autograd saved: the
                 # version is put back once the collective has written (after its wait)
                 part.version = torch.autograd._unsafe_preserve_version_counter(part.full)
-                if len(part.layout.slots) == 1:
-                    part.inflight = collectives.all_gather(
-                        local,
-                        self.bound,
-                        self.axes,
-                        out=part.full,
-                        ledger=self.ledger,
-                        tag=self.name,
-                    )
-                else:  # one collective per leaf, each into its full leaf
-                    part.inflight = LeafGathers(self._gather_leaves(part, local), part.full)
+                pendings = (
+                    self._gather_leaves(part, local)  # one per leaf, each into its full leaf
+                    if part.by_leaf
+                    else [
+                        collectives.all_gather(
+                            local,
+                            self.bound,
+                            self.axes,
+                            out=part.full,
+                            ledger=self.ledger,
+                            tag=self.name,
+                        )
+                    ]
+                )
+                part.inflight = LeafGathers(pendings, part.full)
                 continue
             out = self.pool.take(  # (group_size * numel,); see [Note: staging lifetimes]
                 self.group_size * local.numel(), local.dtype, local.device
@@ -256,7 +260,7 @@ class UnitRuntime:
         """
         self._expect(UnitState.SHARDED, "pack its gathers")
         for part in self.parts:
-            if part.in_place and len(part.layout.slots) > 1:
+            if part.by_leaf:
                 part.in_place = False
 
     def mark_gathering(self) -> None:
@@ -299,12 +303,9 @@ class UnitRuntime:
         """After an error: drops gathers in flight without waiting (returns them), frees storage, forgets holders."""
         dropped: list[Pending] = [] if self.bucket is None else self.bucket.abandon()
         for part in self.parts:
-            if part.in_place and isinstance(part.inflight, (Pending, LeafGathers)):
+            if isinstance(part.inflight, LeafGathers):
                 # the collectives write into the part's storage: forget it, free nothing
-                if isinstance(part.inflight, LeafGathers):
-                    dropped.extend(part.inflight.pendings)
-                else:
-                    dropped.append(part.inflight)
+                dropped.extend(part.inflight.pendings)
                 part.inflight = None
                 self._forget(part)
                 continue

@@ -48,11 +48,12 @@ def shard_axes(strategy: Strategy, mesh: Mesh, /) -> tuple[str, ...]:
 
 # Where a part of several leaves is gathered leaf by leaf into its storage
 # (execute/unit_state.py, [Note: persistent gathered storage]): (backend, group size). On
-# gloo over two ranks one ring per leaf writes straight into the leaf and saves the unpacking copy into fresh pages (comm/all_gather.py,
-# leaf_algorithm). Elsewhere it is not measured: gloo's native all-gather and its rings over
-# more ranks step through buffers or waits of their own, and on nccl one collective per leaf
-# costs a launch each where the unpacking copy is cheap. execute/unit_state.py gathers so
-# and plan/cost.py counts no staging buffer for such a part.
+# gloo over two ranks one ring per leaf writes straight into the leaf and saves the
+# unpacking copy into fresh pages (comm/all_gather.py, leaf_algorithm). Elsewhere it is not
+# measured: gloo's native all-gather and its rings over more ranks step through buffers or
+# waits of their own, and on nccl one collective per leaf costs a launch each where the
+# unpacking copy is cheap. execute/unit_state.py gathers so and plan/cost.py counts no
+# staging buffer for such a part.
 LEAF_GATHERS: frozenset[tuple[str, int]] = frozenset({("gloo", 2)})
 
 
