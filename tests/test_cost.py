@@ -299,3 +299,19 @@ def test_full_sharding_trains_t5_11b_on_eight_80gb_a100s_where_ddp_cannot():
     t5_11b = fs.presets.get("t5-11b")
     assert _per_gpu(t5_11b, "full_shard", remat=True) <= A100_80GB
     assert _per_gpu(t5_11b, "no_shard", remat=True) > 2 * A100_80GB
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"optimizer": "adam"}, ValueError, r"unknown optimizer 'adam'; choose one of"),
+        ({"prefetch": -1}, ValueError, r"prefetch must be >= 0, got -1"),
+        ({"accumulate": "later"}, ValueError, r"accumulate must be 'sharded' or 'unsharded'"),
+        ({"backend": "mpi"}, ValueError, r"CostModel.backend must be 'nccl' or 'gloo', got 'mpi'"),
+        ({"buffers": -8}, ValueError, r"CostModel.buffers must be >= 0 bytes, got -8"),
+        ({"reserve": 0.05}, TypeError, r"CostModel.reserve must be a fs.cost.Reserve or None"),
+    ],
+)
+def test_a_bad_cost_model_field_names_itself(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        CostModel(**kwargs)
