@@ -12,10 +12,23 @@ Example:
 from funcshard._src.plan.leaf import LeafPlan as LeafPlan
 from funcshard._src.plan.plan import Plan as Plan
 from funcshard._src.plan.strategy import Strategy as Strategy
+from funcshard._src.plan.units import Layout as Layout
 from funcshard._src.plan.units import Unit as Unit
+from funcshard._src.spec.flat_sharding import FlatSharding as FlatSharding
 from funcshard._src.spec.mesh import Mesh as Mesh
 from funcshard._src.spec.named_sharding import NamedSharding as NamedSharding
 from funcshard._src.spec.partition_spec import P as P
 from funcshard._src.spec.partition_spec import P as PartitionSpec
 
-__all__ = ["LeafPlan", "Mesh", "NamedSharding", "P", "PartitionSpec", "Plan", "Strategy", "Unit"]
+__all__ = [
+    "FlatSharding",
+    "Layout",
+    "LeafPlan",
+    "Mesh",
+    "NamedSharding",
+    "P",
+    "PartitionSpec",
+    "Plan",
+    "Strategy",
+    "Unit",
+]

@@ -82,7 +82,7 @@ def _train(
         # a unit's collectives per gather when not bucketed: one per part, or one per leaf
         # of a part gathered leaf by leaf ([Note: persistent gathered storage])
         "per_gather": {
-            u.name: sum(len(p.layout.slots) if p.in_place else 1 for p in u.parts if not p.aliased)
+            u.name: sum(len(p.layout.slots) if p.by_leaf else 1 for p in u.parts if not p.aliased)
             for u in units
         },
         "buckets": len({id(u.bucket) for u in units if u.bucket is not None}),

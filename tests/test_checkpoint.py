@@ -28,6 +28,8 @@ def _plan(world: int, variant: int) -> fs.Plan:
     mesh = fs.Mesh({"fsdp": world})
     if variant == 0:
         return fs.plan(params, mesh, units=MODEL.units)
+    if variant == 2:  # the flat layout: ranges of each unit's concatenation, cut inside leaves
+        return fs.plan(params, mesh, units=MODEL.units, layout="flat")
     return fs.plan(
         params,
         mesh,
@@ -64,13 +66,23 @@ def _load(directory: str, variant: int) -> Any:
 
 
 @pytest.mark.parametrize(
-    ("save_world", "load_world", "variant"), [(2, 2, 0), (2, 4, 1), (2, 1, 1), (4, 2, 0), (1, 4, 0)]
+    ("save_world", "saved_variant", "load_world", "variant"),
+    [
+        (2, 0, 2, 0),
+        (2, 0, 4, 1),
+        (2, 0, 1, 1),
+        (4, 0, 2, 0),
+        (1, 0, 4, 0),
+        (2, 2, 4, 1),  # flat layout -> per-leaf specs on more ranks
+        (4, 0, 2, 2),  # per-leaf -> flat
+        (4, 2, 2, 2),  # flat -> flat on fewer ranks: other cuts
+    ],
 )
 def test_checkpoints_load_on_any_world_size_and_plan(
-    pools, tmp_path, save_world, load_world, variant
+    pools, tmp_path, save_world, saved_variant, load_world, variant
 ):
     directory = str(tmp_path / "ckpt")
-    saved = pools.run(save_world, _save, directory, 0)[0]
+    saved = pools.run(save_world, _save, directory, saved_variant)[0]
     for loaded, step, untouched in pools.run(load_world, _load, directory, variant):
         assert step == 1
         assert_trees_close(loaded, saved, rtol=0, atol=0)

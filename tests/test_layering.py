@@ -34,7 +34,7 @@ LAYERS = {
     "cli": 8,
 }
 ORDER = {
-    "spec": ["mesh", "partition_spec", "named_sharding"],
+    "spec": ["mesh", "partition_spec", "named_sharding", "flat_sharding"],
     "plan": [
         "rules", "strategy", "precision", "sizes", "units", "model_config", "presets",
         "activations", "hardware", "step_time", "cost_model", "estimates", "leaf", "explain",
@@ -43,7 +43,7 @@ ORDER = {
     "comm": ["runtime", "channel", "agree", "settle", "lifecycle", "metrics", "ledger", "groups", "algorithm", "reduce_scatter", "all_gather", "collectives"],
     "data": ["sampler", "seed"],
     "shard": [
-        "aliasing", "digest", "counter_rng", "fill", "initializers", "fans", "orthogonal", "flat",
+        "aliasing", "digest", "counter_rng", "fill", "initializers", "fans", "orthogonal", "layout", "flat",
         "sharded", "shard", "materialize",
     ],
     "execute": ["memory", "loss", "buffers", "desync", "part", "unit_state", "bucket", "reduce", "run", "compiled", "call", "value_and_grad", "forward"],

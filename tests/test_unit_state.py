@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import funcshard as fs
+from funcshard._src.comm import collectives
 from funcshard._src.execute.unit_state import UnitState, UnitStateError
 from funcshard.testing import assert_trees_close, reference_value_and_grad
 
@@ -153,4 +154,96 @@ def test_units_in_a_bucket_are_gathered_packed(pools):
     """The same blocks bucketed (gloo's default): one packed all-gather for the bucket."""
     for r in pools.run(2, _views_in_calls, None, False):
         assert not any(r["in_place"])
+        assert r["sent"] == r["model"]
+
+
+# -- the flat layout: a gathered unit is one buffer, its leaves views of it -----------------------
+
+
+def _flat_views(remat: bool) -> dict[str, object]:
+    """Worker body: what each all-gather writes into, and where each call's full leaves live."""
+    gen = torch.Generator().manual_seed(0)
+    params = {  # 47 elements a block: ranges cut inside leaves, the last one padded
+        "blocks": [
+            {
+                "w": torch.randn(6, 6, generator=gen),
+                "b": torch.randn(6, generator=gen),
+                "v": torch.randn(5, generator=gen),
+            }
+            for _ in range(3)
+        ]
+    }
+    plan = fs.plan(params, fs.Mesh({"fsdp": fs.world_size()}), units=["blocks/*"], layout="flat")
+    seen: list[list[tuple[int, int, int]]] = []
+    recording = [True]
+
+    def block(b, x):
+        if recording[0]:
+            seen.append(
+                [
+                    (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+                    for t in (b["w"], b["b"], b["v"])
+                ]
+            )
+        return torch.tanh(x @ b["w"] + b["b"]) * b["v"].sum()
+
+    def loss(p, x):
+        for blk in p["blocks"]:
+            x = fs.call(block, blk, x, remat=remat)
+        return (x**2).mean()
+
+    outputs: list[tuple[int, int]] = []
+    original = collectives.all_gather
+
+    def recorded(*args, **kwargs):
+        out = kwargs.get("out")
+        if out is not None:
+            outputs.append((out.untyped_storage().data_ptr(), out.numel()))
+        return original(*args, **kwargs)
+
+    step = fs.value_and_grad(loss, plan, bucket_bytes=0)
+    sparams = fs.shard(params, plan)
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(fs.rank()))
+    step(sparams, x)
+    seen.clear()
+    before = step.gather_pool.allocations
+    step.ledger.reset()
+    collectives.all_gather = recorded
+    try:
+        _, grads = step(sparams, x)
+    finally:
+        collectives.all_gather = original
+    recording[0] = False
+    xs = [
+        (torch.randn(3, 6, generator=torch.Generator().manual_seed(r)),)
+        for r in range(fs.world_size())
+    ]
+    _, expected = reference_value_and_grad(loss, params, xs)
+    assert_trees_close(fs.unshard(grads), expected, rtol=1e-5, atol=1e-6)
+    return {
+        "seen": seen,
+        "outputs": outputs,
+        "gather_allocations": step.gather_pool.allocations - before,
+        "sent": step.ledger.total(),
+        "model": sum(fs.cost.estimate(plan).comm.values()),
+    }
+
+
+@pytest.mark.parametrize(("world", "remat"), [(2, False), (2, True), (4, False)])
+def test_in_the_flat_layout_every_leaf_is_a_view_of_the_all_gathers_output(pools, world, remat):
+    """One all-gather per unit writes the unit's concatenation; every full leaf a call sees, in
+    forward and in remat's recompute, is a view of that very buffer at its place in the
+    concatenation (47 elements: ranges cut inside leaves); no staging, no unpacking."""
+    for r in pools.run(world, _flat_views, remat):
+        outputs = r["outputs"]
+        assert len(outputs) == 3 * 2  # each block: forward and backward, one collective each
+        assert len(r["seen"]) == 3 * (2 if remat else 1)
+        gathered = {ptr for ptr, _ in outputs}
+        for leaves in r["seen"]:
+            (ptr,) = {p for p, _, _ in leaves}  # one storage
+            assert ptr in gathered  # the one the collective wrote
+            # w, b, v at their place in the concatenation, which is in leaf order: b, v, w
+            assert [(offset, n) for _, offset, n in leaves] == [(11, 36), (0, 6), (6, 5)]
+        assert all(n == world * -(-47 // world) for _, n in outputs)
+        assert r["gather_allocations"] == 0
         assert r["sent"] == r["model"]

@@ -49,6 +49,7 @@ class Case:
     budget: int | None = None  # with strategy="auto"
     frozen: tuple[str, ...] = ()  # fs.plan(frozen=...): sharded, no gradient, never updated
     bucket_bytes: int | None = None  # value_and_grad(bucket_bytes=...): None is the default
+    layout: Any = "leaf"  # fs.plan(layout=...): "flat" concatenates each unit's leaves
 
     @property
     def world_size(self) -> int:
@@ -100,6 +101,7 @@ class Case:
             frozen=self.frozen,
             strategy=self.strategy,
             memory_budget=self.budget,
+            layout=self.layout,
         )
 
 
@@ -205,6 +207,7 @@ def cases(draw: st.DrawFn) -> Case:
         # 0: every unit on its own; 300: buckets of two or three small blocks; None: the
         # backend's default (every unit of these models in one bucket on gloo)
         bucket_bytes=draw(st.sampled_from([0, 300, None])),
+        layout=draw(st.sampled_from(["leaf", "flat"])),
     )
 
 
@@ -251,6 +254,30 @@ def test_every_strategy_on_every_mesh(pools):
             check(
                 pools,
                 Case(Model(), mesh, strategy, mixed_precision=False, optimizer="adamw", steps=2),
+            )
+
+
+def test_the_flat_layout_trains_like_one_device_on_every_strategy_and_mesh(pools):
+    """Each unit's leaves concatenated and cut into equal ranges (cut inside leaves, the last
+    range padded): fp32 and bf16, clipping, frozen leaves, unsharded accumulation, buckets."""
+    for mesh in MESHES:
+        for strategy in ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"]:
+            check(
+                pools,
+                Case(
+                    Model(vocab=11, embed_unit=True),
+                    mesh,
+                    strategy,
+                    mixed_precision=strategy == "shard_grad_op",
+                    optimizer="adamw",
+                    steps=2,
+                    clip=0.5 if strategy == "full_shard" else None,
+                    frozen=("blocks/0",) if strategy == "hybrid_shard" else (),
+                    micro_batches=2 if strategy == "no_shard" else 1,
+                    accumulate="unsharded",
+                    bucket_bytes=300,
+                    layout="flat",
+                ),
             )
 
 

@@ -2,9 +2,12 @@
 
 A sharded leaf is saved as one chunk per distinct non-empty shard (replica 0's
 rank writes it), a plain tensor as one chunk written by rank 0. A chunk is a
-box of the leaf: its offsets and sizes per dim. The chunks of a leaf must tile
-it exactly, every element once: :func:`check_tiling` refuses a manifest whose
-chunks leave a gap (rows that would come back as zeros), overlap, or stick out.
+box of the leaf: its offsets and sizes per dim. A leaf of a flat unit is held
+as ranges of its elements, each saved as the boxes that cut it
+(``spec/flat_sharding.range_boxes``), so the format and resharding are the same
+for both layouts. The chunks of a leaf must tile it exactly, every element
+once: :func:`check_tiling` refuses a manifest whose chunks leave a gap (rows
+that would come back as zeros), overlap, or stick out.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from funcshard._src.shard.flat import piece_indices, pieces
 from funcshard._src.shard.sharded import ShardedTensor
 
 Region = tuple[tuple[int, int], ...]  # [start, stop) per dim
@@ -47,31 +53,36 @@ def chunks_of(leaf: Any, path: str, /) -> list[Chunk]:
     """Every chunk ``leaf`` is saved in: one per distinct non-empty shard (replica 0 writes it)."""
     if isinstance(leaf, ShardedTensor):
         out: list[Chunk] = []
-        sharding, shape = leaf.sharding, leaf.shape
+        sharding = leaf.sharding
         for rank in range(sharding.mesh.size):
             if sharding.replica_id(rank) != 0:
                 continue
-            offsets = region_of(leaf, rank)
-            sizes = sharding.local_shape(shape, rank)
-            if all(sizes):
-                out.append(
-                    Chunk(
-                        chunk_key(path, tuple(a for a, _ in offsets)),
-                        tuple(a for a, _ in offsets),
-                        sizes,
-                        rank,
-                    )
-                )
+            for region in regions_of(leaf, rank):
+                offsets = tuple(a for a, _ in region)
+                sizes = tuple(b - a for a, b in region)
+                if all(sizes):
+                    out.append(Chunk(chunk_key(path, offsets), offsets, sizes, rank))
         return out
     shape = tuple(leaf.shape)
     offsets = (0,) * len(shape)
     return [Chunk(chunk_key(path, offsets), offsets, shape, 0)] if all(shape) else []
 
 
-def region_of(leaf: ShardedTensor, rank: int, /) -> Region:
-    """The [start, stop) per dim of ``leaf`` that ``rank`` holds."""
-    index = leaf.sharding.local_index(leaf.shape, rank)
-    return tuple(s.indices(n)[:2] for s, n in zip(index, leaf.shape))
+def regions_of(leaf: ShardedTensor, rank: int, /) -> list[Region]:
+    """The boxes, [start, stop) per dim, of ``leaf`` that ``rank`` holds: one, or a flat range's."""
+    return [_region(index, leaf.shape) for index in piece_indices(leaf.slot, rank)]
+
+
+def local_pieces(leaf: ShardedTensor, /) -> list[tuple[Region, torch.Tensor]]:
+    """Each box of ``leaf`` that its rank holds, with its view of the leaf's flat buffer."""
+    return [
+        (_region(index, leaf.shape), view)
+        for index, view in pieces(leaf.flat.data, leaf.slot, leaf.flat.rank)
+    ]
+
+
+def _region(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
 def whole(shape: tuple[int, ...] | list[int], /) -> Region:
@@ -102,14 +113,20 @@ def check_tiling(path: str, shape: tuple[int, ...], chunks: list[Chunk], /) -> s
 
     The chunks funcshard writes form a grid (a ``NamedSharding`` cuts every dim
     into intervals): per dim, the chunks' intervals must cut ``[0, size)`` into
-    consecutive pieces, and there must be one chunk per cell of that grid. An
-    empty leaf has no chunks.
+    consecutive pieces, and there must be one chunk per cell of that grid. Or,
+    from a flat unit, each chunk is a contiguous range of the leaf's row-major
+    elements and the ranges follow each other from the first element to the
+    last. An empty leaf has no chunks.
 
     Example:
         >>> check_tiling("w", (4,), [Chunk("w@0", (0,), (2,), 0), Chunk("w@2", (2,), (2,), 1)]) is None
         True
         >>> check_tiling("w", (4,), [Chunk("w@0", (0,), (2,), 0)])
         'the chunks of w do not cover dim 0 of (4,): they cut it at [(0, 2)]'
+        >>> flat = [Chunk("w@0,0", (0, 0), (1, 3), 0), Chunk("w@1,0", (1, 0), (1, 1), 0),
+        ...         Chunk("w@1,1", (1, 1), (1, 2), 1)]
+        >>> check_tiling("w", (2, 3), flat) is None  # rank 0 holds 4 elements, rank 1 two
+        True
     """
     if math.prod(shape) == 0:
         return None if not chunks else f"{path} is empty but lists chunks"
@@ -120,6 +137,8 @@ def check_tiling(path: str, shape: tuple[int, ...], chunks: list[Chunk], /) -> s
             return f"chunk {chunk.key!r} of {path} does not carry the key of its offsets"
         if any(n <= 0 for n in chunk.sizes):
             return f"chunk {chunk.key!r} of {path} has sizes {chunk.sizes}"
+    if _tiles_as_ranges(shape, chunks):
+        return None
     cells = 1
     for d, size in enumerate(shape):
         cuts = sorted({(c.offsets[d], c.offsets[d] + c.sizes[d]) for c in chunks})
@@ -130,3 +149,28 @@ def check_tiling(path: str, shape: tuple[int, ...], chunks: list[Chunk], /) -> s
     if len({c.offsets for c in chunks}) != len(chunks) or len(chunks) != cells:
         return f"the chunks of {path} are not one per cell of a grid over {shape}"
     return None
+
+
+def _tiles_as_ranges(shape: tuple[int, ...], chunks: list[Chunk], /) -> bool:
+    """Whether every chunk is a contiguous row-major range and the ranges tile the leaf in order."""
+    ranges: list[tuple[int, int]] = []
+    for chunk in chunks:
+        if any(o < 0 or o + n > size for o, n, size in zip(chunk.offsets, chunk.sizes, shape)):
+            return False
+        k = next((d for d, n in enumerate(chunk.sizes) if n > 1), len(shape) - 1)
+        if any(
+            o != 0 or n != size
+            for o, n, size in zip(chunk.offsets[k + 1 :], chunk.sizes[k + 1 :], shape[k + 1 :])
+        ):
+            return False  # not contiguous: a later dim is cut
+        start = 0
+        for o, size in zip(chunk.offsets, shape):
+            start = start * size + o
+        ranges.append((start, start + chunk.numel))
+    ranges.sort()
+    end = 0
+    for start, stop in ranges:
+        if start != end:
+            return False
+        end = stop
+    return end == math.prod(shape)

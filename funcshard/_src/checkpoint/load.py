@@ -20,7 +20,7 @@ import torch
 from funcshard._src import tree
 from funcshard._src.checkpoint import commit
 from funcshard._src.checkpoint import errors as errors_module
-from funcshard._src.checkpoint.chunks import Region, overlap, region_of, whole
+from funcshard._src.checkpoint.chunks import Region, local_pieces, overlap, regions_of, whole
 from funcshard._src.checkpoint.dcp_io import read_chunks
 from funcshard._src.checkpoint.errors import (
     CheckpointError,
@@ -218,28 +218,29 @@ def load_full(
 def _load_into(directory: Path, manifest: dict[str, Any], like: Any, verify: bool) -> Any:
     paths, leaves, treedef = tree.flatten_with_paths(like)
     saved = _check_compatible(directory, manifest, paths, leaves)
-    regions = [_region(leaf, saved[p]) for p, leaf in zip(paths, leaves)]
+    regions = [_regions(leaf, saved[p]) for p, leaf in zip(paths, leaves)]
     wanted = [
         (chunk, _dtype(saved[p]), c["sha256"])
-        for p, region in zip(paths, regions)
+        for p, needed in zip(paths, regions)
         if saved[p]["kind"] != "value"
         for chunk, c in zip(chunks(saved[p]), saved[p]["chunks"])
-        if overlap(region, chunk) is not None
+        if any(overlap(region, chunk) is not None for region in needed)
     ]
     data = read_chunks(directory, manifest["files"], wanted, verify=verify)
     fresh = map_flats(lambda f: f.with_data(torch.zeros_like(f.data)), like)
     out: list[Any] = []
-    for p, leaf, region in zip(paths, tree.leaves(fresh), regions):
+    for p, leaf in zip(paths, tree.leaves(fresh)):
         entry = saved[p]
         if entry["kind"] == "value":
             out.append(entry["value"])
             continue
         if isinstance(leaf, ShardedTensor):
-            _fill(leaf.local, region, entry, data)  # a view of the fresh flat buffer
+            for region, view in local_pieces(leaf):  # views of the fresh flat buffer
+                _fill(view, region, entry, data)
             out.append(leaf)
             continue
         target = torch.zeros(entry["shape"], dtype=_dtype(entry))
-        _fill(target, region, entry, data)
+        _fill(target, whole(entry["shape"]), entry, data)
         out.append(target if leaf is SAVED else target.to(leaf.device))
     return tree.unflatten(treedef, out)
 
@@ -302,13 +303,13 @@ def _mismatch(entry: dict[str, Any], leaf: Any) -> str | None:
     return None
 
 
-def _region(leaf: Any, entry: dict[str, Any]) -> Region:
-    """The [start, stop) per dim of the saved leaf this rank needs."""
+def _regions(leaf: Any, entry: dict[str, Any]) -> list[Region]:
+    """The boxes, [start, stop) per dim, of the saved leaf this rank needs."""
     if entry["kind"] == "value":
-        return ()
+        return []
     if isinstance(leaf, ShardedTensor):
-        return region_of(leaf, leaf.flat.rank)
-    return whole(entry["shape"])
+        return regions_of(leaf, leaf.flat.rank)
+    return [whole(entry["shape"])]
 
 
 def _dtype(entry: dict[str, Any]) -> torch.dtype:

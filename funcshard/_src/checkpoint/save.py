@@ -20,6 +20,7 @@ import torch
 
 from funcshard._src import tree
 from funcshard._src.checkpoint import commit
+from funcshard._src.checkpoint.chunks import local_pieces
 from funcshard._src.checkpoint.dcp_io import write_chunks
 from funcshard._src.checkpoint.errors import CheckpointError
 from funcshard._src.checkpoint.manifest import RNG_PATH, leaf_entry, rank_dir, write_manifest
@@ -205,9 +206,14 @@ def _local_chunks(
     """The chunks this rank writes: its own shard where it is replica 0; plain tensors on rank 0."""
     out: dict[str, torch.Tensor] = {}
     for entry, leaf in zip(entries, leaves):
-        for chunk in entry.get("chunks", []):
-            if chunk["writer"] != rank:
-                continue
-            full = leaf.local if isinstance(leaf, ShardedTensor) else leaf
-            out[chunk["key"]] = full.detach().cpu().contiguous()
+        mine = [c for c in entry.get("chunks", []) if c["writer"] == rank]
+        if not mine:
+            continue
+        if isinstance(leaf, ShardedTensor):  # one box, or the boxes of a flat range
+            by_offsets = {tuple(a for a, _ in r): v for r, v in local_pieces(leaf)}
+            for chunk in mine:
+                out[chunk["key"]] = by_offsets[tuple(chunk["offsets"])].detach().cpu().contiguous()
+        else:
+            (chunk,) = mine
+            out[chunk["key"]] = leaf.detach().cpu().contiguous()
     return out

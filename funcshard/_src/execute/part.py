@@ -14,6 +14,7 @@ import torch
 
 from funcshard._src.comm.collectives import Pending
 from funcshard._src.shard.flat import FlatLayout
+from funcshard._src.spec.flat_sharding import FlatSharding
 
 
 class InFlight(Protocol):
@@ -77,11 +78,14 @@ class Part:
     @property
     def by_leaf(self) -> bool:
         """Whether the part is gathered in place with one collective per leaf (``LEAF_GATHERS``)."""
-        return self.in_place and len(self.layout.slots) > 1
+        return self.in_place and len(self.layout.slots) > 1 and not self.layout.flat
 
     @property
     def full_numel(self) -> int:
-        """Elements of all full leaves of this part."""
+        """Elements of all full leaves of this part (a flat part's: its gathered concatenation)."""
+        sharding = self.layout.slots[0].sharding if self.layout.slots else None
+        if isinstance(sharding, FlatSharding):
+            return self.layout.numel * sharding.group_size  # the end padding included
         return sum(math.prod(s.shape) for s in self.layout.slots)
 
     @property

@@ -136,6 +136,13 @@ def _jax(submodule: str | None = None) -> Any:
 
 
 def _tensor_to_jax(jax_dlpack: Any, path: str, leaf: Any, copy: bool | None) -> Any:
+    if isinstance(leaf, ShardedTensor) and leaf.spec is None:
+        raise ValueError(
+            f"{path}: unit {leaf.unit!r} is in the flat layout, where this rank holds a range "
+            f"of the leaf's elements that no jax.sharding describes; pass fs.unshard(tree) "
+            f"(full leaves), or plan with layout='leaf' for shards that "
+            f"Plan.to_jax_shardings places"
+        )
     t = (leaf.local if isinstance(leaf, ShardedTensor) else leaf).detach()
     obstacle = zero_copy_obstacle(t)
     if copy is False and obstacle is not None:

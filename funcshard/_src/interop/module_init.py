@@ -30,7 +30,7 @@ from torch import nn
 from funcshard._src import tree
 from funcshard._src.comm import groups
 from funcshard._src.plan.plan import Plan
-from funcshard._src.shard.flat import padded_view
+from funcshard._src.shard.flat import pieces
 from funcshard._src.shard.shard import plan_layouts
 from funcshard._src.shard.sharded import FlatShard, ShardedTensor
 
@@ -79,9 +79,8 @@ def materialize_module(
             value = _checked(module, owner, name, values[local])
             if name in leaf_of:
                 layout, slot = slots[leaf_of[name]]
-                mine = value[slot.sharding.local_index(slot.shape, rank)]
-                target = padded_view(flats[layout], slot)
-                target[tuple(slice(0, n) for n in mine.shape)].copy_(mine)
+                for index, view in pieces(flats[layout], slot, rank):
+                    view.copy_(value[index])
             else:
                 buffers[buffer_of[name]] = value
         del values

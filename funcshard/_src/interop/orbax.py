@@ -22,6 +22,7 @@ import torch
 
 from funcshard._src import tree
 from funcshard._src.interop.host import tensor_from_numpy, torch_dtype
+from funcshard._src.shard.flat import pieces
 from funcshard._src.shard.sharded import ShardedTensor, map_flats
 
 _ARRAY_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
@@ -89,8 +90,8 @@ def load_orbax(directory: str | os.PathLike[str], /, like: Any = None, *, prefix
         ):
             out.append(tensor_from_numpy(store.read().result()).item())
         elif isinstance(target, ShardedTensor):
-            index = target.sharding.local_index(target.shape, target.flat.rank)
-            target.local.copy_(tensor_from_numpy(store[index].read().result()))
+            for index, view in pieces(target.flat.data, target.slot, target.flat.rank):
+                view.copy_(tensor_from_numpy(store[index].read().result()))
             out.append(target)
         else:
             device = leaf.device if leaf.device.type != "meta" else torch.device("cpu")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import math
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -21,7 +20,7 @@ from funcshard._src.comm import runtime
 from funcshard._src.dtypes import dtype_name
 from funcshard._src.interop.safetensors_format import Entry, Files, checkpoint_tensors
 from funcshard._src.plan.plan import Plan
-from funcshard._src.shard.flat import padded_view
+from funcshard._src.shard.flat import pieces
 from funcshard._src.shard.shard import plan_layouts
 from funcshard._src.shard.sharded import FlatShard, ShardedTensor
 
@@ -314,11 +313,10 @@ def _read_shards(
         with _opened() as handle:
             flat = torch.zeros(layout.numel, dtype=layout.dtype, device=device)  # (numel,)
             for slot in layout.slots:
-                if math.prod(slot.sharding.local_shape(slot.shape, rank)) > 0:
-                    key = keys[slot.path]
-                    index = slot.sharding.local_index(slot.shape, rank)
-                    local = handle(entries[key].file).get_slice(key)[index]
-                    padded_view(flat, slot)[tuple(slice(0, n) for n in local.shape)].copy_(local)
+                for index, view in pieces(flat, slot, rank):  # a box, or a flat range's boxes
+                    if view.numel() > 0:
+                        key = keys[slot.path]
+                        view.copy_(handle(entries[key].file).get_slice(key)[index])
         shard = FlatShard(layout, flat, rank)
         for slot in layout.slots:
             out[slot.index] = ShardedTensor(shard, slot)

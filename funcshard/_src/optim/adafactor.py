@@ -35,10 +35,11 @@ from funcshard._src.optim.base import (
     check_learning_rate,
     floating_flats,
     learning_rate,
+    refuse_flat,
 )
 from funcshard._src.shard.flat import FlatLayout, Slot
 from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of, trainable
-from funcshard._src.spec.named_sharding import Index
+from funcshard._src.spec.named_sharding import Index, NamedSharding
 
 Steps = Generator[torch.Tensor, torch.Tensor, None]  # yields partial sums, receives their totals
 
@@ -175,6 +176,7 @@ class _Adafactor:
 
     def init(self, sparams: Any, /) -> AdafactorState:
         live = trainable(sparams)
+        refuse_flat(live, "adafactor", "factored moments sum rows and columns of each matrix")
         return AdafactorState(
             torch.zeros((), dtype=torch.int64),
             tree.tree_map(functools.partial(_factor, dim=-1), live),
@@ -343,6 +345,7 @@ def _leaves(grads: Any, state: AdafactorState, sparams: Any) -> list[_Leaf]:
 def _placement(slot: Slot, rank: int) -> tuple[Index, bool]:
     """``rank``'s slices of ``slot``'s leaf, and whether it holds replica 0 (whose sums count)."""
     sharding = slot.sharding
+    assert isinstance(sharding, NamedSharding), "init refuses the flat layout"
     return sharding.local_index(slot.shape, rank), sharding.replica_id(rank) == 0
 
 

@@ -134,3 +134,17 @@ def floating_flats(*trees: Any, names: Sequence[str]) -> list[list[torch.Tensor]
 
 def _same_layout(a: FlatShard, b: FlatShard) -> bool:
     return a.layout is b.layout or a.layout == b.layout
+
+
+def refuse_flat(sparams: Any, who: str, why: str, /) -> None:
+    """Raises for a tree with a unit in the flat layout, for optimizers that need boxes of leaves.
+
+    Raises:
+        ValueError: naming the unit, ``why`` the optimizer needs rows and columns, and the fix.
+    """
+    unit = next((f.layout.unit for f in flats_of(sparams) if f.layout.flat), None)
+    if unit is not None:
+        raise ValueError(
+            f"{who}: unit {unit!r} is in the flat layout, where a rank holds a range of each "
+            f"leaf's elements; {why}, so plan it with layout='leaf' (the default)"
+        )

@@ -10,7 +10,7 @@ import torch
 from funcshard._src import tree
 from funcshard._src.comm import agree, groups, settle
 from funcshard._src.optim.base import Optimizer
-from funcshard._src.shard.flat import FlatLayout
+from funcshard._src.shard.flat import FlatLayout, local_range
 from funcshard._src.shard.sharded import flats_of
 
 
@@ -113,9 +113,9 @@ def _counted_ranges(layout: FlatLayout, rank: int) -> tuple[tuple[int, int], ...
     """Element ranges of ``rank``'s flat buffer whose leaves this rank counts (replica 0 only), merged."""
     ranges: list[tuple[int, int]] = []
     for slot in layout.slots:
-        if slot.sharding.replica_id(rank) != 0 or slot.numel == 0:
+        start, end = local_range(slot, rank)
+        if slot.sharding.replica_id(rank) != 0 or start == end:
             continue
-        start, end = slot.offset, slot.offset + slot.numel
         if ranges and ranges[-1][1] == start:
             ranges[-1] = (ranges[-1][0], end)
         else:

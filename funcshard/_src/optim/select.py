@@ -18,6 +18,7 @@ leaves only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ from funcshard._src import tree
 from funcshard._src.plan.rules import Pattern, check_pattern, matches_within, subtrees
 from funcshard._src.shard.flat import FlatLayout, Slot
 from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of
+from funcshard._src.spec.flat_sharding import FlatSharding
 
 Mask: TypeAlias = "Callable[[str, ShardedTensor], bool] | Sequence[Pattern] | Any"
 
@@ -140,13 +142,13 @@ def restrict(sharded: Any, selected: frozenset[str], /) -> Any:
         if not isinstance(leaf, ShardedTensor) or leaf.path not in selected:
             return None
         flat = leaf.flat
-        runs = _runs(flat.layout, selected)
+        runs = _runs(flat.layout, selected, flat.rank if flat.layout.flat else 0)
         run, slot = runs.by_path[leaf.path]
         key = (id(flat), run)
         sub = views.get(key)
         if sub is None:
-            start, layout = runs.runs[run]
-            sub = views[key] = FlatShard(layout, flat.data[start : start + layout.numel], flat.rank)
+            start, stop, layout = runs.runs[run]
+            sub = views[key] = FlatShard(layout, flat.data[start:stop], flat.rank)
         return ShardedTensor(sub, slot)
 
     return tree.tree_map(leaf_fn, sharded)
@@ -155,13 +157,22 @@ def restrict(sharded: Any, selected: frozenset[str], /) -> Any:
 class _Runs:
     """A layout's runs of selected slots: (start, sub-layout) each, and where every selected leaf went."""
 
-    def __init__(self, runs: list[tuple[int, FlatLayout]], by_path: dict[str, tuple[int, Slot]]):
+    def __init__(
+        self, runs: list[tuple[int, int, FlatLayout]], by_path: dict[str, tuple[int, Slot]]
+    ):
         self.runs = runs
         self.by_path = by_path
 
 
 @functools.lru_cache(maxsize=4096)
-def _runs(layout: FlatLayout, selected: frozenset[str]) -> _Runs:
+def _runs(layout: FlatLayout, selected: frozenset[str], rank: int) -> _Runs:
+    """The runs of ``layout``'s selected slots; in the flat layout, of ``rank``'s buffer.
+
+    A flat run is a range ``[A, B)`` of the unit's concatenation: its buffer is the
+    part of it in the rank's range, its slots keep their place in the
+    concatenation, with ``base = A`` (the sub-layout's ``numel`` stays the unit's
+    chunk: what a rank holds of a run differs between ranks).
+    """
     groups: list[list[Slot]] = []
     previous_selected = False
     for slot in layout.slots:
@@ -171,17 +182,34 @@ def _runs(layout: FlatLayout, selected: frozenset[str]) -> _Runs:
                 groups.append([])
             groups[-1].append(slot)
         previous_selected = chosen
-    runs: list[tuple[int, FlatLayout]] = []
+    runs: list[tuple[int, int, FlatLayout]] = []
     by_path: dict[str, tuple[int, Slot]] = {}
     for i, group in enumerate(groups):
         start = group[0].offset
+        stop = group[-1].offset + group[-1].numel
+        if layout.flat:
+            shardings = [s.sharding for s in group]
+            assert all(isinstance(x, FlatSharding) for x in shardings)
+            rebased = tuple(
+                dataclasses.replace(s, sharding=dataclasses.replace(x, base=start))
+                for s, x in zip(group, shardings)
+                if isinstance(x, FlatSharding)
+            )
+            lo = rebased[0].sharding.group_rank(rank) * layout.numel  # pyright: ignore[reportAttributeAccessIssue]
+            a = min(max(start, lo), lo + layout.numel) - lo
+            b = max(min(stop, lo + layout.numel) - lo, a)
+            sub = dataclasses.replace(layout, slots=rebased)
+            runs.append((a, b, sub))
+            by_path.update((s.path, (i, s)) for s in rebased)
+            continue
         rebased = tuple(
             Slot(s.index, s.path, s.shape, s.sharding, s.shard_shape, s.offset - start)
             for s in group
         )
-        numel = group[-1].offset + group[-1].numel - start
-        sub = FlatLayout(layout.unit, layout.dtype, layout.mesh, rebased, numel, layout.frozen)
-        runs.append((start, sub))
+        sub = FlatLayout(
+            layout.unit, layout.dtype, layout.mesh, rebased, stop - start, layout.frozen
+        )
+        runs.append((start, stop, sub))
         by_path.update((s.path, (i, s)) for s in rebased)
     return _Runs(runs, by_path)
 

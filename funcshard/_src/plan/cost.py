@@ -42,22 +42,10 @@ from funcshard._src.plan.units import Unit
 
 
 def shard_numel(plan: Plan, unit: Unit, /) -> dict[torch.dtype, int]:
-    """Elements of ``unit``'s flat buffer on one rank, per dtype (padding included)."""
+    """Elements of ``unit``'s flat buffers on one rank, per dtype (padding included)."""
     out: dict[torch.dtype, int] = {}
-    for path in unit.paths:
-        leaf = plan.leaf(path)
-        out[leaf.dtype] = out.get(leaf.dtype, 0) + math.prod(
-            leaf.sharding(plan.mesh).shard_shape(leaf.shape)
-        )
-    return out
-
-
-def full_numel(plan: Plan, unit: Unit, /) -> dict[torch.dtype, int]:
-    """Elements of ``unit``'s leaves, whole, per dtype."""
-    out: dict[torch.dtype, int] = {}
-    for path in unit.paths:
-        leaf = plan.leaf(path)
-        out[leaf.dtype] = out.get(leaf.dtype, 0) + leaf.numel
+    for (dtype, _), n in _numel_by_part(plan, unit, whole=False).items():
+        out[dtype] = out.get(dtype, 0) + n
     return out
 
 
@@ -115,6 +103,8 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
         if g > 1
         else set()
     )
+    if unit.layout == "flat":  # its storage is the gathered buffer, end padding included
+        full = {key: g * n for key, n in _numel_by_part(plan, unit, whole=False).items()}
     for (dtype, is_frozen), n in _numel_by_part(plan, unit, whole=False).items():
         compute, grad = mp.compute_dtype(dtype), mp.gradient_dtype(dtype)
         trained = dtype.is_floating_point and not is_frozen
@@ -192,7 +182,7 @@ def _gathers_in_place(
 ) -> set[tuple[torch.dtype, bool]]:
     """The ``(dtype, frozen)`` parts of ``unit`` that the executor gathers into their full storage.
 
-    A part of one leaf, split evenly on dim 0 over exactly ``axes`` and nowhere else
+    Every part of a flat unit; a part of one leaf, split evenly on dim 0 over exactly ``axes`` and nowhere else
     (``funcshard._src.shard.flat.gathers_in_place``): an embedding or a head alone;
     with ``leafwise`` (``LEAF_GATHERS``), a part whose every leaf is so split
     (``leaves_gather_in_place``), gathered one leaf at a time.
@@ -203,7 +193,7 @@ def _gathers_in_place(
         members.setdefault((leaf.dtype, leaf.frozen), []).append(path)
     out: set[tuple[torch.dtype, bool]] = set()
     for key, paths in members.items():
-        if (
+        if unit.layout == "flat" or (
             (len(paths) == 1 or leafwise)
             and axes
             and all(_splits_on_dim_0(plan, p, axes) for p in paths)
@@ -229,12 +219,23 @@ def _splits_on_dim_0(plan: Plan, path: str, axes: tuple[str, ...], /) -> bool:
 def _numel_by_part(
     plan: Plan, unit: Unit, /, *, whole: bool
 ) -> dict[tuple[torch.dtype, bool], int]:
-    """Elements of ``unit`` per ``(dtype, frozen)``: on one rank (padded), or whole."""
+    """Elements of ``unit`` per ``(dtype, frozen)``: on one rank (padded), or whole.
+
+    A flat unit's part is its leaves' elements over the group size, rounded up.
+    """
     out: dict[tuple[torch.dtype, bool], int] = {}
+    flat = unit.layout == "flat" and not whole
     for path in unit.paths:
         leaf = plan.leaf(path)
-        n = leaf.numel if whole else math.prod(leaf.sharding(plan.mesh).shard_shape(leaf.shape))
+        n = (
+            leaf.numel
+            if whole or flat
+            else math.prod(leaf.sharding(plan.mesh).shard_shape(leaf.shape))
+        )
         out[(leaf.dtype, leaf.frozen)] = out.get((leaf.dtype, leaf.frozen), 0) + n
+    if flat:
+        g = math.prod(plan.mesh.axis_size(a) for a in shard_axes(unit.strategy, plan.mesh))
+        out = {key: -(-n // g) for key, n in out.items()}
     return out
 
 

@@ -10,6 +10,7 @@ from funcshard._src.dtypes import dtype_name
 from funcshard._src.plan.estimates import Estimate
 from funcshard._src.plan.leaf import LeafPlan
 from funcshard._src.plan.sizes import format_bytes, shape_text, table
+from funcshard._src.plan.strategy import shard_axes
 from funcshard._src.plan.units import Unit
 from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.named_sharding import NamedSharding
@@ -44,10 +45,13 @@ def explain(plan: Explained, /) -> str:
     unit_bytes: dict[str, int] = {}
     unit_full: dict[str, int] = {}
     padded_any = False
+    flat = {u.name: u for u in plan.units if u.layout == "flat"}
     for leaf in plan.leaves:
         sharding = NamedSharding(mesh, leaf.spec)
         shard = sharding.shard_shape(leaf.shape)
         uneven = any(size % n for size, n in zip(leaf.shape, sharding.num_shards(leaf.shape)))
+        if leaf.unit in flat:  # stored as a range of its unit's concatenation
+            shard, uneven = (leaf.numel,), False
         padded_any |= uneven
         leaf_rows.append(
             [
@@ -55,17 +59,20 @@ def explain(plan: Explained, /) -> str:
                 shape_text(leaf.shape),
                 dtype_name(leaf.dtype),
                 repr(leaf.spec),
-                shape_text(shard) + ("*" if uneven else ""),
+                ("flat" if leaf.unit in flat else shape_text(shard)) + ("*" if uneven else ""),
                 leaf.unit,
             ]
         )
         unit_bytes[leaf.unit] = unit_bytes.get(leaf.unit, 0) + math.prod(shard) * leaf.itemsize
         unit_full[leaf.unit] = unit_full.get(leaf.unit, 0) + leaf.numel * leaf.itemsize
+    for name, u in flat.items():  # one equal range of the concatenation per group rank
+        g = math.prod(mesh.axis_size(a) for a in shard_axes(u.strategy, mesh))
+        unit_bytes[name] = -(-unit_bytes[name] // g)
     reasons = dict(plan.reasons)
     unit_rows = [
         [
             u.name,
-            u.strategy,
+            u.strategy + (" (flat)" if u.layout == "flat" else ""),
             str(len(u.paths)),
             format_bytes(unit_full[u.name]),
             format_bytes(unit_bytes[u.name]),

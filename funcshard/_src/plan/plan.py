@@ -24,7 +24,7 @@ from funcshard._src.plan.cost_model import CostModel
 from funcshard._src.plan.estimates import Estimate
 from funcshard._src.plan.leaf import LeafPlan as LeafPlan
 from funcshard._src.plan.strategy import Strategy, check_strategy
-from funcshard._src.plan.units import Unit
+from funcshard._src.plan.units import LAYOUTS, Unit
 from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.named_sharding import NamedSharding
 from funcshard._src.spec.partition_spec import P
@@ -185,7 +185,13 @@ class Plan:
                 for leaf in self.leaves
             ],
             "units": [
-                {"name": u.name, "strategy": u.strategy, "paths": list(u.paths)} for u in self.units
+                {
+                    "name": u.name,
+                    "strategy": u.strategy,
+                    "paths": list(u.paths),
+                    **({"layout": u.layout} if u.layout != "leaf" else {}),
+                }
+                for u in self.units
             ],
             "notes": list(self.notes),
             "reasons": [list(r) for r in self.reasons],
@@ -309,8 +315,11 @@ def _plan_from_json(d: Mapping[str, Any]) -> Plan:
     units: list[Unit] = []
     for i, u in enumerate(_list(d["units"], "units")):
         paths = tuple(_str(p, f"units[{i}].paths") for p in _list(u["paths"], f"units[{i}].paths"))
+        layout = u.get("layout", "leaf")
+        if layout not in LAYOUTS:
+            raise ValueError(f"units[{i}].layout is {layout!r}, not one of {list(LAYOUTS)}")
         units.append(
-            Unit(_str(u["name"], f"units[{i}].name"), paths, check_strategy(u["strategy"]))
+            Unit(_str(u["name"], f"units[{i}].name"), paths, check_strategy(u["strategy"]), layout)
         )
     by_unit = {u.name: set(u.paths) for u in units}
     for leaf in leaves:

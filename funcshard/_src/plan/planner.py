@@ -23,6 +23,7 @@ from funcshard._src.plan.resolve import Spec, build
 from funcshard._src.plan.rules import check_pattern, check_rules
 from funcshard._src.plan.sizes import parse_bytes
 from funcshard._src.plan.strategy import check_strategy
+from funcshard._src.plan.units import LAYOUTS, Layout
 from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.partition_spec import P
 
@@ -37,6 +38,7 @@ def plan(
     frozen: Sequence[Any] = (),
     strategy: Requested = "full_shard",
     default: Default = "dim_0",
+    layout: Layout = "leaf",
     strict: bool = False,
     memory_budget: int | str | None = None,
     cost: CostModel | None = None,
@@ -64,6 +66,12 @@ def plan(
             strategy's shard axes, unless another dim needs less padding; scalars
             replicate), ``"largest_dim"`` (its largest dim), a fixed ``P``, or
             ``None`` to require a rule for every leaf.
+        layout: how every unit stores its leaves: ``"leaf"``, each leaf's chunk of
+            its spec; ``"flat"`` (FSDP1 / ZeRO style), the unit's leaves concatenated
+            and cut into one equal range per rank, so a gathered unit is one buffer
+            whose full leaves are views of it and nothing pads a leaf. The flat
+            layout is funcshard's extension of ``PartitionSpec`` semantics: a leaf's
+            spec is then only its JAX counterpart (``docs/planner.md``, "Layouts").
         strict: refuse dims that do not divide by their shard count, as JAX does.
         memory_budget: bytes per rank (an int or a size like ``"80GiB"``) that the
             plan must fit under ``cost``; required by ``strategy="auto"``.
@@ -105,6 +113,8 @@ def plan(
         )
     if not (default is None or default in ("dim_0", "largest_dim") or isinstance(default, P)):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise TypeError(f"default must be 'dim_0', 'largest_dim', a P or None; got {default!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {list(LAYOUTS)}; got {layout!r}")
     budget = _check_budget(memory_budget, strategy)
 
     paths, leaves, treedef = tree.flatten_with_paths(params)
@@ -135,6 +145,7 @@ def plan(
         strict,
         tuple(notes),
         frozen_patterns,
+        layout,
     )
     if strategy == "auto" or budget is not None:
         assert budget is not None

@@ -15,7 +15,7 @@ from funcshard._src.plan.cost_model import CostModel
 from funcshard._src.plan.plan import Default, LeafPlan, Plan, Requested
 from funcshard._src.plan.rules import Rule, first_match, matches, matches_within
 from funcshard._src.plan.strategy import Strategy, default_spec, shard_axes
-from funcshard._src.plan.units import ROOT, Unit, resolve_units
+from funcshard._src.plan.units import ROOT, Layout, Unit, resolve_units
 from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.named_sharding import NamedSharding
 from funcshard._src.spec.partition_spec import P
@@ -35,6 +35,7 @@ class Spec:
     strict: bool
     notes: tuple[str, ...]
     frozen: Sequence[Any] = ()  # patterns of leaves (or subtrees) with no gradient
+    layout: Layout = "leaf"  # every unit's
 
 
 def build(
@@ -83,7 +84,9 @@ def build(
         mesh=mesh,
         treedef=spec.treedef,
         leaves=tuple(planned),
-        units=tuple(Unit(name, tuple(unit_paths[name]), strategy_of(name)) for name in ordered),
+        units=tuple(
+            Unit(name, tuple(unit_paths[name]), strategy_of(name), spec.layout) for name in ordered
+        ),
         strategy=requested,
         notes=notes,
         reasons=reasons,

@@ -10,20 +10,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from funcshard._src.plan.rules import Pattern, matches, pattern_repr
 from funcshard._src.plan.strategy import Strategy
 
 ROOT = "<root>"
 
+# How a unit stores its leaves: "leaf", each leaf's chunk of its PartitionSpec; "flat", the
+# unit's leaves concatenated and cut into equal ranges (spec/flat_sharding.py)
+Layout = Literal["leaf", "flat"]
+LAYOUTS: tuple[Layout, ...] = ("leaf", "flat")
+
 
 @dataclass(frozen=True)
 class Unit:
-    """One unit: its ``name`` (the subtree path, or ``"<root>"``), leaf paths and strategy."""
+    """One unit: its ``name`` (the subtree path, or ``"<root>"``), leaf paths, strategy and layout."""
 
     name: str
     paths: tuple[str, ...]
     strategy: Strategy
+    layout: Layout = "leaf"
 
     @property
     def is_root(self) -> bool:

@@ -1,4 +1,4 @@
-"""Flat layouts: one unit's local shards of one dtype, packed in one buffer.
+"""Flat buffers: packing leaves into one unit's buffer of one dtype, and cutting them out.
 
 Every rank stores, per unit and dtype, a flat buffer of ``numel`` elements: each
 leaf's padded chunk (:meth:`NamedSharding.shard_shape`) in leaf order. The size is
@@ -6,6 +6,12 @@ the same on every rank, so one ``all_gather_into_tensor`` of the flat buffers
 yields a ``(world_size, numel)`` rank-major buffer from which
 :func:`unpack_gathered` cuts every full leaf, and :func:`pack_all` is its
 inverse for reduce-scatter.
+
+A unit of the ``"flat"`` layout (``layout.py``) stores one equal range of its
+leaves' concatenation per group rank: its gathered buffer is the concatenation
+itself, so every full leaf is a view of it, and gradients are packed by one
+plain copy per leaf. :func:`pieces` is how consumers address what a rank holds
+of a leaf in either layout.
 
 [Note: padding]
 Padding lives at the end of every padded dim of a chunk and is always zero in
@@ -23,85 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from funcshard._src.plan.plan import LeafPlan, Plan
-from funcshard._src.spec.mesh import Mesh
-from funcshard._src.spec.named_sharding import NamedSharding
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where one leaf's padded chunk sits in its unit's flat buffer."""
-
-    index: int  # position of the leaf in the plan's leaf order
-    path: str
-    shape: tuple[int, ...]  # global shape
-    sharding: NamedSharding
-    shard_shape: tuple[int, ...]  # padded chunk, equal on every rank
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        """Elements of the padded chunk."""
-        return math.prod(self.shard_shape)
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """The flat buffer of one unit and one dtype (trainable or frozen): its slots and size per rank."""
-
-    unit: str
-    dtype: torch.dtype
-    mesh: Mesh
-    slots: tuple[Slot, ...]
-    numel: int  # per rank
-    frozen: bool = False  # its leaves get no gradient and no optimizer state
-
-    def __hash__(self) -> int:  # gradients are keyed by layout: hash the slots once
-        return self._hash
-
-    @functools.cached_property
-    def _hash(self) -> int:
-        return hash((self.unit, self.dtype, self.mesh, self.slots, self.numel, self.frozen))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the flat buffer on one rank."""
-        return self.numel * self.dtype.itemsize
-
-
-def layouts(plan: Plan, /) -> tuple[FlatLayout, ...]:
-    """The flat layouts of ``plan``: per unit in unit order, per dtype in leaf order.
-
-    Frozen leaves of a unit get flat buffers of their own, after the trainable
-    ones, so that gradients and optimizer state cover whole buffers.
-
-    Example:
-        >>> from funcshard._src.plan.planner import plan as make_plan
-        >>> from funcshard._src.spec.mesh import Mesh
-        >>> p = make_plan({"w": torch.zeros(10, 2), "b": torch.zeros(3)}, Mesh({"fsdp": 4}))
-        >>> [(s.path, s.shard_shape, s.offset) for s in layouts(p)[0].slots]
-        [('b', (1,), 0), ('w', (3, 2), 1)]
-    """
-    position = {leaf.path: i for i, leaf in enumerate(plan.leaves)}
-    out: list[FlatLayout] = []
-    for unit in plan.units:
-        by_dtype: dict[tuple[bool, torch.dtype], list[tuple[int, LeafPlan]]] = {}
-        for path in unit.paths:
-            i = position[path]
-            key = (plan.leaves[i].frozen, plan.leaves[i].dtype)
-            by_dtype.setdefault(key, []).append((i, plan.leaves[i]))
-        for (frozen, dtype), members in sorted(by_dtype.items(), key=lambda kv: kv[0][0]):
-            slots: list[Slot] = []
-            offset = 0
-            for index, leaf in members:
-                sharding = leaf.sharding(plan.mesh)
-                slot = Slot(
-                    index, leaf.path, leaf.shape, sharding, sharding.shard_shape(leaf.shape), offset
-                )
-                slots.append(slot)
-                offset += slot.numel
-            out.append(FlatLayout(unit.name, dtype, plan.mesh, tuple(slots), offset, frozen))
-    return tuple(out)
+from funcshard._src.shard.layout import FlatLayout as FlatLayout
+from funcshard._src.shard.layout import Slot as Slot
+from funcshard._src.shard.layout import layouts as layouts
+from funcshard._src.spec.flat_sharding import FlatSharding, box_shape
+from funcshard._src.spec.named_sharding import Index, NamedSharding
 
 
 def pack_local(layout: FlatLayout, leaves: Sequence[torch.Tensor], rank: int, /) -> torch.Tensor:
@@ -111,20 +43,73 @@ def pack_local(layout: FlatLayout, leaves: Sequence[torch.Tensor], rank: int, /)
     """
     flat = torch.zeros(layout.numel, dtype=layout.dtype, device=leaves[0].device)
     for slot, leaf in zip(layout.slots, leaves):
-        local = leaf[slot.sharding.local_index(slot.shape, rank)]
-        padded_view(flat, slot)[tuple(slice(0, n) for n in local.shape)].copy_(local)
+        for index, view in pieces(flat, slot, rank):
+            view.copy_(leaf[index])
     return flat
 
 
+def pieces(flat: torch.Tensor, slot: Slot, rank: int, /) -> list[tuple[Index, torch.Tensor]]:
+    """What ``rank`` holds of ``slot``'s leaf: ``(index into the global leaf, view of flat)`` pairs.
+
+    One pair in the leaf layout (the shard's slices and its unpadded view, possibly
+    empty); in the flat layout one per box of the rank's range (none for a leaf
+    the rank holds nothing of). Writing to a view writes ``flat``.
+    """
+    sharding = slot.sharding
+    if isinstance(sharding, NamedSharding):
+        return [(sharding.local_index(slot.shape, rank), local_view(flat, slot, rank))]
+    out: list[tuple[Index, torch.Tensor]] = []
+    at = sharding.local_offset(rank)
+    for box in piece_indices(slot, rank):
+        shape = box_shape(box)
+        n = math.prod(shape)
+        out.append((box, flat[at : at + n].view(shape)))
+        at += n
+    return out
+
+
+def piece_indices(slot: Slot, rank: int, /) -> list[Index]:
+    """The indices into the global leaf of :func:`pieces`, without a buffer (for any rank)."""
+    sharding = slot.sharding
+    if isinstance(sharding, NamedSharding):
+        return [sharding.local_index(slot.shape, rank)]
+    return list(sharding.boxes(slot.shape, rank))
+
+
 def padded_view(flat: torch.Tensor, slot: Slot, /) -> torch.Tensor:
-    """The view of ``flat`` (one rank's buffer) holding ``slot``'s padded chunk."""
+    """The view of ``flat`` (one rank's buffer) holding ``slot``'s padded chunk (the leaf layout).
+
+    Raises:
+        TypeError: ``slot`` is in the flat layout, whose place in a buffer depends on
+            the rank: use :func:`local_view` or :func:`pieces`.
+    """
+    if isinstance(slot.sharding, FlatSharding):
+        raise TypeError(f"{slot.path}: a flat-layout slot has no padded chunk; use local_view")
     return flat[slot.offset : slot.offset + slot.numel].view(slot.shard_shape)
 
 
 def local_view(flat: torch.Tensor, slot: Slot, rank: int, /) -> torch.Tensor:
-    """The view of ``flat`` holding ``rank``'s unpadded shard of ``slot``'s leaf."""
-    local = slot.sharding.local_shape(slot.shape, rank)
+    """The view of ``flat`` holding ``rank``'s unpadded shard of ``slot``'s leaf.
+
+    In the flat layout that is the 1-D range of the leaf's elements the rank holds.
+    """
+    sharding = slot.sharding
+    if isinstance(sharding, FlatSharding):
+        a, b = sharding.local_range(rank)
+        at = sharding.local_offset(rank)
+        return flat[at : at + b - a]
+    local = sharding.local_shape(slot.shape, rank)
     return padded_view(flat, slot)[tuple(slice(0, n) for n in local)]
+
+
+def local_range(slot: Slot, rank: int, /) -> tuple[int, int]:
+    """The [start, stop) of ``rank``'s flat buffer that holds ``slot``'s leaf (padding included)."""
+    sharding = slot.sharding
+    if isinstance(sharding, FlatSharding):
+        a, b = sharding.local_range(rank)
+        at = sharding.local_offset(rank) if b > a else 0
+        return at, at + b - a
+    return slot.offset, slot.offset + slot.numel
 
 
 def unpack_gathered(
@@ -137,6 +122,9 @@ def unpack_gathered(
     contiguous tensors, except for a layout that :func:`gathers_in_place`, whose
     one leaf is a view of ``gathered``.
     """
+    if layout.flat:
+        whole = gathered.view(-1)
+        return [whole[s.offset : s.offset + s.numel].view(s.shape) for s in layout.slots]
     if gathers_in_place(layout, axes):
         (slot,) = layout.slots
         return [gathered.view(slot.shape)]
@@ -162,6 +150,10 @@ def unpack_into(
 
     One copy per leaf when its dims divide evenly, two when they are padded.
     """
+    if layout.flat:
+        for view, out in zip(unpack_gathered(layout, gathered, axes), outs):
+            out.copy_(view)
+        return
     for geo, out in zip(geometry(layout, axes), outs):
         grid = geo.grid(gathered)[geo.replica_index]  # replicas hold the same chunk
         if geo.padded is None:
@@ -185,6 +177,10 @@ def gathers_in_place(layout: FlatLayout, /, axes: Sequence[str] | None = None) -
         True
     """
     axes = tuple(layout.mesh.axis_names if axes is None else axes)
+    if layout.flat:  # the gathered buffer is the concatenation: every leaf is a view of it
+        return bool(layout.slots) and all(
+            isinstance(s.sharding, FlatSharding) and s.sharding.axes == axes for s in layout.slots
+        )
     if len(layout.slots) != 1:
         return False
     (slot,) = layout.slots
@@ -212,10 +208,15 @@ def leaves_gather_in_place(layout: FlatLayout, /, axes: Sequence[str] | None = N
         False
     """
     axes = tuple(layout.mesh.axis_names if axes is None else axes)
-    return bool(layout.slots) and all(_slot_in_place(slot, axes) for slot in layout.slots)
+    return (
+        not layout.flat
+        and bool(layout.slots)
+        and all(_slot_in_place(slot, axes) for slot in layout.slots)
+    )
 
 
 def _slot_in_place(slot: Slot, axes: tuple[str, ...], /) -> bool:
+    assert isinstance(slot.sharding, NamedSharding)
     dim_axes = slot.sharding.dim_axes(len(slot.shape))
     return (
         len(slot.shape) > 0
@@ -253,8 +254,12 @@ def pack_into(
     """Writes :func:`pack_all` of ``leaves`` times ``scale`` into ``out`` ``(group_size, numel)``; mutates ``out``.
 
     A ``None`` leaf packs as zeros; padding is written as zeros. Scaling while
-    copying saves a pass over ``out``.
+    copying saves a pass over ``out``. In the flat layout ``out`` viewed flat is
+    the concatenation: one copy per leaf.
     """
+    if layout.flat:
+        _pack_flat(layout, leaves, out.view(-1), scale)
+        return
     geos = geometry(layout, axes)
     if out.shape[0] == 1 and all(
         geo.padded is None for geo in geos
@@ -286,6 +291,22 @@ def pack_into(
             torch.mul(source.expand(target.shape), scale, out=target)
 
 
+def _pack_flat(
+    layout: FlatLayout, leaves: Sequence[torch.Tensor | None], row: torch.Tensor, scale: float
+) -> None:
+    end = 0
+    for slot, leaf in zip(layout.slots, leaves):
+        target = row[slot.offset : slot.offset + slot.numel]
+        end = slot.offset + slot.numel
+        if leaf is None:
+            target.zero_()
+        elif scale == 1.0:
+            target.view_as(leaf).copy_(leaf)
+        else:
+            torch.mul(leaf, scale, out=target.view_as(leaf))
+    row[end:].zero_()  # the concatenation's end padding
+
+
 @dataclass(frozen=True)
 class SlotGeometry:
     """How one slot sits in a gathered ``(group_size, numel)`` buffer: computed once per layout and axes.
@@ -315,6 +336,8 @@ def _geometry(layout: FlatLayout, axes: tuple[str, ...]) -> tuple[SlotGeometry, 
     out: list[SlotGeometry] = []
     mesh = layout.mesh
     for slot in layout.slots:
+        if not isinstance(slot.sharding, NamedSharding):
+            raise TypeError(f"{slot.path}: a flat-layout slot has no chunk grid")
         k = len(axes)
         dim_axes = slot.sharding.dim_axes(len(slot.shape))
         used = {a for d in dim_axes for a in d}
@@ -358,6 +381,7 @@ def geometry(layout: FlatLayout, axes: Sequence[str] | None = None, /) -> tuple[
 
 
 def _is_even(slot: Slot) -> bool:
+    assert isinstance(slot.sharding, NamedSharding)
     return all(
         n * c == size
         for n, c, size in zip(slot.sharding.num_shards(slot.shape), slot.shard_shape, slot.shape)

@@ -21,7 +21,7 @@ from funcshard._src.comm import runtime
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.rules import matches, pattern_repr
 from funcshard._src.shard import counter_rng
-from funcshard._src.shard.flat import local_view
+from funcshard._src.shard.flat import pieces
 from funcshard._src.shard.initializers import Initializer, Key
 from funcshard._src.shard.shard import (  # pyright: ignore[reportPrivateUsage]
     _device,
@@ -140,13 +140,9 @@ def materialize_for_rank(
     for layout in plan_layouts(plan):
         data = torch.zeros(layout.numel, dtype=layout.dtype, device=target)  # (numel,) padding 0
         for slot in layout.slots:
-            corner = tuple(
-                s.indices(n)[0]
-                for s, n in zip(slot.sharding.local_index(slot.shape, rank), slot.shape)
-            )
-            inits[slot.index].fill_(
-                local_view(data, slot, rank), Key(seed, slot.path), slot.shape, corner
-            )
+            for index, view in pieces(data, slot, rank):  # one box, or a flat range's boxes
+                corner = tuple(s.indices(n)[0] for s, n in zip(index, slot.shape))
+                inits[slot.index].fill_(view, Key(seed, slot.path), slot.shape, corner)
         flat = FlatShard(layout, data, rank)
         for slot in layout.slots:
             out[slot.index] = ShardedTensor(flat, slot)

@@ -16,6 +16,7 @@ import torch
 from funcshard._src import tree
 from funcshard._src.dtypes import dtype_name
 from funcshard._src.shard.flat import FlatLayout, Slot, local_view, padded_view
+from funcshard._src.spec.flat_sharding import FlatSharding
 from funcshard._src.spec.named_sharding import NamedSharding
 from funcshard._src.spec.partition_spec import P
 
@@ -128,14 +129,15 @@ class ShardedTensor:
         return self.flat.layout.unit
 
     @property
-    def sharding(self) -> NamedSharding:
-        """The leaf's placement."""
+    def sharding(self) -> NamedSharding | FlatSharding:
+        """The leaf's placement: a :class:`NamedSharding`, or a :class:`FlatSharding` in a flat unit."""
         return self.slot.sharding
 
     @property
-    def spec(self) -> P:
-        """The leaf's partition spec."""
-        return self.slot.sharding.spec
+    def spec(self) -> P | None:
+        """The leaf's partition spec (``None`` in a flat unit, which no spec describes)."""
+        sharding = self.slot.sharding
+        return sharding.spec if isinstance(sharding, NamedSharding) else None
 
     @property
     def local(self) -> torch.Tensor:
@@ -144,7 +146,12 @@ class ShardedTensor:
 
     @property
     def padded(self) -> torch.Tensor:
-        """This rank's shard with its zero padding: a view into the flat buffer."""
+        """This rank's shard with its zero padding: a view into the flat buffer.
+
+        In a flat unit nothing pads a leaf (the unit's padding is at its end): ``local``.
+        """
+        if isinstance(self.slot.sharding, FlatSharding):
+            return self.local
         return padded_view(self.flat.data, self.slot)
 
     @classmethod
@@ -169,7 +176,8 @@ class ShardedTensor:
     def __repr__(self) -> str:
         return (
             f"ShardedTensor(path={self.path!r}, shape={self.shape}, "
-            f"dtype={dtype_name(self.dtype)}, spec={self.spec!r}, "
+            f"dtype={dtype_name(self.dtype)}, "
+            f"{'layout=flat' if self.spec is None else f'spec={self.spec!r}'}, "
             f"local_shape={'<donated>' if self.flat.donated else tuple(self.local.shape)})"
         )
 

@@ -19,6 +19,7 @@ from funcshard._src.plan.cost import estimate
 from funcshard._src.plan.cost_model import CostModel
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
+from funcshard._src.shard.flat import piece_indices
 from funcshard._src.shard.shard import check_params, shard
 from funcshard._src.shard.sharded import ShardedTensor, flats_of, held_bytes
 from funcshard._src.verify.batches import gather_batches
@@ -250,8 +251,11 @@ def _compare(
         leaf = by_path.get(planned.path)
         if leaf is None or (grads and not (planned.dtype.is_floating_point and not planned.frozen)):
             continue
-        mine = whole[leaf.sharding.local_index(leaf.shape, rank)]
-        local = leaf.local
+        mine = torch.cat(  # what rank holds of the leaf: one box, or a flat range's boxes
+            [whole[index].reshape(-1) for index in piece_indices(leaf.slot, rank)]
+            or [whole.new_empty(0)]
+        )
+        local = leaf.local.reshape(-1)
         diff = float((local.double() - mine.double()).abs().max()) if local.numel() else 0.0
         scale = float(whole.double().abs().max()) if whole.numel() else 0.0
         before = into[i]
