@@ -396,3 +396,12 @@ def test_checkpoint_saved_on_two_ranks_resumes_on_one(pools, tmp_path):
     loaded, resumed = pools.run(1, _load_then_step, directory)[0]
     assert_trees_close(loaded, saved, rtol=0, atol=0)
     assert_trees_close(resumed, stepped, rtol=1e-5, atol=1e-7)
+
+
+def test_the_flat_layout_is_refused_with_the_fix():
+    params = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+    sp = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1}), layout="flat"))
+    with pytest.raises(
+        ValueError, match=r"adafactor: unit '<root>' is in the flat layout.*layout='leaf'"
+    ):
+        fs.optim.adafactor(lr=0.01).init(sp)

@@ -90,6 +90,7 @@ def cases(draw):
         strategy=strategy,
         rules=draw(rules_for(abstract, mesh, axes=shard_axes(strategy, mesh))),
         units=draw(units_for(abstract)),
+        layout=draw(st.sampled_from(["leaf", "flat"])),
     )
     return abstract, p, init, draw(st.integers(0, 2**64 - 1))
 

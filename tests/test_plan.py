@@ -141,7 +141,13 @@ def test_explain_shows_leaves_units_and_totals():
 def planned(draw):
     params = draw(tensor_trees())
     mesh = draw(meshes())
-    return plan(params, mesh, rules=draw(rules_for(params, mesh)), units=draw(units_for(params)))
+    return plan(
+        params,
+        mesh,
+        rules=draw(rules_for(params, mesh)),
+        units=draw(units_for(params)),
+        layout=draw(st.sampled_from(["leaf", "flat"])),
+    )
 
 
 @given(planned())
@@ -207,6 +213,11 @@ def test_fingerprint_follows_the_placement(p):
             r"embed: rules\[0\] \('embed', P\('fsdp'\)\) shards over mesh axis 'fsdp', but strategy 'no_shard' shards only over \[\]",
         ),
         ({"default": "first"}, TypeError, r"default must be 'dim_0', 'largest_dim', a P or None"),
+        (
+            {"layout": "ragged"},
+            ValueError,
+            r"layout must be one of \['leaf', 'flat'\]; got 'ragged'",
+        ),
         (
             {"strict": True},
             SpecError,
@@ -276,6 +287,10 @@ def test_from_json_refuses_other_data():
         (lambda d: d["units"][0].update(strategy="zero9"), r"unknown strategy 'zero9'"),
         (lambda d: d.update(leaves=5), r"leaves must be a list"),
         (lambda d: d.pop("mesh"), r"malformed \(KeyError"),
+        (
+            lambda d: d["units"][1].update(layout="ragged"),
+            r"units\[1\].layout is 'ragged', not one of \['leaf', 'flat'\]",
+        ),
     ],
 )
 def test_plan_json_is_untrusted_input(change, message):
@@ -305,3 +320,19 @@ def test_frozen_patterns_mark_leaves_and_subtrees_and_round_trip_through_json():
     data["leaves"][0]["frozen"] = "yes"
     with pytest.raises(ValueError, match=r"leaves\[0\]\.frozen must be true or false"):
         fs.Plan.from_json(data)
+
+
+def test_the_flat_layout_round_trips_explains_itself_and_costs_one_range_per_rank():
+    params = {"blocks": [{"w": torch.zeros(5, 3), "b": torch.zeros(3)}] * 2, "head": torch.zeros(7)}
+    flat = fs.plan(params, fs.Mesh({"fsdp": 4}), units=["blocks/*"], layout="flat")
+    assert {u.layout for u in flat.units} == {"flat"}
+    again = fs.Plan.from_json(json.dumps(flat.to_json()))
+    assert again == flat
+    leafwise = fs.plan(params, fs.Mesh({"fsdp": 4}), units=["blocks/*"])
+    assert again.fingerprint() == flat.fingerprint() != leafwise.fingerprint()
+    assert "layout" not in json.dumps(leafwise.to_json())  # older plans read as they were
+    # per rank: ceil(18 / 4) = 5 elements a block, ceil(7 / 4) = 2 of the head
+    assert fs.cost.estimate(flat).memory.params == (5 + 5 + 2) * 4
+    text = flat.explain()
+    assert "full_shard (flat)" in text
+    assert "flat" in text.split("blocks/0/w")[1].splitlines()[0]

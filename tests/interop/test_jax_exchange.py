@@ -198,3 +198,12 @@ def test_a_jax_mesh_with_other_axes_is_an_error(names, shape):
         match=r"the JAX mesh has axes .*, the plan's mesh \{'fsdp': 2\}; build the JAX mesh with the same axis names",
     ):
         plan.to_jax_shardings(other)
+
+
+def test_a_leaf_of_the_flat_layout_is_refused_with_the_fix():
+    params = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+    sp = shard_for_rank(params, fs.plan(params, fs.Mesh({"fsdp": 2}), layout="flat"), 1)
+    with pytest.raises(ValueError, match=r"b: unit '<root>' is in the flat layout.*fs.unshard"):
+        to_jax(sp)
+    leafwise = shard_for_rank(params, fs.plan(params, fs.Mesh({"fsdp": 2})), 1)
+    assert set(to_jax(leafwise)) == {"w", "b"}

@@ -34,10 +34,18 @@ def _meta_llama() -> Any:
         return transformers.LlamaForCausalLM(llama_config())
 
 
-def _materialized(units: list[str], strategy: Any, seed: int) -> tuple[Any, Any]:
+def _materialized(
+    units: list[str], strategy: Any, seed: int, layout: Any = "leaf"
+) -> tuple[Any, Any]:
     """Worker body: materialize a meta Llama on this world; the whole tree and the buffers."""
     params, apply = functionalize(_meta_llama(), units=units)
-    plan = fs.plan(params, fs.Mesh({"fsdp": fs.world_size()}), units=apply.units, strategy=strategy)
+    plan = fs.plan(
+        params,
+        fs.Mesh({"fsdp": fs.world_size()}),
+        units=apply.units,
+        strategy=strategy,
+        layout=layout,
+    )
     sparams = apply.materialize(plan, seed=seed)
     return fs.unshard(sparams), apply.state
 
@@ -51,12 +59,13 @@ def _equal_trees(a: Any, b: Any) -> None:
 
 def test_values_do_not_depend_on_world_size_strategy_or_units(pools):
     (reference, state), *_ = pools.run(1, _materialized, ["LlamaDecoderLayer"], "full_shard", 3)
-    for world, units, strategy in [
-        (2, ["LlamaDecoderLayer"], "full_shard"),
-        (2, [], "shard_grad_op"),
-        (2, ["LlamaDecoderLayer"], "no_shard"),
+    for world, units, strategy, layout in [
+        (2, ["LlamaDecoderLayer"], "full_shard", "leaf"),
+        (2, [], "shard_grad_op", "leaf"),
+        (2, ["LlamaDecoderLayer"], "no_shard", "leaf"),
+        (2, ["LlamaDecoderLayer"], "full_shard", "flat"),
     ]:
-        for tree, buffers in pools.run(world, _materialized, units, strategy, 3):
+        for tree, buffers in pools.run(world, _materialized, units, strategy, 3, layout):
             _equal_trees(tree, reference)
             _equal_trees(buffers, state)
     other, _ = pools.run(1, _materialized, [], "full_shard", 4)[0]

@@ -139,27 +139,32 @@ def test_a_folder_that_is_not_a_checkpoint_is_an_error_pointing_at_items(checkpo
         load_orbax(parent)
 
 
-def _load_sharded(directory: str) -> list[torch.Tensor]:
-    want = expected()["params"]
-    plan = fs.plan(
+def _plan(want: Any, world: int, layout: Any) -> fs.Plan:
+    return fs.plan(
         want,
-        fs.Mesh({"fsdp": fs.world_size()}),
+        fs.Mesh({"fsdp": world}),
         rules=[("blocks/*/w", P(None, "fsdp"))],
         units=["blocks/*"],
+        layout=layout,
     )
+
+
+def _load_sharded(directory: str, layout: Any) -> list[torch.Tensor]:
+    want = expected()["params"]
+    plan = _plan(want, fs.world_size(), layout)
     like = fs.shard(fs.tree.map(torch.zeros_like, want), plan)
     loaded = load_orbax(directory, like, prefix="params")
     assert all(torch.count_nonzero(s.local) == 0 for s in fs.tree.leaves(like))  # like unchanged
     return [s.local.clone() for s in fs.tree.leaves(loaded)]
 
 
-def test_each_rank_reads_its_own_shards(pools, checkpoints):
-    """W=2 with an uneven dim (5 over 2) and a dim-1 spec: every rank's shards equal shard_for_rank."""
-    results = pools.run(2, _load_sharded, str(checkpoints["ocdbt"]))
+@pytest.mark.parametrize("layout", ["leaf", "flat"])
+def test_each_rank_reads_its_own_shards(pools, checkpoints, layout):
+    """W=2 with an uneven dim (5 over 2) and a dim-1 spec, or flat ranges cut inside leaves:
+    every rank's shards equal shard_for_rank."""
+    results = pools.run(2, _load_sharded, str(checkpoints["ocdbt"]), layout)
     want = expected()["params"]
-    plan = fs.plan(
-        want, fs.Mesh({"fsdp": 2}), rules=[("blocks/*/w", P(None, "fsdp"))], units=["blocks/*"]
-    )
+    plan = _plan(want, 2, layout)
     for rank, shards in enumerate(results):
         for got, ref in zip(shards, fs.tree.leaves(shard_for_rank(want, plan, rank))):
             assert torch.equal(got, ref.local), ref.path

@@ -88,20 +88,22 @@ def _assert_same_shards(got: Any, want: Any, where: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("mesh", "strategy"),
+    ("mesh", "strategy", "layout"),
     [
-        ({"fsdp": 1}, "full_shard"),
-        ({"fsdp": 2}, "full_shard"),
-        ({"fsdp": 4}, "full_shard"),
-        ({"dp": 2, "fsdp": 2}, "hybrid_shard"),
-        ({"fsdp": 2}, "no_shard"),
+        ({"fsdp": 1}, "full_shard", "leaf"),
+        ({"fsdp": 2}, "full_shard", "leaf"),
+        ({"fsdp": 4}, "full_shard", "leaf"),
+        ({"dp": 2, "fsdp": 2}, "hybrid_shard", "leaf"),
+        ({"fsdp": 2}, "no_shard", "leaf"),
+        ({"fsdp": 4}, "full_shard", "flat"),  # ranges cut inside leaves: read as boxes
+        ({"dp": 2, "fsdp": 2}, "hybrid_shard", "flat"),
     ],
 )
-def test_every_rank_reads_what_shard_keeps(tmp_path, mesh, strategy):
+def test_every_rank_reads_what_shard_keeps(tmp_path, mesh, strategy, layout):
     """Padding, scalars, an integer leaf, units and replicas: each rank's flat buffers equal shard's."""
     full = _full()
     file = _write(tmp_path, full)
-    plan = fs.plan(full, fs.Mesh(mesh), units=["blocks/*"], strategy=strategy)
+    plan = fs.plan(full, fs.Mesh(mesh), units=["blocks/*"], strategy=strategy, layout=layout)
     for rank in range(plan.mesh.size):
         got = load_safetensors_for_rank(file, plan, rank)
         _assert_same_shards(got, shard_for_rank(full, plan, rank), f"rank {rank}")

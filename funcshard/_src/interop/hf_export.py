@@ -42,7 +42,7 @@ from funcshard._src.interop.safetensors_format import (
     shard_files,
 )
 from funcshard._src.interop.safetensors_io import LeafNames
-from funcshard._src.shard.flat import unpack_gathered
+from funcshard._src.shard.flat import unpack_gathered, whole_chunk
 from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of
 
 SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -259,7 +259,8 @@ def _gathered(step: _Step, bound: groups.BoundMesh | None) -> list[torch.Tensor]
     if step.flat is None:
         return [step.whole] if step.whole is not None and runtime.rank() == 0 else None
     assert bound is not None
-    gathered = collectives.gather_to_rank0(step.flat.data, bound, tag=step.flat.layout.unit)
+    data = whole_chunk(step.flat.layout, step.flat.data, step.flat.rank)  # a mask's run, padded
+    gathered = collectives.gather_to_rank0(data, bound, tag=step.flat.layout.unit)
     if gathered is None:
         return None
     full = unpack_gathered(step.flat.layout, gathered)  # one unit's leaves; the rows are freed

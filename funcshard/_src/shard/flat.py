@@ -68,6 +68,24 @@ def pieces(flat: torch.Tensor, slot: Slot, rank: int, /) -> list[tuple[Index, to
     return out
 
 
+def whole_chunk(layout: FlatLayout, data: torch.Tensor, rank: int, /) -> torch.Tensor:
+    """``data`` as ``rank``'s whole range of its flat unit's concatenation, for collectives.
+
+    A mask's run of a flat unit (``optim/select.py``) holds only the part of the
+    range its leaves cover, which differs between ranks; this pads it with zeros to
+    the ``numel`` every rank gathers. Other buffers come back as they are.
+    """
+    if not layout.flat or data.numel() == layout.numel or not layout.slots:
+        return data
+    sharding = layout.slots[0].sharding
+    assert isinstance(sharding, FlatSharding)
+    lo = sharding.group_rank(rank) * layout.numel
+    at = min(max(sharding.base - lo, 0), layout.numel)
+    out = data.new_zeros(layout.numel)
+    out[at : at + data.numel()] = data
+    return out
+
+
 def piece_indices(slot: Slot, rank: int, /) -> list[Index]:
     """The indices into the global leaf of :func:`pieces`, without a buffer (for any rank)."""
     sharding = slot.sharding

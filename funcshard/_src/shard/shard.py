@@ -14,7 +14,7 @@ from funcshard._src.comm.runtime import DesyncError
 from funcshard._src.plan.plan import LeafPlan, Plan
 from funcshard._src.shard.aliasing import first_shared
 from funcshard._src.shard.digest import tensor_digest
-from funcshard._src.shard.flat import FlatLayout, layouts, pack_local, unpack_gathered
+from funcshard._src.shard.flat import FlatLayout, layouts, pack_local, unpack_gathered, whole_chunk
 from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of
 
 
@@ -128,11 +128,12 @@ def unshard(sparams: Any, /, *, rank0_only: bool = False) -> Any:
             hint="Every rank must unshard the same tree (same plan, same leaves)",
         )
         for flat in flats:
+            data = whole_chunk(flat.layout, flat.data, flat.rank)  # the same size on every rank
             if rank0_only:
-                gathered = collectives.gather_to_rank0(flat.data, bound, tag=flat.layout.unit)
+                gathered = collectives.gather_to_rank0(data, bound, tag=flat.layout.unit)
             else:
                 gathered = collectives.all_gather(
-                    flat.data, bound, bound.mesh.axis_names, tag=flat.layout.unit
+                    data, bound, bound.mesh.axis_names, tag=flat.layout.unit
                 ).wait()
             if gathered is None:
                 continue
