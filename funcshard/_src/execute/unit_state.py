@@ -19,7 +19,8 @@ take the refill for an in-place change of a saved tensor (PyTorch FSDP2 does
 the same).
 
 A part of one leaf that :func:`gathers_in_place` (an embedding or a head alone in
-its unit) is all-gathered straight into its full storage: no gathered buffer
+its unit), or any part of a flat unit (whose gathered buffer is its leaves'
+concatenation), is all-gathered straight into its full storage: no gathered buffer
 beside it, no unpacking copy. On gloo over two ranks, so is a part of several
 leaves that all :func:`leaves_gather_in_place` (each split evenly on dim 0, the
 default placement): one collective per leaf, each writing its full leaf, a view

@@ -163,8 +163,8 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
 # What the executor allocates for its collectives (execute/unit_state.py, execute/reduce.py):
 # - UnitRuntime.prefetch: per part, an all-gather output of group_size * (shard numel) in the
 #   compute dtype, alive from the gather's start until its leaves are copied out, when the
-#   unit also holds its full leaves: the unit being unpacked holds both. None for a part
-#   gathered in place (one leaf split evenly on dim 0 over exactly the shard axes: its
+#   unit also holds its full leaves: the unit being unpacked holds both. None for a flat
+#   unit's part (its storage is the gathered buffer) or a part gathered in place (one leaf split evenly on dim 0 over exactly the shard axes: its
 #   output is its full storage; on gloo over two ranks, LEAF_GATHERS, every leaf of the
 #   part so split, one collective per leaf) or aliased (no collective, no cast). Buckets
 #   (execute/bucket.py) gather their members packed: their staging is not modelled.
