@@ -102,7 +102,13 @@ def build(mode: str, cfg: Config, params: Any, device: torch.device) -> Trainer:
 
 
 def _funcshard(
-    strategy: Any, cfg: Config, params: Any, device: torch.device, *, compiled: bool = False
+    strategy: Any,
+    cfg: Config,
+    params: Any,
+    device: torch.device,
+    *,
+    compiled: bool = False,
+    layout: Any = "leaf",
 ) -> Trainer:
     world = fs.world_size()
     mesh = (
@@ -115,7 +121,9 @@ def _funcshard(
     if chosen not in ("dim_0", "largest_dim"):
         raise ValueError(f"FUNCSHARD_BENCH_DEFAULT must be dim_0 or largest_dim, got {chosen!r}")
     default = "largest_dim" if chosen == "largest_dim" else "dim_0"
-    plan = fs.plan(params, mesh, units=["blocks/*"], strategy=strategy, default=default)
+    plan = fs.plan(
+        params, mesh, units=["blocks/*"], strategy=strategy, default=default, layout=layout
+    )
     sparams = fs.shard(params, plan, device=device)
     opt = fs.optim.adamw(lr=LR, weight_decay=WEIGHT_DECAY)
     state = opt.init(sparams)
@@ -227,6 +235,10 @@ MODES: dict[str, Mode] = {
     "funcshard/compiled": Mode(
         "funcshard, full_shard, torch.compile(loss_fn) with Inductor",
         functools.partial(_funcshard, "full_shard", compiled=True),
+    ),
+    "funcshard/flat": Mode(
+        "funcshard, full_shard, flat layout (FSDP1 / ZeRO style)",
+        functools.partial(_funcshard, "full_shard", layout="flat"),
     ),
     "funcshard/shard_grad_op": Mode(
         "funcshard, shard_grad_op (ZeRO-2)", functools.partial(_funcshard, "shard_grad_op")
