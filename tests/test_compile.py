@@ -45,8 +45,13 @@ def remat_loss(params: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torc
 
 def _train(fn: Any, strategy: Any) -> tuple[list[Any], Any]:
     params = gpt.init_params(CFG)
+    strategy, _, layout = strategy.partition("/")  # "full_shard/flat": the flat layout
     plan = fs.plan(
-        params, fs.Mesh({"fsdp": fs.world_size()}), units=["blocks/*"], strategy=strategy
+        params,
+        fs.Mesh({"fsdp": fs.world_size()}),
+        units=["blocks/*"],
+        strategy=strategy,
+        layout=layout or "leaf",
     )
     sparams = fs.shard(params, plan)
     step = fs.value_and_grad(fn, plan)
@@ -96,7 +101,12 @@ def _compare_inner(strategy: str, backend: str, which: str) -> Any:
 
 @pytest.mark.parametrize(
     ("strategy", "which"),
-    [("full_shard", "plain"), ("shard_grad_op", "plain"), ("full_shard", "remat")],
+    [
+        ("full_shard", "plain"),
+        ("shard_grad_op", "plain"),
+        ("full_shard", "remat"),
+        ("full_shard/flat", "plain"),
+    ],
 )
 def test_compiled_loss_fn_equals_eager_with_one_graph(pools, strategy, which):
     for eager, compiled, count, same_events, same_ledger in pools.run(

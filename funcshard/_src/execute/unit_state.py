@@ -108,7 +108,7 @@ class UnitRuntime:
         self.group_size = collectives.group_size(bound, self.axes)
         self.replica_size = collectives.group_size(bound, self.replica_axes)
         backend = str(dist.get_backend()) if bound.distributed else ""
-        leafwise = (backend, self.group_size) in LEAF_GATHERS
+        leafwise = self.leafwise = (backend, self.group_size) in LEAF_GATHERS
         self.parts = [
             Part(
                 layout,
@@ -212,21 +212,7 @@ class UnitRuntime:
                 # the refill is not an in-place change of tensors autograd saved: the
                 # version is put back once the collective has written (after its wait)
                 part.version = torch.autograd._unsafe_preserve_version_counter(part.full)
-                pendings = (
-                    self._gather_leaves(part, local)  # one per leaf, each into its full leaf
-                    if part.by_leaf
-                    else [
-                        collectives.all_gather(
-                            local,
-                            self.bound,
-                            self.axes,
-                            out=part.full,
-                            ledger=self.ledger,
-                            tag=self.name,
-                        )
-                    ]
-                )
-                part.inflight = LeafGathers(pendings, part.full)
+                part.inflight = LeafGathers(self._gather_in_place(part, local), part.full)
                 continue
             out = self.pool.take(  # (group_size * numel,); see [Note: staging lifetimes]
                 self.group_size * local.numel(), local.dtype, local.device
@@ -237,7 +223,19 @@ class UnitRuntime:
             )
         self.mark_gathering()
 
-    def _gather_leaves(self, part: Part, local: torch.Tensor) -> list[Pending]:
+    def _gather_in_place(self, part: Part, local: torch.Tensor) -> list[Pending]:
+        """The collectives writing ``part.full``: one per leaf (``by_leaf``), else one.
+
+        A flat part on ``LEAF_GATHERS``' backends is gathered by a ring too, which
+        writes its storage without the staging of gloo's own all-gather.
+        """
+        if not part.by_leaf:
+            algorithm = _ag.leaf_algorithm() if part.layout.flat and self.leafwise else None
+            pending = collectives.all_gather(
+                local, self.bound, self.axes, out=part.full, ledger=self.ledger, tag=self.name,
+                algorithm=algorithm,
+            )  # fmt: skip
+            return [pending]
         algorithm = _ag.leaf_algorithm()
         pendings: list[Pending] = []
         for slot, view in zip(part.layout.slots, part.views):
