@@ -90,10 +90,12 @@ def test_no_shard_without_a_cast_needs_no_staging():
     assert estimate(plan, CostModel(mixed_precision=BF16)).memory.staging == 16 * 8 * 2
 
 
-def _staging_in_a_run(model: Model, mesh: dict[str, int], bf16: bool) -> dict[str, int]:
+def _staging_in_a_run(
+    model: Model, mesh: dict[str, int], bf16: bool, layout: Any = "leaf"
+) -> dict[str, int]:
     """Worker body: the executor's own buffers, prefetch 0, against the cost model."""
     params = model.init(0)
-    plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy="full_shard")
+    plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy="full_shard", layout=layout)
     mp = BF16 if bf16 else None
     step = fs.value_and_grad(model.loss_fn, plan, mixed_precision=mp, prefetch=0, bucket_bytes=0)
     step(fs.shard(params, plan), *model.batch_for(fs.rank()))
@@ -125,13 +127,14 @@ def _staging_in_a_run(model: Model, mesh: dict[str, int], bf16: bool) -> dict[st
     }
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_staging_equals_the_buffers_the_executor_allocates(pools, bf16):
+@pytest.mark.parametrize(("bf16", "layout"), [(False, "leaf"), (True, "leaf"), (True, "flat")])
+def test_staging_equals_the_buffers_the_executor_allocates(pools, bf16, layout):
     """full_shard on 2 ranks, prefetch 0: the model's staging is the executor's largest
     all-gather output plus its largest packed gradient rows, and the measured peak of
-    gathered memory is the root unit plus the largest unit's leaves and its buffer."""
-    model = Model(kind="transformer", vocab=16, width=8, hidden=16, layers=2, heads=2)
-    for r in pools.run(2, _staging_in_a_run, model, {"fsdp": 2}, bf16):
+    gathered memory is the root unit plus the largest unit's leaves and its buffer (in the
+    flat layout: the gathered concatenation, end padding included, and no staging)."""
+    model = Model(kind="transformer", vocab=15, width=7, hidden=16, layers=2, heads=1)
+    for r in pools.run(2, _staging_in_a_run, model, {"fsdp": 2}, bf16, layout):
         assert r["staging"] == r["expected"]
         assert r["measured_peak"] == r["model_peak"]
 

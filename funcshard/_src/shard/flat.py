@@ -32,8 +32,14 @@ import torch
 from funcshard._src.shard.layout import FlatLayout as FlatLayout
 from funcshard._src.shard.layout import Slot as Slot
 from funcshard._src.shard.layout import layouts as layouts
-from funcshard._src.spec.flat_sharding import FlatSharding, box_shape
-from funcshard._src.spec.named_sharding import Index, NamedSharding
+from funcshard._src.shard.layout import local_range as local_range
+from funcshard._src.shard.layout import local_view as local_view
+from funcshard._src.shard.layout import padded_view as padded_view
+from funcshard._src.shard.layout import piece_indices as piece_indices
+from funcshard._src.shard.layout import pieces as pieces
+from funcshard._src.shard.layout import whole_chunk as whole_chunk
+from funcshard._src.spec.flat_sharding import FlatSharding
+from funcshard._src.spec.named_sharding import NamedSharding
 
 
 def pack_local(layout: FlatLayout, leaves: Sequence[torch.Tensor], rank: int, /) -> torch.Tensor:
@@ -46,88 +52,6 @@ def pack_local(layout: FlatLayout, leaves: Sequence[torch.Tensor], rank: int, /)
         for index, view in pieces(flat, slot, rank):
             view.copy_(leaf[index])
     return flat
-
-
-def pieces(flat: torch.Tensor, slot: Slot, rank: int, /) -> list[tuple[Index, torch.Tensor]]:
-    """What ``rank`` holds of ``slot``'s leaf: ``(index into the global leaf, view of flat)`` pairs.
-
-    One pair in the leaf layout (the shard's slices and its unpadded view, possibly
-    empty); in the flat layout one per box of the rank's range (none for a leaf
-    the rank holds nothing of). Writing to a view writes ``flat``.
-    """
-    sharding = slot.sharding
-    if isinstance(sharding, NamedSharding):
-        return [(sharding.local_index(slot.shape, rank), local_view(flat, slot, rank))]
-    out: list[tuple[Index, torch.Tensor]] = []
-    at = sharding.local_offset(rank)
-    for box in piece_indices(slot, rank):
-        shape = box_shape(box)
-        n = math.prod(shape)
-        out.append((box, flat[at : at + n].view(shape)))
-        at += n
-    return out
-
-
-def whole_chunk(layout: FlatLayout, data: torch.Tensor, rank: int, /) -> torch.Tensor:
-    """``data`` as ``rank``'s whole range of its flat unit's concatenation, for collectives.
-
-    A mask's run of a flat unit (``optim/select.py``) holds only the part of the
-    range its leaves cover, which differs between ranks; this pads it with zeros to
-    the ``numel`` every rank gathers. Other buffers come back as they are.
-    """
-    if not layout.flat or data.numel() == layout.numel or not layout.slots:
-        return data
-    sharding = layout.slots[0].sharding
-    assert isinstance(sharding, FlatSharding)
-    lo = sharding.group_rank(rank) * layout.numel
-    at = min(max(sharding.base - lo, 0), layout.numel)
-    out = data.new_zeros(layout.numel)
-    out[at : at + data.numel()] = data
-    return out
-
-
-def piece_indices(slot: Slot, rank: int, /) -> list[Index]:
-    """The indices into the global leaf of :func:`pieces`, without a buffer (for any rank)."""
-    sharding = slot.sharding
-    if isinstance(sharding, NamedSharding):
-        return [sharding.local_index(slot.shape, rank)]
-    return list(sharding.boxes(slot.shape, rank))
-
-
-def padded_view(flat: torch.Tensor, slot: Slot, /) -> torch.Tensor:
-    """The view of ``flat`` (one rank's buffer) holding ``slot``'s padded chunk (the leaf layout).
-
-    Raises:
-        TypeError: ``slot`` is in the flat layout, whose place in a buffer depends on
-            the rank: use :func:`local_view` or :func:`pieces`.
-    """
-    if isinstance(slot.sharding, FlatSharding):
-        raise TypeError(f"{slot.path}: a flat-layout slot has no padded chunk; use local_view")
-    return flat[slot.offset : slot.offset + slot.numel].view(slot.shard_shape)
-
-
-def local_view(flat: torch.Tensor, slot: Slot, rank: int, /) -> torch.Tensor:
-    """The view of ``flat`` holding ``rank``'s unpadded shard of ``slot``'s leaf.
-
-    In the flat layout that is the 1-D range of the leaf's elements the rank holds.
-    """
-    sharding = slot.sharding
-    if isinstance(sharding, FlatSharding):
-        a, b = sharding.local_range(rank)
-        at = sharding.local_offset(rank)
-        return flat[at : at + b - a]
-    local = sharding.local_shape(slot.shape, rank)
-    return padded_view(flat, slot)[tuple(slice(0, n) for n in local)]
-
-
-def local_range(slot: Slot, rank: int, /) -> tuple[int, int]:
-    """The [start, stop) of ``rank``'s flat buffer that holds ``slot``'s leaf (padding included)."""
-    sharding = slot.sharding
-    if isinstance(sharding, FlatSharding):
-        a, b = sharding.local_range(rank)
-        at = sharding.local_offset(rank) if b > a else 0
-        return at, at + b - a
-    return slot.offset, slot.offset + slot.numel
 
 
 def unpack_gathered(

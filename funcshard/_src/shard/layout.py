@@ -5,7 +5,8 @@ frozen) one :class:`FlatLayout` of :class:`Slot`\ s. In the ``"leaf"`` layout a
 slot is its leaf's padded chunk of its ``PartitionSpec``, at the same offset on
 every rank; in the ``"flat"`` layout the unit's leaves are concatenated and each
 group rank holds one equal range of the concatenation (:class:`FlatSharding`).
-``flat.py`` packs and unpacks buffers of either.
+:func:`pieces` is what a rank holds of a leaf, in either layout, as views of its
+buffer. ``flat.py`` packs and unpacks buffers of either.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import torch
 from funcshard._src.plan.plan import LeafPlan, Plan
 from funcshard._src.plan.strategy import shard_axes
 from funcshard._src.plan.units import Unit
-from funcshard._src.spec.flat_sharding import FlatSharding
+from funcshard._src.spec.flat_sharding import FlatSharding, box_shape
 from funcshard._src.spec.mesh import Mesh
-from funcshard._src.spec.named_sharding import NamedSharding
+from funcshard._src.spec.named_sharding import Index, NamedSharding
 
 
 @dataclass(frozen=True)
@@ -125,3 +126,85 @@ def _flat_layout(
         slots.append(Slot(index, leaf.path, leaf.shape, sharding, (leaf.numel,), offset))
         offset += leaf.numel
     return FlatLayout(unit.name, dtype, plan.mesh, tuple(slots), chunk, frozen, flat=True)
+
+
+def whole_chunk(layout: FlatLayout, data: torch.Tensor, rank: int, /) -> torch.Tensor:
+    """``data`` as ``rank``'s whole range of its flat unit's concatenation, for collectives.
+
+    A mask's run of a flat unit (``optim/select.py``) holds only the part of the
+    range its leaves cover, which differs between ranks; this pads it with zeros to
+    the ``numel`` every rank gathers. Other buffers come back as they are.
+    """
+    if not layout.flat or data.numel() == layout.numel or not layout.slots:
+        return data
+    sharding = layout.slots[0].sharding
+    assert isinstance(sharding, FlatSharding)
+    lo = sharding.group_rank(rank) * layout.numel
+    at = min(max(sharding.base - lo, 0), layout.numel)
+    out = data.new_zeros(layout.numel)
+    out[at : at + data.numel()] = data
+    return out
+
+
+def piece_indices(slot: Slot, rank: int, /) -> list[Index]:
+    """The indices into the global leaf of :func:`pieces`, without a buffer (for any rank)."""
+    sharding = slot.sharding
+    if isinstance(sharding, NamedSharding):
+        return [sharding.local_index(slot.shape, rank)]
+    return list(sharding.boxes(slot.shape, rank))
+
+
+def pieces(flat: torch.Tensor, slot: Slot, rank: int, /) -> list[tuple[Index, torch.Tensor]]:
+    """What ``rank`` holds of ``slot``'s leaf: ``(index into the global leaf, view of flat)`` pairs.
+
+    One pair in the leaf layout (the shard's slices and its unpadded view, possibly
+    empty); in the flat layout one per box of the rank's range (none for a leaf
+    the rank holds nothing of). Writing to a view writes ``flat``.
+    """
+    sharding = slot.sharding
+    if isinstance(sharding, NamedSharding):
+        return [(sharding.local_index(slot.shape, rank), local_view(flat, slot, rank))]
+    out: list[tuple[Index, torch.Tensor]] = []
+    at = sharding.local_offset(rank)
+    for box in piece_indices(slot, rank):
+        shape = box_shape(box)
+        n = math.prod(shape)
+        out.append((box, flat[at : at + n].view(shape)))
+        at += n
+    return out
+
+
+def padded_view(flat: torch.Tensor, slot: Slot, /) -> torch.Tensor:
+    """The view of ``flat`` (one rank's buffer) holding ``slot``'s padded chunk (the leaf layout).
+
+    Raises:
+        TypeError: ``slot`` is in the flat layout, whose place in a buffer depends on
+            the rank: use :func:`local_view` or :func:`pieces`.
+    """
+    if isinstance(slot.sharding, FlatSharding):
+        raise TypeError(f"{slot.path}: a flat-layout slot has no padded chunk; use local_view")
+    return flat[slot.offset : slot.offset + slot.numel].view(slot.shard_shape)
+
+
+def local_view(flat: torch.Tensor, slot: Slot, rank: int, /) -> torch.Tensor:
+    """The view of ``flat`` holding ``rank``'s unpadded shard of ``slot``'s leaf.
+
+    In the flat layout that is the 1-D range of the leaf's elements the rank holds.
+    """
+    sharding = slot.sharding
+    if isinstance(sharding, FlatSharding):
+        a, b = sharding.local_range(rank)
+        at = sharding.local_offset(rank)
+        return flat[at : at + b - a]
+    local = sharding.local_shape(slot.shape, rank)
+    return padded_view(flat, slot)[tuple(slice(0, n) for n in local)]
+
+
+def local_range(slot: Slot, rank: int, /) -> tuple[int, int]:
+    """The [start, stop) of ``rank``'s flat buffer that holds ``slot``'s leaf (padding included)."""
+    sharding = slot.sharding
+    if isinstance(sharding, FlatSharding):
+        a, b = sharding.local_range(rank)
+        at = sharding.local_offset(rank) if b > a else 0
+        return at, at + b - a
+    return slot.offset, slot.offset + slot.numel
