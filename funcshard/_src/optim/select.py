@@ -188,14 +188,13 @@ def _runs(layout: FlatLayout, selected: frozenset[str], rank: int) -> _Runs:
         start = group[0].offset
         stop = group[-1].offset + group[-1].numel
         if layout.flat:
-            shardings = [s.sharding for s in group]
-            assert all(isinstance(x, FlatSharding) for x in shardings)
+            flats = [s.sharding for s in group if isinstance(s.sharding, FlatSharding)]
+            assert len(flats) == len(group), "a flat layout's slots are all flat"
             rebased = tuple(
                 dataclasses.replace(s, sharding=dataclasses.replace(x, base=start))
-                for s, x in zip(group, shardings)
-                if isinstance(x, FlatSharding)
+                for s, x in zip(group, flats)
             )
-            lo = rebased[0].sharding.group_rank(rank) * layout.numel  # pyright: ignore[reportAttributeAccessIssue]
+            lo = flats[0].group_rank(rank) * layout.numel  # where the rank's range starts
             a = min(max(start, lo), lo + layout.numel) - lo
             b = max(min(stop, lo + layout.numel) - lo, a)
             sub = dataclasses.replace(layout, slots=rebased)
