@@ -5,7 +5,9 @@ Reference: the state diagram in docs/executor.md.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -77,20 +79,23 @@ def test_a_transition_from_the_wrong_state_is_an_internal_error(wrong, message):
 # -- gathering leaf by leaf ([Note: persistent gathered storage]) ----------------------------------
 
 
-def _views_in_calls(bucket_bytes: int | None, remat: bool) -> dict[str, object]:
-    """Worker body: where the full leaves each call of a block sees live, and the step's results."""
+def _blocks(v: tuple[int, ...]) -> dict[str, Any]:
+    """Three blocks of ``w`` (6, 6), ``b`` (6,) and ``v`` of shape ``v``."""
     gen = torch.Generator().manual_seed(0)
-    params = {
+    return {
         "blocks": [
             {
                 "w": torch.randn(6, 6, generator=gen),
                 "b": torch.randn(6, generator=gen),
-                "v": torch.randn(2, 3, generator=gen),
+                "v": torch.randn(v, generator=gen),
             }
             for _ in range(3)
         ]
     }
-    plan = fs.plan(params, fs.Mesh({"fsdp": fs.world_size()}), units=["blocks/*"])
+
+
+def _recording_loss(remat: bool) -> tuple[Any, list[Any], list[bool]]:
+    """A loss over :func:`_blocks` whose block records, per call, where w, b and v live."""
     seen: list[list[tuple[int, int, int]]] = []
     recording = [True]  # not in the reference, whose leaves are functorch wrappers
 
@@ -99,7 +104,7 @@ def _views_in_calls(bucket_bytes: int | None, remat: bool) -> dict[str, object]:
             seen.append(
                 [
                     (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
-                    for t in b.values()
+                    for t in (b["w"], b["b"], b["v"])
                 ]
             )
         return torch.tanh(x @ b["w"] + b["b"]) * b["v"].sum()
@@ -109,25 +114,51 @@ def _views_in_calls(bucket_bytes: int | None, remat: bool) -> dict[str, object]:
             x = fs.call(block, blk, x, remat=remat)
         return (x**2).mean()
 
+    return loss, seen, recording
+
+
+def _views_in_calls(bucket_bytes: int | None, remat: bool) -> dict[str, object]:
+    """Worker body: where the full leaves each call of a block sees live, and the step's results."""
+    params = _blocks((2, 3))
+    plan = fs.plan(params, fs.Mesh({"fsdp": fs.world_size()}), units=["blocks/*"])
+    loss, seen, recording = _recording_loss(remat)
     step = fs.value_and_grad(loss, plan, bucket_bytes=bucket_bytes)
+    measured = _second_step(step, loss, params, plan, seen, recording)
+    units = [u for u in step._runtimes() if not u.unit.is_root]
+    return {**measured, "in_place": [p.in_place for u in units for p in u.parts]}
+
+
+def _second_step(
+    step: Any,
+    loss: Any,
+    params: Any,
+    plan: fs.Plan,
+    seen: list[Any],
+    recording: list[bool],
+    during: Any = contextlib.nullcontext,
+) -> dict[str, Any]:
+    """A warm-up step, then one recorded step (inside ``during()``) checked against one process.
+
+    Returns what the recorded step saw: the leaves of ``seen``, its gather-pool
+    allocations, the bytes it sent and the cost model's bytes.
+    """
     sparams = fs.shard(params, plan)
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(fs.rank()))
     step(sparams, x)
     seen.clear()
     before = step.gather_pool.allocations
     step.ledger.reset()
-    _, grads = step(sparams, x)
-    recording[0] = False
+    with during():
+        _, grads = step(sparams, x)
+    recording[0] = False  # the reference's leaves are functorch wrappers
     xs = [
         (torch.randn(3, 6, generator=torch.Generator().manual_seed(r)),)
         for r in range(fs.world_size())
     ]
     _, expected = reference_value_and_grad(loss, params, xs)
     assert_trees_close(fs.unshard(grads), expected, rtol=1e-5, atol=1e-6)
-    units = [u for u in step._runtimes() if not u.unit.is_root]
     return {
         "seen": seen,
-        "in_place": [p.in_place for u in units for p in u.parts],
         "gather_allocations": step.gather_pool.allocations - before,
         "sent": step.ledger.total(),
         "model": sum(fs.cost.estimate(plan).comm.values()),
@@ -162,36 +193,9 @@ def test_units_in_a_bucket_are_gathered_packed(pools):
 
 def _flat_views(remat: bool) -> dict[str, object]:
     """Worker body: what each all-gather writes into, and where each call's full leaves live."""
-    gen = torch.Generator().manual_seed(0)
-    params = {  # 47 elements a block: ranges cut inside leaves, the last one padded
-        "blocks": [
-            {
-                "w": torch.randn(6, 6, generator=gen),
-                "b": torch.randn(6, generator=gen),
-                "v": torch.randn(5, generator=gen),
-            }
-            for _ in range(3)
-        ]
-    }
+    params = _blocks((5,))  # 47 elements a block: ranges cut inside leaves, the last one padded
     plan = fs.plan(params, fs.Mesh({"fsdp": fs.world_size()}), units=["blocks/*"], layout="flat")
-    seen: list[list[tuple[int, int, int]]] = []
-    recording = [True]
-
-    def block(b, x):
-        if recording[0]:
-            seen.append(
-                [
-                    (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
-                    for t in (b["w"], b["b"], b["v"])
-                ]
-            )
-        return torch.tanh(x @ b["w"] + b["b"]) * b["v"].sum()
-
-    def loss(p, x):
-        for blk in p["blocks"]:
-            x = fs.call(block, blk, x, remat=remat)
-        return (x**2).mean()
-
+    loss, seen, recording = _recording_loss(remat)
     outputs: list[tuple[int, int]] = []
     original = collectives.all_gather
 
@@ -201,32 +205,17 @@ def _flat_views(remat: bool) -> dict[str, object]:
             outputs.append((out.untyped_storage().data_ptr(), out.numel()))
         return original(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def recording_gathers():
+        collectives.all_gather = recorded
+        try:
+            yield
+        finally:
+            collectives.all_gather = original
+
     step = fs.value_and_grad(loss, plan, bucket_bytes=0)
-    sparams = fs.shard(params, plan)
-    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(fs.rank()))
-    step(sparams, x)
-    seen.clear()
-    before = step.gather_pool.allocations
-    step.ledger.reset()
-    collectives.all_gather = recorded
-    try:
-        _, grads = step(sparams, x)
-    finally:
-        collectives.all_gather = original
-    recording[0] = False
-    xs = [
-        (torch.randn(3, 6, generator=torch.Generator().manual_seed(r)),)
-        for r in range(fs.world_size())
-    ]
-    _, expected = reference_value_and_grad(loss, params, xs)
-    assert_trees_close(fs.unshard(grads), expected, rtol=1e-5, atol=1e-6)
-    return {
-        "seen": seen,
-        "outputs": outputs,
-        "gather_allocations": step.gather_pool.allocations - before,
-        "sent": step.ledger.total(),
-        "model": sum(fs.cost.estimate(plan).comm.values()),
-    }
+    measured = _second_step(step, loss, params, plan, seen, recording, recording_gathers)
+    return {**measured, "outputs": outputs}
 
 
 @pytest.mark.parametrize(("world", "remat"), [(2, False), (2, True), (4, False)])

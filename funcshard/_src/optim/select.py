@@ -194,7 +194,7 @@ def _runs(layout: FlatLayout, selected: frozenset[str], rank: int) -> _Runs:
                 dataclasses.replace(s, sharding=dataclasses.replace(x, base=start))
                 for s, x in zip(group, flats)
             )
-            lo = flats[0].group_rank(rank) * layout.numel  # where the rank's range starts
+            lo = flats[0].range_start(rank)
             a = min(max(start, lo), lo + layout.numel) - lo
             b = max(min(stop, lo + layout.numel) - lo, a)
             sub = dataclasses.replace(layout, slots=rebased)

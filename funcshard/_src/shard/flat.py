@@ -208,13 +208,7 @@ def pack_into(
     ):  # a row is the leaves as they are
         row = out.view(-1)
         for geo, leaf in zip(geos, leaves):
-            target = row[geo.start : geo.stop]
-            if leaf is None:
-                target.zero_()
-            elif scale == 1.0:
-                target.view_as(leaf).copy_(leaf)
-            else:
-                torch.mul(leaf, scale, out=target.view_as(leaf))
+            _write(row[geo.start : geo.stop], leaf, scale)
         return
     for geo, leaf in zip(geos, leaves):
         target = geo.grid(out)
@@ -238,15 +232,19 @@ def _pack_flat(
 ) -> None:
     end = 0
     for slot, leaf in zip(layout.slots, leaves):
-        target = row[slot.offset : slot.offset + slot.numel]
         end = slot.offset + slot.numel
-        if leaf is None:
-            target.zero_()
-        elif scale == 1.0:
-            target.view_as(leaf).copy_(leaf)
-        else:
-            torch.mul(leaf, scale, out=target.view_as(leaf))
+        _write(row[slot.offset : end], leaf, scale)
     row[end:].zero_()  # the concatenation's end padding
+
+
+def _write(target: torch.Tensor, leaf: torch.Tensor | None, scale: float) -> None:
+    """``leaf * scale`` into the contiguous range ``target`` (zeros for ``None``); mutates ``target``."""
+    if leaf is None:
+        target.zero_()
+    elif scale == 1.0:
+        target.view_as(leaf).copy_(leaf)
+    else:
+        torch.mul(leaf, scale, out=target.view_as(leaf))
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,7 @@ def whole_chunk(layout: FlatLayout, data: torch.Tensor, rank: int, /) -> torch.T
         return data
     sharding = layout.slots[0].sharding
     assert isinstance(sharding, FlatSharding)
-    lo = sharding.group_rank(rank) * layout.numel
+    lo = sharding.range_start(rank)
     at = min(max(sharding.base - lo, 0), layout.numel)
     out = data.new_zeros(layout.numel)
     out[at : at + data.numel()] = data

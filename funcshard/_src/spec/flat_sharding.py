@@ -57,13 +57,17 @@ class FlatSharding:
         """``rank``'s row-major index over :attr:`axes`: which range of the concatenation it holds."""
         return _index(self.mesh, self.axes, rank)
 
+    def range_start(self, rank: int, /) -> int:
+        """Where ``rank``'s range of ``chunk`` elements starts in the unit's concatenation."""
+        return self.group_rank(rank) * self.chunk
+
     def replica_id(self, rank: int, /) -> int:
         """Which copy of its range ``rank`` holds: its row-major index over :attr:`replica_axes`."""
         return _index(self.mesh, self.replica_axes, rank)
 
     def local_range(self, rank: int, /) -> tuple[int, int]:
         """The [start, stop) of the leaf's row-major elements ``rank`` holds (empty: ``start == stop``)."""
-        lo = self.group_rank(rank) * self.chunk
+        lo = self.range_start(rank)
         a = min(max(self.start, lo), self.start + self.size)
         b = max(min(self.start + self.size, lo + self.chunk), a)
         return a - self.start, b - self.start
@@ -73,7 +77,7 @@ class FlatSharding:
 
         The buffer is the rank's range of the concatenation from :attr:`base` on.
         """
-        lo = self.group_rank(rank) * self.chunk
+        lo = self.range_start(rank)
         return max(self.start, lo) - max(self.base, lo)
 
     def local_shape(self, shape: Shape, rank: int, /) -> Shape:
