@@ -313,3 +313,35 @@ def test_leaves_a_checkpoint_cannot_hold(tmp_path):
         match=r"opt: a checkpoint holds tensors, sharded leaves and JSON scalars; got a object",
     ):
         fs.checkpoint.save(tmp_path / "x", {"opt": object()})
+
+
+@pytest.mark.parametrize(
+    ("chunks", "message"),
+    [
+        # rank 0's range of a flat unit is elements 0..3, rank 1's 4..5: tiles, accepted
+        ([((0, 0), (1, 3)), ((1, 0), (1, 1)), ((1, 1), (1, 2))], None),
+        # a gap: element 3 (row 1, col 0) is in no chunk
+        ([((0, 0), (1, 3)), ((1, 1), (1, 2))], "the chunks of w do not cover dim"),
+        # the same elements twice
+        (
+            [((0, 0), (1, 3)), ((0, 2), (2, 1)), ((1, 0), (1, 3))],
+            "the chunks of w do not cover dim",
+        ),
+        # a box that is no contiguous range and no grid cell
+        (
+            [((0, 0), (2, 2)), ((0, 2), (1, 1)), ((1, 2), (1, 1))],
+            "the chunks of w do not cover dim",
+        ),
+    ],
+)
+def test_chunks_of_flat_ranges_must_tile_the_leaf_exactly(chunks, message):
+    """A manifest is untrusted: ranges that leave a gap or overlap are refused like grids."""
+    from funcshard._src.checkpoint.chunks import Chunk, check_tiling, chunk_key
+
+    made = [Chunk(chunk_key("w", o), o, s, 0) for o, s in chunks]
+    got = check_tiling("w", (2, 3), made)
+    if message is None:
+        assert got is None
+    else:
+        assert got is not None
+        assert message in got
