@@ -65,22 +65,19 @@ def sgd(
         count = int(state.count)
         step_lr = learning_rate(lr, count)
         trees = (sparams, grads, state.momentum) if momentum else (sparams, grads)
-        flats = floating_flats(*trees, names=["params", "grads", "state.momentum"])
+        flats = floating_flats(*trees, names=["params", "grads", "state.momentum"], split_by=1)
         params, g = flats[0], flats[1]
         if not params:  # a mask that leaves no leaf here
             state.count.add_(1)
             return sparams, state
         with torch.no_grad():
-            if weight_decay:
-                torch._foreach_add_(g, params, alpha=weight_decay)
+            if weight_decay:  # grads are only read: new tensors, as torch.optim.SGD's
+                g = torch._foreach_add(g, params, alpha=weight_decay)
             if momentum:
                 buf = flats[2]
                 torch._foreach_mul_(buf, momentum)
                 torch._foreach_add_(buf, g)
-                if nesterov:
-                    torch._foreach_add_(g, buf, alpha=momentum)
-                else:
-                    g = buf
+                g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
             torch._foreach_add_(params, g, alpha=-step_lr)
         state.count.add_(1)
         return sparams, state
