@@ -8,7 +8,8 @@ whole flat buffers, never leaf by leaf.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,45 +40,146 @@ class FlatShard:
     which writes its gradients into them. The donated tree is then dead: every
     read raises, so nothing holding it can see values change underneath it. A
     tree that was not donated is never written by funcshard.
+
+    [Note: gradients held as leaves]
+    A unit that needs no communication (a mesh of one rank) gets its gradients
+    from autograd one tensor per leaf. Copying them into one flat buffer was most
+    of such a unit's cost over plain PyTorch, so its gradient shard keeps them as
+    they are (:meth:`of_leaves`): :attr:`leaves` hands them to consumers that
+    work leaf by leaf (AdamW's fused update), and the first read of :attr:`data`
+    concatenates them into the flat buffer once, from which every later read
+    and every leaf's ``local`` view comes. The value is the same either way.
     """
 
-    __slots__ = ("_data", "layout", "rank")
+    __slots__ = ("_data", "_donated", "_leaves", "_views", "layout", "rank")
 
     def __init__(self, layout: FlatLayout, data: torch.Tensor, rank: int) -> None:
         self.layout = layout
         self._data: torch.Tensor | None = data
+        self._leaves: tuple[torch.Tensor, ...] | None = None
+        self._views: tuple[torch.Tensor, ...] | None = None
+        self._donated = False
         self.rank = rank
+
+    @classmethod
+    def of_leaves(
+        cls, layout: FlatLayout, leaves: Sequence[torch.Tensor], rank: int, /
+    ) -> FlatShard:
+        """The flat shard of a one-rank group held as its leaves, in slot order.
+
+        Each leaf must be whole (the slot's ``shape``), contiguous and of the
+        layout's dtype; this is not checked (it is built once per unit and step,
+        from autograd's gradients). See [Note: gradients held as leaves].
+
+        Example:
+            >>> import funcshard as fs
+            >>> p = {"a": torch.zeros(2), "b": torch.zeros(3)}
+            >>> s = fs.shard(p, fs.plan(p, fs.Mesh({"x": 1})))
+            >>> flat = FlatShard.of_leaves(s["a"].flat.layout, [torch.ones(2), torch.full((3,), 2.0)], 0)
+            >>> flat.leaves is not None, flat.data
+            (True, tensor([1., 1., 2., 2., 2.]))
+            >>> flat.leaves is None  # read as one buffer from now on
+            True
+        """
+        flat = cls.__new__(cls)
+        flat.layout, flat.rank, flat._donated = layout, rank, False
+        flat._data, flat._leaves, flat._views = None, tuple(leaves), None
+        return flat
 
     @property
     def data(self) -> torch.Tensor:
-        """The flat buffer.
+        """The flat buffer (concatenated on first read where it is held as leaves).
 
         Raises:
             DonatedError: the buffer was donated.
         """
-        if self._data is None:
+        if self._donated:
             raise DonatedError(
                 f"unit {self.layout.unit!r}: this tree's buffers were donated (a step with "
                 f"donate_grads=True reused these gradients for the next call's), so they are no "
                 f"longer this tree's; use the tree that call returned, or clone what you keep "
                 f"before the next step"
             )
+        if self._data is None:
+            self._data = concatenate_leaves(self.layout, self._leaves or ())
+            self._leaves = None
         return self._data
+
+    @property
+    def leaves(self) -> tuple[torch.Tensor, ...] | None:
+        """Its leaves, whole and contiguous, where it is held as leaves and was never read as one buffer; else ``None``.
+
+        Raises:
+            DonatedError: the buffer was donated.
+        """
+        if self._donated:
+            self.data  # raises  # noqa: B018
+        return self._leaves
+
+    def whole_leaves(self) -> tuple[torch.Tensor, ...]:
+        """Its buffer as one view per slot in the leaf's shape, made once; for a one-rank group.
+
+        What elementwise updates pair with gradients held as leaves (see
+        :func:`funcshard._src.optim.base.floating_flats`).
+
+        Raises:
+            DonatedError: the buffer was donated.
+            ValueError: a slot is not whole on this rank.
+        """
+        if self._views is None:
+            data = self.data
+            if any(s.numel != math.prod(s.shape) for s in self.layout.slots):
+                raise ValueError(
+                    f"unit {self.layout.unit!r}: its leaves are not whole on this rank"
+                )
+            self._views = tuple(
+                data[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots
+            )
+        elif self._donated:
+            self.data  # raises  # noqa: B018
+        return self._views
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds, without concatenating leaves.
+
+        Raises:
+            DonatedError: the buffer was donated.
+        """
+        if self._data is None and not self._donated:
+            return self.layout.numel * self.layout.dtype.itemsize
+        return self.data.numel() * self.data.element_size()
 
     @property
     def donated(self) -> bool:
         """Whether :meth:`donate` was called."""
-        return self._data is None
+        return self._donated
 
-    def donate(self) -> torch.Tensor:
-        """Hands over the buffer; mutates this flat shard, whose ``data`` raises from now on."""
-        data = self.data
-        self._data = None
+    def donate(self) -> torch.Tensor | None:
+        """Hands over the buffer (``None`` where it is held as leaves: no buffer to reuse); mutates.
+
+        Its ``data`` raises from now on.
+        """
+        data = self._data if self._leaves is None else None
+        self.data  # noqa: B018  (raises if donated already)
+        self._data, self._leaves, self._views, self._donated = None, None, None, True
         return data
 
     def with_data(self, data: torch.Tensor, /) -> FlatShard:
         """A flat shard of the same layout and rank holding ``data``."""
         return FlatShard(self.layout, data, self.rank)
+
+
+def concatenate_leaves(layout: FlatLayout, leaves: Sequence[torch.Tensor], /) -> torch.Tensor:
+    """The flat buffer of ``leaves`` held by :meth:`FlatShard.of_leaves`: each at its slot, zeros between."""
+    out = torch.empty(layout.numel, dtype=layout.dtype, device=leaves[0].device if leaves else None)
+    end = 0
+    for slot, leaf in zip(layout.slots, leaves):
+        out[end : slot.offset].zero_()
+        end = slot.offset + leaf.numel()
+        out[slot.offset : end].view_as(leaf).copy_(leaf)
+    out[end:].zero_()
+    return out
 
 
 class ShardedTensor:
@@ -184,11 +286,9 @@ class ShardedTensor:
 
 def flats_of(sharded: Any, /) -> list[FlatShard]:
     """The distinct flat shards behind the sharded leaves of ``sharded``, in leaf order."""
-    seen: dict[int, FlatShard] = {}
-    for leaf in tree.flatten(sharded)[0]:
-        if isinstance(leaf, ShardedTensor):
-            seen.setdefault(id(leaf.flat), leaf.flat)
-    return list(seen.values())
+    # FlatShard hashes by identity: dict keys keep each one once, in order
+    leaves = tree.flatten(sharded)[0]
+    return list(dict.fromkeys(x.flat for x in leaves if isinstance(x, ShardedTensor)))
 
 
 def held_bytes(sharded: Any, /) -> int:
@@ -208,7 +308,7 @@ def held_bytes(sharded: Any, /) -> int:
         for t in tree.leaves(sharded)
         if isinstance(t, torch.Tensor) and not isinstance(t, ShardedTensor)
     )
-    return plain + sum(f.data.numel() * f.data.element_size() for f in flats_of(sharded))
+    return plain + sum(f.nbytes for f in flats_of(sharded))
 
 
 def map_flats(fn: Callable[[FlatShard], FlatShard], sharded: Any, /) -> Any:
