@@ -60,7 +60,7 @@ def call(fn: Callable[..., _R], unit: Any, /, *args: Any, remat: bool = False, *
             f"{run.active.unit.name!r}; units cannot nest: call them one after the other from loss_fn"
         )
     runtime, leaves, treedef = _identify(run, unit)
-    record, full = run.enter_call(runtime)
+    record, full = run.enter_call(runtime, leafwise=True)
     full_tree = tree.unflatten(
         treedef, [full[runtime.position[leaf.slot.index]] for leaf in leaves]
     )

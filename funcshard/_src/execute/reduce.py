@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.part import Part
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
+from funcshard._src.shard.sharded import FlatShard, concatenate_leaves, map_flats, trainable
 
 # reductions in flight when the next unit's gradients are packed: the older ones are
 # waited for first. One reducing while the next unit's backward computes is all the
@@ -90,8 +92,13 @@ class Reducer:
         world_size: int,
         spares: dict[FlatLayout, torch.Tensor],
         pool: BufferPool | None = None,
+        hold_leaves: bool = False,
     ) -> None:
         self.world_size = world_size
+        # one micro-batch: a part that needs no communication keeps its gradients as
+        # autograd made them, see [Note: gradients held as leaves] in shard/sharded.py
+        self.hold_leaves = hold_leaves
+        self.held: dict[FlatLayout, tuple[torch.Tensor, ...]] = {}  # the result of those parts
         self.pool = BufferPool() if pool is None else pool  # see [Note: staging lifetimes]
         self.spares = spares  # donated buffers of the last call, by layout
         self.grads: dict[FlatLayout, torch.Tensor] = {}  # the result, in the stored dtype
@@ -126,11 +133,33 @@ class Reducer:
         while self.pending:
             self._finish_oldest()
 
+    def gradient_tree(
+        self, sparams: Any, by_unit: dict[str, list[FlatShard]], /, *, micro_batches: int
+    ) -> Any:
+        """After :meth:`finish`: the sharded gradients, the mean over ``micro_batches`` (``None`` at frozen leaves)."""
+        grads, held = self.grads, self.held
+        for flats in by_unit.values():  # parts no reduction reached: integer leaves
+            for flat in flats:
+                if flat.layout not in grads and flat.layout not in held and not flat.layout.frozen:
+                    grads[flat.layout] = torch.zeros_like(flat.data)
+        if micro_batches > 1:
+            floating = [g for g in grads.values() if g.is_floating_point()]
+            torch._foreach_mul_(floating, 1.0 / micro_batches)
+        return map_flats(
+            lambda flat: (
+                FlatShard.of_leaves(flat.layout, held[flat.layout], flat.rank)
+                if flat.layout in held
+                else flat.with_data(grads[flat.layout])
+            ),
+            trainable(sparams),
+        )
+
     def abandon(self) -> list[Pending]:
         """After an error: forgets every reduction, returning those in flight (for the caller to drain)."""
         inflight = [r.stage for r in self.pending]
         self.pending.clear()
         self.deferred.clear()
+        self.held.clear()
         for bucket, _ in self.open_rounds:
             bucket.rounds.clear()
         self.open_rounds.clear()
@@ -214,6 +243,19 @@ class Reducer:
         self, unit: UnitRuntime, part: Part, mine: Sequence[torch.Tensor | None], *, defer: bool
     ) -> None:
         layout = part.layout
+        if (
+            self.hold_leaves
+            and unit.group_size == 1
+            and unit.replica_size == 1
+            and part.grad_dtype == layout.dtype
+            and layout not in self.grads
+        ):
+            earlier = self.held.pop(layout, None)
+            if earlier is None:
+                self.held[layout] = _held(layout, mine, unit.flats[0].data.device)
+                return
+            # a unit called twice in one step: add this call's gradients to a buffer
+            self.grads[layout] = concatenate_leaves(layout, earlier)
         device = unit.flats[unit.parts.index(part)].data.device
         spare = None if defer else self.spares.pop(layout, None)
         if spare is not None and spare.dtype != part.grad_dtype:
@@ -279,3 +321,23 @@ class Reducer:
                 self.grads[layout].add_(out)
             else:
                 self.grads[layout] = out
+
+
+def _held(
+    layout: FlatLayout, grads: Sequence[torch.Tensor | None], device: torch.device, /
+) -> tuple[torch.Tensor, ...]:
+    """A one-rank part's gradients as its leaves: autograd's tensors where they are whole and their own.
+
+    A view (of some other tensor autograd or the caller may hold) or a
+    non-contiguous gradient is copied; a missing one is zeros.
+    """
+    out = []
+    for slot, g in zip(layout.slots, grads):
+        if g is None:
+            g = torch.zeros(slot.shape, dtype=layout.dtype, device=device)
+        elif g.dtype != layout.dtype:
+            g = g.to(layout.dtype)
+        elif g._base is not None or not g.is_contiguous():
+            g = g.clone(memory_format=torch.contiguous_format)
+        out.append(g)
+    return tuple(out)

@@ -92,6 +92,9 @@ class CallRecord:
     phase: CallPhase = CallPhase.FORWARD
     expects_backward: bool = False  # outputs that require grad were hooked
     compiled: bool = False  # a compiled call: its gather op copied the leaves out and released
+    # a local-only unit's call: the autograd leaves its function got, whose .grad
+    # autograd fills; reduced by Run.finish. See [Note: local-only calls]
+    leaves: list[torch.Tensor] | None = None
 
 
 class _Gather(torch.autograd.Function):
@@ -162,7 +165,11 @@ class Run:
         if root_unit is not None:
             root_unit.acquire()  # before any prefetch: one unit's all-gather buffer at a time
             self.root = CallRecord(-1, root_unit, CallPhase.KEPT)
-            outs = _Gather.apply(self, self.root, self.dummy)
+            outs = (
+                self._local_leaves(self.root)
+                if root_unit.local_only
+                else _Gather.apply(self, self.root, self.dummy)
+            )
             for slot, leaf in zip(root_unit.slots, outs):
                 root_leaves[slot.index] = leaf
                 self.root_leaf_ids.add(id(leaf))
@@ -178,8 +185,14 @@ class Run:
             sparams,
         )
 
-    def enter_call(self, unit: UnitRuntime) -> tuple[CallRecord, list[torch.Tensor]]:
-        """Acquires ``unit`` for a new call (FORWARD); its record and full leaves in the unit's order."""
+    def enter_call(
+        self, unit: UnitRuntime, *, leafwise: bool = False
+    ) -> tuple[CallRecord, list[torch.Tensor]]:
+        """Acquires ``unit`` for a new call (FORWARD); its record and full leaves in the unit's order.
+
+        With ``leafwise``, a local-only unit's leaves are autograd leaves; see
+        [Note: local-only calls].
+        """
         record = CallRecord(len(self.calls), unit)
         self.calls.append(record)
         k = record.index
@@ -196,6 +209,8 @@ class Run:
         unit.acquire()
         if self.on_track:
             self._prefetch_forward(k + 1)
+        if leafwise and unit.local_only:
+            return record, self._local_leaves(record)
         return record, list(_Gather.apply(self, record, self.dummy))
 
     def exit_call(self, record: CallRecord, out: Any) -> None:
@@ -213,12 +228,17 @@ class Run:
             record.phase = CallPhase.WAITING
         else:
             record.phase = CallPhase.KEPT
+        if record.leaves is not None:  # autograd fills its leaves' .grad: no hook
+            return
         tensors = [
             t for t in tree.flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         if tensors:
             record.expects_backward = True
-            register_multi_grad_hook(tensors, lambda _: self.pre_backward(record), mode="any")
+            if len(tensors) == 1:  # the same hook as "any" of one tensor, at a fraction of the cost
+                tensors[0].register_hook(lambda _: self.pre_backward(record))
+            else:
+                register_multi_grad_hook(tensors, lambda _: self.pre_backward(record), mode="any")
 
     def end_forward(self) -> list[str]:
         """Leaves the forward context; frees units prefetched but never called. Returns the call order."""
@@ -271,6 +291,11 @@ class Run:
     def finish(self) -> None:
         """After backward: reduce calls whose backward never ran, wait for every reduction, free all."""
         self._finish_forward_check()
+        for record in [*reversed(self.calls), *([self.root] if self.root else [])]:
+            if record.leaves is not None:  # see [Note: local-only calls]
+                grads = [t.grad for t in record.leaves]
+                record.leaves = None
+                self.post_backward(record, grads, agreed=True)
         unreached = [
             r
             for r in [*reversed(self.calls), *([self.root] if self.root else [])]
@@ -308,6 +333,24 @@ class Run:
         return inflight
 
     # -- helpers -----------------------------------------------------------------
+
+    def _local_leaves(self, record: CallRecord) -> list[torch.Tensor]:
+        """A local-only unit's full leaves for one call, as autograd leaves.
+
+        [Note: local-only calls]
+        A unit with nothing to gather, cast or agree on (one rank, no mixed
+        precision: ``UnitRuntime.local_only``) needs no autograd node of its own:
+        its function gets new autograd leaves viewing its shards (the trained ones
+        requiring grad), autograd accumulates their gradients into ``.grad`` as it
+        does for ``nn.Parameter`` s, and :meth:`finish` hands them to the reducer.
+        No Python runs in its backward. An evaluation gets the plain views.
+        """
+        views = record.unit.full_leaves()
+        if self.evaluation:
+            return views
+        leaves = [v.requires_grad_() if t else v for v, t in zip(views, record.unit.trained)]
+        record.leaves = leaves
+        return leaves
 
     def _prefetch_forward(self, start: int) -> None:
         for name in self.order_hint[start : start + self.prefetch]:

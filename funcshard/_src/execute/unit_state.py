@@ -134,6 +134,8 @@ class UnitRuntime:
             for p in self.parts
             for _ in p.layout.slots
         )
+        # one rank, no cast: no autograd node of its own; [Note: local-only calls] in run.py
+        self.local_only = self.bound.mesh.size == 1 and all(p.aliased for p in self.parts)
         self.state = UnitState.SHARDED
         self.flats: list[FlatShard] = []
         self._holders = 0

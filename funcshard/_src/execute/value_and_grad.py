@@ -34,8 +34,6 @@ from funcshard._src.shard.sharded import (
     FlatShard,
     ShardedTensor,
     flats_of,
-    map_flats,
-    trainable,
 )
 
 Accumulation = Literal["sharded", "unsharded"]
@@ -214,7 +212,10 @@ class Step:
             nested="a step was called inside another step's loss_fn; call steps one after the other",
         )
         reducer = Reducer(
-            world_size=self.plan.mesh.size, spares=self._take_donated(), pool=self.reduce_pool
+            world_size=self.plan.mesh.size,
+            spares=self._take_donated(),
+            pool=self.reduce_pool,
+            hold_leaves=len(batches) == 1,
         )
         losses: list[torch.Tensor] = []
         auxes: list[Any] = []
@@ -244,17 +245,7 @@ class Step:
                 raise
             losses.append(loss.detach())
             auxes.append(aux)
-        grads = reducer.grads
-        for flats in by_unit.values():  # parts no reduction reached: integer leaves
-            for flat in flats:
-                if flat.layout not in grads and not flat.layout.frozen:
-                    grads[flat.layout] = torch.zeros_like(flat.data)
-        if len(batches) > 1:
-            floating = [g for g in grads.values() if g.is_floating_point()]
-            torch._foreach_mul_(floating, 1.0 / len(batches))
-        sharded_grads = map_flats(
-            lambda flat: flat.with_data(grads[flat.layout]), trainable(sparams)
-        )
+        sharded_grads = reducer.gradient_tree(sparams, by_unit, micro_batches=len(batches))
         if self.donate_grads:
             self._last = flats_of(sharded_grads)
         return (losses, auxes), sharded_grads
@@ -287,9 +278,9 @@ class Step:
 
         Mutates the last returned gradient tree (it is donated: reading it raises).
         """
-        spares = {flat.layout: flat.donate() for flat in self._last if not flat.donated}
+        donated = {flat.layout: flat.donate() for flat in self._last if not flat.donated}
         self._last = []
-        return spares
+        return {layout: data for layout, data in donated.items() if data is not None}
 
     def _check(self, sparams: Any) -> dict[str, list[FlatShard]]:
         """``sparams``' flat shards by unit (one per part, in the plan's layout order), if sharded with this plan."""
@@ -365,6 +356,9 @@ def value_and_grad(
             ``DonatedError``; clone what you keep. Without it, no tree a call
             returned is ever written again. Units in a bucket (``bucket_bytes``)
             reduce into one new buffer per bucket; ``bucket_bytes=0`` donates all.
+            A unit on a mesh of one rank returns autograd's own gradient tensors
+            (docs/executor.md, "Local-only units"): nothing to write into, but its
+            donated tree is dead all the same.
         bucket_bytes: consecutive units whose full leaves together stay within this
             many bytes share their all-gathers and reductions (as DDP buckets its
             all-reduces), which cuts the latency of small units; ``0`` turns it off.

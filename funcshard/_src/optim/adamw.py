@@ -86,7 +86,12 @@ def adamw(
         count = int(state.count)
         step_lr = learning_rate(lr, count)
         params, g, mu, nu = floating_flats(
-            sparams, grads, state.mu, state.nu, names=["params", "grads", "state.mu", "state.nu"]
+            sparams,
+            grads,
+            state.mu,
+            state.nu,
+            names=["params", "grads", "state.mu", "state.nu"],
+            split_by=1,
         )
         if not params:  # a mask that leaves no leaf here
             state.count.add_(1)

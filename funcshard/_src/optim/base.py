@@ -111,10 +111,17 @@ def zeros_like_tree(sparams: Params, /) -> Any:
     return map_flats(lambda flat: flat.with_data(torch.zeros_like(flat.data)), trainable(sparams))
 
 
-def floating_flats(*trees: Any, names: Sequence[str]) -> list[list[torch.Tensor]]:
+def floating_flats(
+    *trees: Any, names: Sequence[str], split_by: int | None = None
+) -> list[list[torch.Tensor]]:
     """For each tree, the data of its trainable floating-point flat buffers, aligned across trees.
 
-    Frozen buffers are left out: they have no gradient and no state.
+    Frozen buffers are left out: they have no gradient and no state. With
+    ``split_by``, where that tree's flat shard is held as leaves (gradients of a
+    one-rank group, see [Note: gradients held as leaves] in ``shard/sharded.py``),
+    its leaves come as they are and every other tree's buffer as views of the same
+    leaves (made once per buffer): for elementwise updates, which then read no
+    concatenated copy.
 
     Raises:
         ValueError: the trees do not hold flat buffers of the same layouts (e.g. grads
@@ -129,7 +136,17 @@ def floating_flats(*trees: Any, names: Sequence[str]) -> list[list[torch.Tensor]
                 f"trees from the same plan, e.g. grads from the step of the plan that sharded the params"
             )
     keep = [i for i, flat in enumerate(first) if flat.layout.dtype.is_floating_point]
-    return [[flats[i].data for i in keep] for flats in per_tree]
+    out: list[list[torch.Tensor]] = [[] for _ in per_tree]
+    for i in keep:
+        held = None if split_by is None else per_tree[split_by][i].leaves
+        for k, (tensors, flats) in enumerate(zip(out, per_tree)):
+            if held is None:
+                tensors.append(flats[i].data)
+            elif k == split_by:
+                tensors.extend(held)
+            else:
+                tensors.extend(flats[i].whole_leaves())
+    return out
 
 
 def _same_layout(a: FlatShard, b: FlatShard) -> bool:

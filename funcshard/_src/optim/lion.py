@@ -73,7 +73,7 @@ def lion(
     def update_(grads: Any, state: LionState, sparams: Any, /) -> tuple[Any, LionState]:
         step_lr = learning_rate(lr, int(state.count))
         params, g, mu = floating_flats(
-            sparams, grads, state.mu, names=["params", "grads", "state.mu"]
+            sparams, grads, state.mu, names=["params", "grads", "state.mu"], split_by=1
         )
         if not params:  # a mask that leaves no leaf here
             state.count.add_(1)
