@@ -167,3 +167,36 @@ def test_the_allocator_environment_is_set_and_removed(monkeypatch):
     assert os.environ[allocator.ENV] == "123"
     with pytest.raises(RuntimeError, match="inherited"):
         allocator.apply("default")
+
+
+def test_a_tiny_paired_run_alternates_two_modes_in_the_same_processes(tmp_path):
+    """bench.paired: both modes' step times, the median paired ratio, and funcshard's per-unit
+    difference over plain torch; a smoke run writes nothing under --out."""
+    from bench import paired
+
+    summary = paired.main(
+        [
+            "--tiny",
+            "--size",
+            "deep",
+            "--world-size",
+            "1",
+            "--modes",
+            "funcshard/full_shard,plain",
+            "--warmup",
+            "1",
+            "--steps",
+            "3",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert summary["modes"] == ["funcshard/full_shard", "plain"]
+    assert all(len(summary["times"][m]) == 3 for m in summary["modes"])
+    assert summary["median_ratio"] > 0
+    assert set(summary["per_unit_us"]) == {"funcshard/full_shard"}
+    assert summary["units"]["funcshard/full_shard"] == summary["config"]["layers"] + 1
+    assert not list(tmp_path.iterdir())
+    assert "median of the paired step ratios" in paired.markdown(summary)
+    with pytest.raises(SystemExit, match="needs two of"):
+        paired.main(["--modes", "plain"])
