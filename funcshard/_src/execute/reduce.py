@@ -31,10 +31,11 @@ from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
 from funcshard._src.shard.sharded import FlatShard, concatenate_leaves, map_flats, trainable
 
-# reductions in flight when the next unit's gradients are packed: the older ones are
-# waited for first. One reducing while the next unit's backward computes is all the
-# overlap there is (a group runs its collectives one after the other), and each
-# reduction in flight holds a unit's packed gradients.
+# reductions in flight that hold packed gradients (a staging buffer) when the next unit's
+# gradients are packed: the older ones are waited for first. One reducing while the next
+# unit's backward computes is all the overlap there is (a group runs its collectives one
+# after the other). An all-reduce in place (no_shard) holds nothing but the gradient it
+# becomes, so those queue without a wait, as DDP's buckets do.
 MAX_PENDING = 1
 
 
@@ -56,6 +57,7 @@ class Reduction:
     tag: str
     staging: torch.Tensor | None  # the packed input, for the pool once the stage is done
     per_piece: bool = False
+    packed: bool = True  # holds packed gradients beside its result (not an all-reduce in place)
 
     def finish(self, pool: BufferPool) -> torch.Tensor:
         """Waits (and all-reduces across replicas if need be); the reduced gradient, ``(numel,)``.
@@ -116,7 +118,7 @@ class Reducer:
         """
         for j, (part, mine) in enumerate(zip(unit.parts, unit.split(grads))):
             if part.layout.dtype.is_floating_point and not part.layout.frozen:
-                while len(self.pending) >= MAX_PENDING:  # before packing: bounded memory
+                while self._staged() >= MAX_PENDING:  # before packing: bounded memory
                     self._finish_oldest()
                 if isinstance(unit.bucket, Bucket) and not defer:
                     self._reduce_bucketed(unit.bucket, unit, j, part, mine)
@@ -127,7 +129,7 @@ class Reducer:
         """Reduces the buckets' open rounds, waits for every reduction and adds it into :attr:`grads`; mutates."""
         while self.open_rounds:
             bucket, j = self.open_rounds[0]
-            while len(self.pending) >= MAX_PENDING:
+            while self._staged() >= MAX_PENDING:
                 self._finish_oldest()
             self._flush(bucket, j)
         while self.pending:
@@ -236,6 +238,7 @@ class Reducer:
                 bucket.name,
                 staging,
                 per_piece=True,
+                packed=bucket.group_size > 1,
             )
         )
 
@@ -306,8 +309,13 @@ class Reducer:
                 unit.ledger,
                 unit.name,
                 staging,
+                packed=unit.group_size > 1,
             )
         )
+
+    def _staged(self) -> int:
+        """Reductions in flight that hold packed gradients beside their result."""
+        return sum(r.packed for r in self.pending)
 
     def _finish_oldest(self) -> None:
         """The first reduction of a layout becomes its gradient buffer as it is: no zero-filled
