@@ -87,7 +87,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(reproducible peak RSS), or both, interleaved (default; --tiny: default)",
     )
     p.add_argument("--rounds", type=int, default=None, help="default 3 (--tiny: 1)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of every run")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps at the start of every run (the first two are the slowest)",
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (4; --tiny: 2)")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
