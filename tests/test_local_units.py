@@ -191,3 +191,50 @@ def test_a_failed_one_rank_step_leaves_no_gradient_behind():
     _, grads = step(sparams, *batch)
     _, ref = reference_value_and_grad(MODEL.loss_fn, params, [batch])
     assert_trees_close(_full(grads), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_and_the_finiteness_check_read_held_leaves_without_concatenating():
+    """chain(skip_nonfinite(), clip, adamw) from held leaves equals the same from one buffer."""
+    results, norms = [], []
+    for materialize in (False, True):
+        params, plan, sparams = _setup()
+        opt = fs.optim.chain(
+            fs.optim.skip_nonfinite(), fs.optim.clip_by_global_norm(0.05), fs.optim.adamw(lr=1e-2)
+        )
+        state = opt.init(sparams)
+        step = fs.value_and_grad(MODEL.loss_fn, plan)
+        for i in range(2):
+            batch = MODEL.batch_for(i)
+            _, grads = step(sparams, *batch)
+            if i == 0:
+                _, ref = reference_value_and_grad(MODEL.loss_fn, params, [batch])
+                ref_norm = torch.stack([g.norm() for g in fs.tree.leaves(ref)]).norm()
+            if materialize:
+                _full(grads)
+            assert fs.optim.all_finite(grads)
+            sparams, state = opt.update_(grads, state, sparams)
+            assert all((f.leaves is None) == materialize for f in flats_of(grads))
+        norms.append(fs.optim.clip_by_global_norm(grads, 1e9)[1])
+        results.append(_full(sparams))
+    assert_trees_close(results[0], results[1], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(norms[0], norms[1], rtol=1e-6, atol=0)
+    _, plan, sparams = _setup()
+    _, grads = fs.value_and_grad(MODEL.loss_fn, plan)(sparams, *MODEL.batch_for(0))
+    _, clipped_norm = fs.optim.clip_by_global_norm(grads, 1e9)
+    torch.testing.assert_close(clipped_norm, ref_norm.to(clipped_norm.dtype), rtol=1e-5, atol=0)
+    flat = next(f for f in flats_of(grads) if f.leaves is not None)
+    flat.leaves[0].view(-1)[0] = float("inf")
+    assert not fs.optim.all_finite(grads)
+
+
+def test_a_gradient_given_for_two_leaves_is_held_once_per_leaf():
+    """Clipping scales held leaves in place: one tensor for two leaves would be scaled twice."""
+    from funcshard._src.execute.reduce import _held
+
+    _, _, sparams = _setup()
+    layout = sparams["blocks"][0]["norm"]["bias"].flat.layout
+    g = torch.ones(layout.slots[0].shape)
+    same = [g if s.shape == g.shape else torch.zeros(s.shape) for s in layout.slots]
+    held = _held(layout, same, torch.device("cpu"))
+    assert len({id(t) for t in held}) == len(held)
+    assert held[0] is g  # the first use keeps autograd's tensor

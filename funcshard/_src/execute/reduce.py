@@ -336,16 +336,20 @@ def _held(
 ) -> tuple[torch.Tensor, ...]:
     """A one-rank part's gradients as its leaves: autograd's tensors where they are whole and their own.
 
-    A view (of some other tensor autograd or the caller may hold) or a
-    non-contiguous gradient is copied; a missing one is zeros.
+    A view (of some other tensor autograd or the caller may hold), a
+    non-contiguous gradient or one given for two leaves (autograd hands ``x + w``'s
+    gradient to both) is copied, so that each leaf's tensor is its own (clipping
+    scales them in place); a missing one is zeros.
     """
-    out = []
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
     for slot, g in zip(layout.slots, grads):
         if g is None:
             g = torch.zeros(slot.shape, dtype=layout.dtype, device=device)
         elif g.dtype != layout.dtype:
             g = g.to(layout.dtype)
-        elif g._base is not None or not g.is_contiguous():
+        elif g._base is not None or not g.is_contiguous() or id(g) in seen:
             g = g.clone(memory_format=torch.contiguous_format)
+        seen.add(id(g))
         out.append(g)
     return tuple(out)

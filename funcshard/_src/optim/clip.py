@@ -90,21 +90,26 @@ def _clip(grads: Any, max_norm: float) -> tuple[Any, torch.Tensor]:
     flats = [f for f in flats_of(grads) if f.layout.dtype.is_floating_point]
     if not flats:
         return grads, torch.zeros(())
-    pieces = [f.data[a:b] for f in flats for a, b in _counted_ranges(f.layout, f.rank)]
-    local = torch.zeros((), dtype=torch.float64, device=flats[0].data.device)
+    pieces = [
+        piece
+        for f in flats
+        for piece in (  # held as leaves: a one-rank group, every leaf counted
+            f.held()
+            if f.leaves is not None
+            else [f.data[a:b] for a, b in _counted_ranges(f.layout, f.rank)]
+        )
+    ]
+    device = pieces[0].device if pieces else flats[0].data.device
+    local = torch.zeros((), dtype=torch.float64, device=device)
     if pieces:
         norms = torch._foreach_norm(pieces)
         local = torch.stack([n.double() for n in norms]).pow(2).sum()
     groups.bind(flats[0].layout.mesh)
     with settle.operation("clip_by_global_norm"):
         (total,) = agree.sum_over_ranks([float(local)], "clip_by_global_norm")
-    norm = (
-        torch.tensor(total, dtype=torch.float64)
-        .sqrt()
-        .to(flats[0].data.device, flats[0].data.dtype)
-    )
+    norm = torch.tensor(total, dtype=torch.float64).sqrt().to(device, flats[0].layout.dtype)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_([f.data for f in flats], coef)
+    torch._foreach_mul_([t for f in flats for t in f.held()], coef)
     return grads, norm
 
 

@@ -25,9 +25,10 @@ def all_finite(grads: Any, /) -> bool:
     flats = [f for f in flats_of(grads) if f.layout.dtype.is_floating_point]
     if not flats:
         return True
-    bad = torch.zeros((), dtype=torch.float32, device=flats[0].data.device)
-    for flat in flats:  # one reduction per flat buffer, not per leaf
-        bad += (~torch.isfinite(flat.data)).any().float()
+    bad = torch.zeros((), dtype=torch.float32, device=flats[0].held()[0].device)
+    for flat in flats:  # one reduction per flat buffer (per leaf where held as leaves)
+        for t in flat.held():
+            bad += (~torch.isfinite(t)).any().float()
     groups.bind(flats[0].layout.mesh)
     with settle.operation("all_finite"):
         (total,) = agree.sum_over_ranks([float(bad)], "all_finite")

@@ -116,6 +116,18 @@ class FlatShard:
             self.data  # raises  # noqa: B018
         return self._leaves
 
+    def held(self) -> tuple[torch.Tensor, ...]:
+        """What it holds, read without concatenating: its leaves if held as leaves, else ``(data,)``.
+
+        For elementwise reads and in-place scaling of the whole shard (clipping,
+        finiteness checks).
+
+        Raises:
+            DonatedError: the buffer was donated.
+        """
+        leaves = self.leaves
+        return leaves if leaves is not None else (self.data,)
+
     def whole_leaves(self) -> tuple[torch.Tensor, ...]:
         """Its buffer as one view per slot in the leaf's shape, made once; for a one-rank group.
 
