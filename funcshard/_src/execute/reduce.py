@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from funcshard._src import tree
 from funcshard._src.comm import collectives
 from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.groups import BoundMesh
@@ -29,7 +30,7 @@ from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.part import Part
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
-from funcshard._src.shard.sharded import FlatShard, concatenate_leaves, map_flats, trainable
+from funcshard._src.shard.sharded import FlatShard, ShardedTensor, concatenate_leaves
 
 # reductions in flight that hold packed gradients (a staging buffer) when the next unit's
 # gradients are packed: the older ones are waited for first. One reducing while the next
@@ -147,13 +148,25 @@ class Reducer:
         if micro_batches > 1:
             floating = [g for g in grads.values() if g.is_floating_point()]
             torch._foreach_mul_(floating, 1.0 / micro_batches)
-        return map_flats(
-            lambda flat: (
-                FlatShard.of_leaves(flat.layout, held[flat.layout], flat.rank)
-                if flat.layout in held
-                else flat.with_data(grads[flat.layout])
-            ),
-            trainable(sparams),
+        new: dict[FlatShard, FlatShard] = {}
+        for flats in by_unit.values():
+            for flat in flats:
+                if not flat.layout.frozen:
+                    new[flat] = (
+                        FlatShard.of_leaves(flat.layout, held[flat.layout], flat.rank)
+                        if flat.layout in held
+                        else flat.with_data(grads[flat.layout])
+                    )
+        # map_flats(..., trainable(sparams)) in one pass: None at frozen leaves
+        leaves, treedef = tree.flatten(sparams)
+        return tree.unflatten(
+            treedef,
+            [
+                (None if x.flat.layout.frozen else ShardedTensor(new[x.flat], x.slot))
+                if isinstance(x, ShardedTensor)
+                else x
+                for x in leaves
+            ],
         )
 
     def abandon(self) -> list[Pending]:

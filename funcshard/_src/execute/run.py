@@ -176,14 +176,13 @@ class Run:
         self._prefetch_forward(0)
         self._token = _CURRENT.set(self)
         _STEP_RUN[0] = self
-        return tree.tree_map(
-            lambda x: (
-                root_leaves[x.slot.index]
-                if isinstance(x, ShardedTensor) and x.slot.index in root_leaves
-                else x
-            ),
-            sparams,
-        )
+        leaves, treedef = tree.flatten(sparams)
+        if root_leaves:  # one pass in a comprehension: this runs every step over every leaf
+            leaves = [
+                root_leaves.get(x.slot.index, x) if isinstance(x, ShardedTensor) else x
+                for x in leaves
+            ]
+        return tree.unflatten(treedef, leaves)
 
     def enter_call(
         self, unit: UnitRuntime, *, leafwise: bool = False

@@ -302,7 +302,7 @@ class Step:
         bound = groups.bind(self.plan.mesh)
         found: dict[FlatLayout, FlatShard] = {}
         expected = {(lt.unit, lt.dtype, lt.frozen): lt for lt in self._layouts}
-        for flat in flats_of(sparams):
+        for flat in dict.fromkeys(leaf.flat for leaf in leaves):  # flats_of, without a flatten
             layout = expected.get((flat.layout.unit, flat.layout.dtype, flat.layout.frozen))
             if (
                 layout is None
