@@ -74,6 +74,10 @@ def _compare(strategy: str, backend: str, which: str) -> Any:
     with warnings.catch_warnings():
         # Dynamo reads .grad of its non-leaf inputs (the root unit's full leaves) as it wraps them
         warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf")
+        # Inductor's import of torch.utils.mkldnn defines torch.jit script methods (torch 2.13)
+        warnings.filterwarnings(
+            "ignore", "`torch.jit.script_method` is deprecated", DeprecationWarning
+        )
         return _compare_inner(strategy, backend, which)
 
 
