@@ -222,8 +222,8 @@ def test_clipping_and_the_finiteness_check_read_held_leaves_without_concatenatin
     _, grads = fs.value_and_grad(MODEL.loss_fn, plan)(sparams, *MODEL.batch_for(0))
     _, clipped_norm = fs.optim.clip_by_global_norm(grads, 1e9)
     torch.testing.assert_close(clipped_norm, ref_norm.to(clipped_norm.dtype), rtol=1e-5, atol=0)
-    flat = next(f for f in flats_of(grads) if f.leaves is not None)
-    flat.leaves[0].view(-1)[0] = float("inf")
+    held = next(f.leaves for f in flats_of(grads) if f.leaves is not None)
+    held[0].view(-1)[0] = float("inf")
     assert not fs.optim.all_finite(grads)
 
 
