@@ -37,7 +37,6 @@ import json
 import multiprocessing as mp
 import multiprocessing.forkserver
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from typing import Any
 from bench import allocator
 from bench import model as gpt
 from bench.modes import MODES
-from bench.report import write_report
+from bench.report import provenance, write_report
 
 # what --tiny's fork server imports: what every mode does, then what PyTorch's modes do
 TINY_PRELOAD = ["bench.worker", "torch._dynamo", "torch.distributed.fsdp"]
@@ -166,15 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         flush=True,
                     )
     meta = {
-        "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "duration_s": round(time.time() - started),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": _torch_version(),
-        },
+        **provenance("python -m bench", argv, started),
         "malloc": list(passes),
         "env": {
             "MALLOC_MMAP_THRESHOLD_": f"unset (default), {allocator.MMAP_THRESHOLD} (mmap)",
@@ -272,12 +263,6 @@ def _run(
             if proc.is_alive():
                 proc.kill()
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 if __name__ == "__main__":

@@ -26,10 +26,8 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +35,7 @@ from typing import Any
 
 from bench import model as gpt
 from bench.modes import MODES
+from bench.report import provenance
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -72,15 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ratio = [x / y for x, y in zip(a, b)]
     units = ranks[0]["units"]
     summary: dict[str, Any] = {
-        "command": "python -m bench.paired " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "duration_s": round(time.time() - started),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": ranks[0]["torch"],
-        },
+        **provenance("python -m bench.paired", argv, started),
         "size": args.size,
         "config": cfg.to_json(),
         "world_size": args.world_size,
@@ -222,7 +213,7 @@ def worker(
             if i >= spec["warmup"]:
                 times[mode].append(time.perf_counter() - start)
     units = {m: trainers[m].units or 0 for m in modes}
-    Path(out).write_text(json.dumps({"times": times, "units": units, "torch": torch.__version__}))
+    Path(out).write_text(json.dumps({"times": times, "units": units}))
     dist.destroy_process_group()
 
 

@@ -24,6 +24,28 @@ FLOOR_MEANS = (
 )
 
 
+def provenance(prog: str, argv: list[str] | None, started: float) -> dict[str, Any]:
+    """The command, date, duration and machine of a run that started at ``started`` (``time.time()``)."""
+    import os
+    import platform
+    import sys
+    import time
+
+    import torch
+
+    return {
+        "command": f"{prog} " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "duration_s": round(time.time() - started),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+    }
+
+
 def write_report(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> dict[str, Any]:
     """Writes results.json, results.md and (with matplotlib) results.png under ``out``; returns the summary."""
     out.mkdir(parents=True, exist_ok=True)
