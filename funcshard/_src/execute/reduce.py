@@ -141,22 +141,21 @@ class Reducer:
     ) -> Any:
         """After :meth:`finish`: the sharded gradients, the mean over ``micro_batches`` (``None`` at frozen leaves)."""
         grads, held = self.grads, self.held
-        for flats in by_unit.values():  # parts no reduction reached: integer leaves
-            for flat in flats:
-                if flat.layout not in grads and flat.layout not in held and not flat.layout.frozen:
-                    grads[flat.layout] = torch.zeros_like(flat.data)
         if micro_batches > 1:
             floating = [g for g in grads.values() if g.is_floating_point()]
             torch._foreach_mul_(floating, 1.0 / micro_batches)
         new: dict[FlatShard, FlatShard] = {}
         for flats in by_unit.values():
             for flat in flats:
-                if not flat.layout.frozen:
-                    new[flat] = (
-                        FlatShard.of_leaves(flat.layout, held[flat.layout], flat.rank)
-                        if flat.layout in held
-                        else flat.with_data(grads[flat.layout])
-                    )
+                layout = flat.layout
+                if layout.frozen:
+                    continue
+                if layout in held:
+                    new[flat] = FlatShard.of_leaves(layout, held[layout], flat.rank)
+                    continue
+                if layout not in grads:  # a part no reduction reached: integer leaves
+                    grads[layout] = torch.zeros_like(flat.data)
+                new[flat] = flat.with_data(grads[layout])
         # map_flats(..., trainable(sparams)) in one pass: None at frozen leaves
         leaves, treedef = tree.flatten(sparams)
         return tree.unflatten(
@@ -259,6 +258,7 @@ class Reducer:
         self, unit: UnitRuntime, part: Part, mine: Sequence[torch.Tensor | None], *, defer: bool
     ) -> None:
         layout = part.layout
+        device = unit.flats[unit.parts.index(part)].data.device
         if (
             self.hold_leaves
             and unit.group_size == 1
@@ -268,11 +268,10 @@ class Reducer:
         ):
             earlier = self.held.pop(layout, None)
             if earlier is None:
-                self.held[layout] = _held(layout, mine, unit.flats[0].data.device)
+                self.held[layout] = _held(layout, mine, device)
                 return
             # a unit called twice in one step: add this call's gradients to a buffer
             self.grads[layout] = concatenate_leaves(layout, earlier)
-        device = unit.flats[unit.parts.index(part)].data.device
         spare = None if defer else self.spares.pop(layout, None)
         if spare is not None and spare.dtype != part.grad_dtype:
             spare = None

@@ -290,16 +290,13 @@ class Run:
     def finish(self) -> None:
         """After backward: reduce calls whose backward never ran, wait for every reduction, free all."""
         self._finish_forward_check()
-        for record in [*reversed(self.calls), *([self.root] if self.root else [])]:
+        records = [*reversed(self.calls), *([self.root] if self.root else [])]
+        for record in records:
             if record.leaves is not None:  # see [Note: local-only calls]
                 grads = [t.grad for t in record.leaves]
                 record.leaves = None
                 self.post_backward(record, grads, agreed=True)
-        unreached = [
-            r
-            for r in [*reversed(self.calls), *([self.root] if self.root else [])]
-            if r.phase is not CallPhase.DONE
-        ]
+        unreached = [r for r in records if r.phase is not CallPhase.DONE]
         if unreached:  # which calls no gradient reached may differ between ranks
             check_unreached([r.index for r in unreached])
         for record in unreached:  # their gradients are zero

@@ -187,10 +187,7 @@ class UnitRuntime:
         for part, flat in zip(self.parts, self.flats):
             if part.aliased and part.full is not flat.data:  # see [Note: aliased units]
                 part.full = flat.data  # the views are made once per buffer
-                part.views = [
-                    flat.data[s.offset : s.offset + s.numel].view(s.shape)
-                    for s in part.layout.slots
-                ]
+                part.views = list(flat.whole_leaves())
 
     # -- transitions ---------------------------------------------------------------
 

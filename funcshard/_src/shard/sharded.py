@@ -16,7 +16,7 @@ import torch
 
 from funcshard._src import tree
 from funcshard._src.dtypes import dtype_name
-from funcshard._src.shard.flat import FlatLayout, Slot, local_view, padded_view
+from funcshard._src.shard.flat import FlatLayout, Slot, local_view, pack_all, padded_view
 from funcshard._src.spec.flat_sharding import FlatSharding
 from funcshard._src.spec.named_sharding import NamedSharding
 from funcshard._src.spec.partition_spec import P
@@ -93,13 +93,7 @@ class FlatShard:
         Raises:
             DonatedError: the buffer was donated.
         """
-        if self._donated:
-            raise DonatedError(
-                f"unit {self.layout.unit!r}: this tree's buffers were donated (a step with "
-                f"donate_grads=True reused these gradients for the next call's), so they are no "
-                f"longer this tree's; use the tree that call returned, or clone what you keep "
-                f"before the next step"
-            )
+        self._live()
         if self._data is None:
             self._data = concatenate_leaves(self.layout, self._leaves or ())
             self._leaves = None
@@ -112,8 +106,7 @@ class FlatShard:
         Raises:
             DonatedError: the buffer was donated.
         """
-        if self._donated:
-            self.data  # raises  # noqa: B018
+        self._live()
         return self._leaves
 
     def held(self) -> tuple[torch.Tensor, ...]:
@@ -147,9 +140,7 @@ class FlatShard:
             self._views = tuple(
                 data[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots
             )
-        elif self._donated:
-            self.data  # raises  # noqa: B018
-        return self._views
+        return self._views  # donate() drops them: a donated shard raises above
 
     @property
     def nbytes(self) -> int:
@@ -172,10 +163,20 @@ class FlatShard:
 
         Its ``data`` raises from now on.
         """
+        self._live()  # a check only: held leaves are not concatenated to be dropped
         data = self._data if self._leaves is None else None
-        self.data  # noqa: B018  (raises if donated already)
         self._data, self._leaves, self._views, self._donated = None, None, None, True
         return data
+
+    def _live(self) -> None:
+        """Raises :class:`DonatedError` once the buffer was donated."""
+        if self._donated:
+            raise DonatedError(
+                f"unit {self.layout.unit!r}: this tree's buffers were donated (a step with "
+                f"donate_grads=True reused these gradients for the next call's), so they are no "
+                f"longer this tree's; use the tree that call returned, or clone what you keep "
+                f"before the next step"
+            )
 
     def with_data(self, data: torch.Tensor, /) -> FlatShard:
         """A flat shard of the same layout and rank holding ``data``."""
@@ -183,15 +184,8 @@ class FlatShard:
 
 
 def concatenate_leaves(layout: FlatLayout, leaves: Sequence[torch.Tensor], /) -> torch.Tensor:
-    """The flat buffer of ``leaves`` held by :meth:`FlatShard.of_leaves`: each at its slot, zeros between."""
-    out = torch.empty(layout.numel, dtype=layout.dtype, device=leaves[0].device if leaves else None)
-    end = 0
-    for slot, leaf in zip(layout.slots, leaves):
-        out[end : slot.offset].zero_()
-        end = slot.offset + leaf.numel()
-        out[slot.offset : end].view_as(leaf).copy_(leaf)
-    out[end:].zero_()
-    return out
+    """The flat buffer of ``leaves`` held by :meth:`FlatShard.of_leaves`: the one row a one-rank group packs."""
+    return pack_all(layout, leaves).view(-1)
 
 
 class ShardedTensor:
