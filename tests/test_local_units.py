@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import funcshard as fs
+from funcshard._src.shard.layout import layouts
 from funcshard._src.shard.sharded import FlatShard, concatenate_leaves, flats_of
 from funcshard.testing import assert_trees_close, reference_value_and_grad
 from tests.models import Model
@@ -238,3 +239,11 @@ def test_a_gradient_given_for_two_leaves_is_held_once_per_leaf():
     held = _held(layout, same, torch.device("cpu"))
     assert len({id(t) for t in held}) == len(held)
     assert held[0] is g  # the first use keeps autograd's tensor
+
+
+def test_per_leaf_views_of_a_buffer_whose_leaves_are_split_are_refused():
+    """whole_leaves is for one-rank groups: a shard of a two-rank plan holds parts of leaves."""
+    plan = fs.plan(MODEL.init(0), fs.Mesh({"fsdp": 2}), units=MODEL.units)
+    split = next(lt for lt in layouts(plan) if lt.unit == "blocks/0")
+    with pytest.raises(ValueError, match="unit 'blocks/0': its leaves are not whole on this rank"):
+        FlatShard(split, torch.zeros(split.numel), 0).whole_leaves()
