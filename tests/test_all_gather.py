@@ -139,7 +139,18 @@ def test_a_ring_refuses_an_output_that_overlaps_its_input(pools):
         assert "overlaps its input other than as this rank's row" in error
 
 
-def test_auto_keeps_native_off_gloo_and_picks_the_ring_for_large_buffers_on_two_gloo_ranks():
+def test_auto_picks_shared_memory_on_gloo_and_never_off_it():
+    assert ag.resolve("auto", "nccl", 2, 1 << 30) == "native"
+    assert ag.resolve("shm", "nccl", 2, 1 << 30) == "native"  # never change CUDA behaviour
+    for w, n in [(2, 1), (2, 1 << 30), (4, 1 << 20)]:
+        assert ag.resolve("auto", "gloo", w, n) == "shm"
+    assert ag.fallback("shm", 2, 64) == "ring_overlapped"
+
+
+def test_auto_keeps_native_off_gloo_and_picks_the_ring_for_large_buffers_on_two_gloo_ranks(
+    monkeypatch,
+):
+    monkeypatch.setenv("FUNCSHARD_SHM", "0")  # the socket algorithms, as without shared memory
     assert ag.resolve("auto", "nccl", 2, 1 << 30) == "native"
     assert ag.resolve("ring", "nccl", 2, 1 << 30) == "native"  # never change CUDA behaviour
     assert ag.resolve("auto", "gloo", 2, ag.RING_MIN_BYTES) == "ring_overlapped"

@@ -107,7 +107,18 @@ def test_a_ring_that_a_peer_never_joins_fails_in_time_and_leaves_the_rank_out_of
     check_a_ring_that_a_peer_never_joins(pools, "reduce_scatter")
 
 
-def test_auto_keeps_native_off_gloo_and_picks_the_ring_for_large_buffers_on_two_gloo_ranks():
+def test_auto_picks_shared_memory_on_gloo_and_never_off_it():
+    assert rs.resolve("auto", "nccl", 2, 1 << 30) == "native"
+    assert rs.resolve("shm", "nccl", 2, 1 << 30) == "native"  # never change CUDA behaviour
+    for w, n in [(2, 1), (2, 1 << 30), (4, 1 << 20)]:
+        assert rs.resolve("auto", "gloo", w, n) == "shm"
+    assert rs.fallback("shm", 2, 64) == "all_reduce"
+
+
+def test_auto_keeps_native_off_gloo_and_picks_the_ring_for_large_buffers_on_two_gloo_ranks(
+    monkeypatch,
+):
+    monkeypatch.setenv("FUNCSHARD_SHM", "0")  # the socket algorithms, as without shared memory
     assert rs.resolve("auto", "nccl", 2, 1 << 30) == "native"
     assert rs.resolve("ring", "nccl", 2, 1 << 30) == "native"  # never change CUDA behaviour
     assert rs.resolve("auto", "gloo", 2, rs.RING_MIN_BYTES) == "ring"

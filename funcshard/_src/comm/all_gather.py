@@ -13,6 +13,9 @@ algorithms here, over a group of ``W`` ranks, gather ``flat`` ``(n,)`` into
   pairwise exchange: send ``flat``, receive the other rank's row.
 - ``"ring_overlapped"``: the ring, with the copy of this rank's row made after
   the first step is issued, while it runs.
+- ``"shm"``: ranks on one host read each other's shards from shared memory
+  (``shm.py``, [Note: shared-memory collectives]); where the group's ranks
+  cannot share memory it runs :func:`fallback`'s choice.
 
 Both rings send exactly ``(W - 1) / W`` of the gathered bytes per rank, the
 count the ledger records (see ``ledger.py``) and the cost model assumes.
@@ -39,11 +42,12 @@ from typing import Any, Literal, cast
 import torch
 import torch.distributed as dist
 
+from funcshard._src.comm import shm
 from funcshard._src.comm.algorithm import Timeout, check_known, from_env, wait_work
 from funcshard._src.comm.channel import all_gather_single
 
-Algorithm = Literal["auto", "native", "ring", "ring_overlapped"]
-ALGORITHMS: tuple[Algorithm, ...] = ("auto", "native", "ring", "ring_overlapped")
+Algorithm = Literal["auto", "native", "ring", "ring_overlapped", "shm"]
+ALGORITHMS: tuple[Algorithm, ...] = ("auto", "native", "ring", "ring_overlapped", "shm")
 ALGORITHM_ENV = "FUNCSHARD_ALL_GATHER"
 # "auto" on gloo (bench/all_gather.py on a loaded 2-core machine, 6-9 runs of the median of 9-11
 # rounds): at W = 2 ring_overlapped took 0.68-0.82x gloo's native time from 8 MiB per rank (a
@@ -58,10 +62,11 @@ def resolve(algorithm: Algorithm, backend: str, world_size: int, nbytes: int, /)
     """The algorithm that runs for ``algorithm`` on ``backend`` over ``world_size`` ranks.
 
     ``"auto"`` keeps the backend's own collective, except on gloo: there it runs
-    ``"ring_overlapped"`` (the pairwise exchange) for two ranks and outputs of at
-    least :data:`RING_MIN_BYTES`, where it measured faster, and ``"native"``
-    otherwise. Anything but gloo always runs ``"native"`` (the others are for
-    gloo on CPU).
+    ``"shm"`` where the transport is enabled (``shm.enabled()``; the ranks'
+    sharing memory is found out when it starts), else ``"ring_overlapped"`` (the
+    pairwise exchange) for two ranks and outputs of at least
+    :data:`RING_MIN_BYTES`, where it measured faster, and ``"native"`` otherwise.
+    Anything but gloo always runs ``"native"`` (the others are for gloo on CPU).
 
     Args:
         algorithm: one of :data:`ALGORITHMS`.
@@ -78,12 +83,33 @@ def resolve(algorithm: Algorithm, backend: str, world_size: int, nbytes: int, /)
     Example:
         >>> resolve("auto", "nccl", 8, 1 << 30)
         'native'
-        >>> resolve("auto", "gloo", 2, 64 << 20)
-        'ring_overlapped'
+        >>> resolve("auto", "gloo", 2, 64 << 20) == ("shm" if shm.enabled() else "ring_overlapped")
+        True
     """
     check_known(algorithm, ALGORITHMS, "all-gather")
     if backend != "gloo":
         return "native"
+    if algorithm != "auto":
+        return algorithm
+    if shm.enabled() and nbytes >= shm.MIN_BYTES:
+        return "shm"
+    return fallback("auto", world_size, nbytes)
+
+
+def fallback(algorithm: Algorithm, world_size: int, nbytes: int, /) -> Algorithm:
+    """The socket algorithm that runs on gloo for ``algorithm`` where the ranks cannot share memory.
+
+    ``"auto"`` runs ``"ring_overlapped"`` for two ranks and outputs of at least
+    :data:`RING_MIN_BYTES`, ``"native"`` otherwise; ``"shm"`` runs
+    ``"ring_overlapped"``, which writes its output in place as ``"shm"`` does;
+    any other algorithm runs as itself.
+
+    Example:
+        >>> fallback("auto", 2, 64 << 20), fallback("auto", 2, 1024), fallback("shm", 2, 1024)
+        ('ring_overlapped', 'native', 'ring_overlapped')
+    """
+    if algorithm == "shm":
+        return "ring_overlapped"
     if algorithm != "auto":
         return algorithm
     return "ring_overlapped" if world_size == 2 and nbytes >= RING_MIN_BYTES else "native"
@@ -111,29 +137,49 @@ def default_algorithm() -> Algorithm:
 
 
 def leaf_algorithm() -> Algorithm:
-    """The algorithm for one leaf gathered into its own storage: ``FUNCSHARD_ALL_GATHER``, else the overlapped ring.
+    """The algorithm for one leaf gathered into its own storage: ``FUNCSHARD_ALL_GATHER``, else shared memory or the overlapped ring.
+
+    Both write the leaf in place. A group whose ranks cannot share memory runs
+    the overlapped ring for ``"shm"`` too (:func:`start`).
 
     Example:
-        >>> leaf_algorithm()
-        'ring_overlapped'
+        >>> leaf_algorithm() == ("shm" if shm.enabled() else "ring_overlapped")
+        True
     """
     chosen = default_algorithm()
-    return "ring_overlapped" if chosen == "auto" else chosen
+    if chosen != "auto":
+        return chosen
+    return "shm" if shm.enabled() else "ring_overlapped"
 
 
 def start(
-    algorithm: Algorithm, flat: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup, /
+    algorithm: Algorithm,
+    flat: torch.Tensor,
+    rows: torch.Tensor,
+    group: dist.ProcessGroup,
+    /,
+    *,
+    fallback_to: Algorithm = "ring_overlapped",
 ) -> Any:
     """Starts gathering every group rank's ``flat`` ``(n,)`` into ``rows`` ``(W, n)``; writes ``rows``.
 
     Returns a handle whose ``wait(timeout=...)`` finishes it (``rows[j]`` then
     holds group rank ``j``'s ``flat``), as a ``torch.distributed`` ``Work`` does.
 
+    ``"shm"`` is collective the first time it runs on ``group`` (``shm.arena``);
+    where the group's ranks cannot share memory it runs ``fallback_to``
+    (:func:`fallback`), the same on every rank.
+
     Raises:
         ValueError: ``algorithm`` is not resolved, or a ring's ``rows`` overlaps
             ``flat`` other than as exactly this rank's row (a receive would
             overwrite ``flat`` before it is sent).
     """
+    if algorithm == "shm":
+        arena = shm.arena(group)
+        if arena is not None:
+            return shm.all_gather(arena, flat.view(-1), rows)
+        algorithm = fallback_to
     if algorithm == "native":
         return all_gather_single(rows.view(-1), flat, group=group, async_op=True)
     if algorithm in ("ring", "ring_overlapped"):

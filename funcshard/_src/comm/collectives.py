@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from funcshard._src.comm import agree, channel, runtime
+from funcshard._src.comm import agree, channel, runtime, shm
 from funcshard._src.comm import all_gather as _ag
 from funcshard._src.comm import reduce_scatter as _rs
 from funcshard._src.comm.groups import BoundMesh
@@ -116,14 +116,16 @@ def all_gather(
     target = out
     nbytes = out.numel() * out.element_size()
     backend = dist.get_backend(group)
-    chosen = _ag.resolve(
-        _ag.default_algorithm() if algorithm is None else algorithm, backend, size, nbytes
-    )
+    requested = _ag.default_algorithm() if algorithm is None else algorithm
+    chosen = _ag.resolve(requested, backend, size, nbytes)
     gloo = backend == "gloo"
 
     def call() -> Any:  # nccl: the backend's own, exactly as before
         if gloo:
-            return _ag.start(chosen, flat, target.view(size, -1), group)
+            return _ag.start(
+                chosen, flat, target.view(size, -1), group,
+                fallback_to=_ag.fallback(requested, size, nbytes),
+            )  # fmt: skip
         return _all_gather_single(target.view(-1), flat, group=group, async_op=True)
 
     pending = _issue("all_gather", tag, axes, bound, group, flat, call)
@@ -174,14 +176,15 @@ def reduce_scatter(
     target = out
     nbytes = rows.numel() * rows.element_size()
     backend = dist.get_backend(group)
-    chosen = _rs.resolve(
-        _rs.default_algorithm() if algorithm is None else algorithm, backend, size, nbytes
-    )
+    requested = _rs.default_algorithm() if algorithm is None else algorithm
+    chosen = _rs.resolve(requested, backend, size, nbytes)
     gloo = backend == "gloo"
 
     def call() -> Any:  # nccl: the backend's own, exactly as before
         if gloo:
-            return _rs.start(chosen, rows, target, group)
+            return _rs.start(
+                chosen, rows, target, group, fallback_to=_rs.fallback(requested, size, nbytes)
+            )
         return _reduce_scatter_single(target, rows.view(-1), group=group, async_op=True)
 
     pending = _issue("reduce_scatter", tag, axes, bound, group, rows, call)
@@ -202,20 +205,24 @@ def all_reduce(
     ledger: Ledger | None = None,
     tag: str = "",
 ) -> Pending:
-    """Sums ``buf`` over the group over ``axes``, in place; mutates ``buf``."""
+    """Sums ``buf`` over the group over ``axes``, in place; mutates ``buf``.
+
+    On gloo, ranks that share a host add from each other's memory (``shm.py``).
+    """
     size = group_size(bound, axes)
     group = bound.group(axes)
     if group is None:
         return Pending(buf)
-    pending = _issue(
-        "all_reduce",
-        tag,
-        axes,
-        bound,
-        group,
-        buf,
-        lambda: dist.all_reduce(buf, group=group, async_op=True),
-    )
+    nbytes = buf.numel() * buf.element_size()
+    shared = dist.get_backend(group) == "gloo" and shm.enabled() and nbytes >= shm.MIN_BYTES
+
+    def call() -> Any:  # on one host, gloo's ranks add from each other's memory: shm.py
+        arena = shm.arena(group) if shared else None
+        if arena is not None:
+            return shm.all_reduce(arena, buf)
+        return dist.all_reduce(buf, group=group, async_op=True)
+
+    pending = _issue("all_reduce", tag, axes, bound, group, buf, call)
     if ledger is not None:
         ledger.record(
             "all_reduce", axes, group_size=size, full_bytes=buf.numel() * buf.element_size()

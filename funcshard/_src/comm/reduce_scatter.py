@@ -16,6 +16,9 @@ algorithms here, over a group of ``W`` ranks and ``rows`` of shape
   exchange: send the other rank's row, receive this rank's row from it, add.
 - ``"ring_pipelined"``: the ring with each row in pieces, so that adding
   piece ``i`` overlaps the transfer of the pieces after it.
+- ``"shm"``: ranks on one host add from each other's rows in shared memory
+  (``shm.py``, [Note: shared-memory collectives]); where the group's ranks
+  cannot share memory it runs :func:`fallback`'s choice.
 
 ``all_to_all`` and both rings send exactly ``(W - 1) / W`` of the input per
 rank, the count the ledger records (see ``ledger.py``) and the cost model
@@ -40,12 +43,15 @@ from typing import Any, Literal, cast
 import torch
 import torch.distributed as dist
 
+from funcshard._src.comm import shm
 from funcshard._src.comm.algorithm import Timeout, check_known, from_env, wait_work
 from funcshard._src.comm.channel import reduce_scatter_single
 
-Algorithm = Literal["auto", "native", "all_reduce", "all_to_all", "ring", "ring_pipelined"]
+Algorithm = Literal[
+    "auto", "native", "all_reduce", "all_to_all", "ring", "ring_pipelined", "shm"
+]  # fmt: skip
 ALGORITHMS: tuple[Algorithm, ...] = (
-    "auto", "native", "all_reduce", "all_to_all", "ring", "ring_pipelined",
+    "auto", "native", "all_reduce", "all_to_all", "ring", "ring_pipelined", "shm",
 )  # fmt: skip
 ALGORITHM_ENV = "FUNCSHARD_REDUCE_SCATTER"
 # "auto" on gloo (bench/reduce_scatter.py on a loaded 2-core machine, median of 9 rounds): at
@@ -60,10 +66,11 @@ def resolve(algorithm: Algorithm, backend: str, world_size: int, nbytes: int, /)
     """The algorithm that runs for ``algorithm`` on ``backend`` over ``world_size`` ranks.
 
     ``"auto"`` keeps the backend's own collective, except on gloo: there it runs
-    the ring (the pairwise exchange) for two ranks and inputs of at least
-    :data:`RING_MIN_BYTES`, where it measured faster, and ``"all_reduce"``
-    otherwise. Anything but gloo always runs ``"native"`` (the others are for
-    gloo on CPU).
+    ``"shm"`` where the transport is enabled (``shm.enabled()``; the ranks'
+    sharing memory is found out when it starts), else the ring (the pairwise
+    exchange) for two ranks and inputs of at least :data:`RING_MIN_BYTES`, where
+    it measured faster, and ``"all_reduce"`` otherwise. Anything but gloo always
+    runs ``"native"`` (the others are for gloo on CPU).
 
     Args:
         algorithm: one of :data:`ALGORITHMS`.
@@ -80,13 +87,31 @@ def resolve(algorithm: Algorithm, backend: str, world_size: int, nbytes: int, /)
     Example:
         >>> resolve("auto", "nccl", 8, 1 << 30)
         'native'
-        >>> resolve("auto", "gloo", 2, 64 << 20)
-        'ring'
+        >>> resolve("auto", "gloo", 2, 64 << 20) == ("shm" if shm.enabled() else "ring")
+        True
     """
     check_known(algorithm, ALGORITHMS, "reduce-scatter")
     if backend != "gloo":
         return "native"
     if algorithm != "auto":
+        return algorithm
+    if shm.enabled() and nbytes >= shm.MIN_BYTES:
+        return "shm"
+    return fallback("auto", world_size, nbytes)
+
+
+def fallback(algorithm: Algorithm, world_size: int, nbytes: int, /) -> Algorithm:
+    """The socket algorithm that runs on gloo for ``algorithm`` where the ranks cannot share memory.
+
+    ``"auto"`` and ``"shm"`` run the ring for two ranks and inputs of at least
+    :data:`RING_MIN_BYTES`, ``"all_reduce"`` otherwise; any other algorithm runs
+    as itself.
+
+    Example:
+        >>> fallback("shm", 2, 64 << 20), fallback("auto", 2, 1024), fallback("all_to_all", 4, 8)
+        ('ring', 'all_reduce', 'all_to_all')
+    """
+    if algorithm not in ("auto", "shm"):
         return algorithm
     return "ring" if world_size == 2 and nbytes >= RING_MIN_BYTES else "all_reduce"
 
@@ -112,6 +137,7 @@ def start(
     /,
     *,
     pieces: int | None = None,
+    fallback_to: Algorithm = "all_reduce",
 ) -> Any:
     """Starts a reduce-scatter of ``rows`` ``(W, n)`` into ``out`` ``(n,)``; may overwrite ``rows``.
 
@@ -119,9 +145,16 @@ def start(
     Returns a handle whose ``wait(timeout=...)`` finishes it (``out`` then holds
     the sum of every rank's row at this rank's group rank), as a
     ``torch.distributed`` ``Work`` does. ``pieces`` overrides how many pieces
-    ``"ring_pipelined"`` cuts a row into.
+    ``"ring_pipelined"`` cuts a row into. ``"shm"`` is collective the first time
+    it runs on ``group`` (``shm.arena``); where the group's ranks cannot share
+    memory it runs ``fallback_to`` (:func:`fallback`), the same on every rank.
     """
     me = dist.get_group_rank(group, dist.get_rank())
+    if algorithm == "shm":
+        arena = shm.arena(group)
+        if arena is not None:
+            return shm.reduce_scatter(arena, rows, out)
+        algorithm = fallback_to
     if algorithm == "native":
         return _Native(reduce_scatter_single(out, rows.view(-1), group=group, async_op=True))
     if algorithm == "all_reduce":

@@ -1,0 +1,163 @@
+"""Shared-memory collectives: exact results with many in flight, bounded regions, and every way out.
+
+Each worker runs all-gathers, reduce-scatters and all-reduces through
+``shm.py`` with several in flight and waits for them in another order than it
+started them, as the executor does; the references are gloo's own collectives
+on the same inputs. The all-reduce must give the same bits on every rank (a
+replicated parameter must stay replicated). Ranks that cannot map each other's
+memory fall back together; a descriptor from a rank at another collective is
+an error naming it, never a read of the wrong bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import funcshard as fs
+from funcshard._src.comm import all_gather as ag
+from funcshard._src.comm import collectives, groups, shm
+from funcshard._src.comm import reduce_scatter as rs
+from funcshard._src.comm.runtime import CollectiveError
+
+MESHES = {
+    "world2": ({"fsdp": 2}, ("fsdp",)),
+    "world4": ({"fsdp": 4}, ("fsdp",)),
+    "2x2/dp": ({"dp": 2, "fsdp": 2}, ("dp",)),
+}
+ROUNDS = 12
+
+
+def _many_in_flight(mesh: dict[str, int], axes: tuple[str, ...]) -> dict[str, Any]:
+    bound = groups.bind(fs.Mesh(mesh))
+    group = bound.group(axes)
+    assert group is not None
+    arena = shm.arena(group)
+    assert arena is not None, "ranks of one host share memory"
+    w, me = arena.w, arena.me
+    gen = torch.Generator().manual_seed(bound.rank)
+    wrong: list[str] = []
+    held: list[int] = []
+    for it in range(ROUNDS):
+        n = 257 + 64 * (it % 3)  # sizes that recur, as a step's units do
+        flat = torch.randn(n, generator=gen)
+        rows = torch.full((w, n), float("nan"))
+        grads = torch.randn(w, n, generator=gen)
+        out = torch.full((n,), float("nan"))
+        buf = torch.randn(2 * n, generator=gen).to(torch.bfloat16 if it % 2 else torch.float32)
+        refs = (flat.clone(), grads.clone(), buf.clone())
+        ops = [
+            ag.start("shm", flat, rows, group),
+            rs.start("shm", grads, out, group),
+            shm.all_reduce(arena, buf),
+        ]
+        for op in reversed(ops) if it % 2 else ops:
+            op.wait()
+        gathered = [torch.empty_like(refs[0]) for _ in range(w)]
+        dist.all_gather(gathered, refs[0], group=group)
+        if not torch.equal(rows, torch.stack(gathered)):
+            wrong.append(f"all-gather, round {it}")
+        summed = refs[1].clone()
+        dist.all_reduce(summed, group=group)
+        if not torch.allclose(out, summed[me], rtol=1e-5, atol=1e-5):
+            wrong.append(f"reduce-scatter, round {it}")
+        others = [torch.empty_like(refs[2]) for _ in range(w)]
+        dist.all_gather(others, refs[2], group=group)
+        total = torch.stack(others).double().sum(0)
+        # each of the W - 1 additions rounds once: 2**-8 of |sum| < 16 in bfloat16
+        tol = 3 * 16 * 2**-9 if buf.dtype == torch.bfloat16 else 1e-5
+        if not torch.allclose(buf.double(), total, rtol=0, atol=tol):
+            wrong.append(f"all-reduce, round {it}")
+        everyone = [torch.empty_like(buf) for _ in range(w)]
+        dist.all_gather(everyone, buf, group=group)
+        if not all(torch.equal(everyone[0], b) for b in everyone):
+            wrong.append(f"all-reduce differs between ranks, round {it}")
+        held.append(len(arena.regions))
+    return {"wrong": wrong, "regions": held}
+
+
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_collectives_in_flight_equal_gloo_and_reuse_their_regions(pools, name):
+    mesh, axes = MESHES[name]
+    for rank, r in enumerate(pools.run(fs.Mesh(mesh).size, _many_in_flight, mesh, axes)):
+        assert r["wrong"] == [], f"rank {rank}: {r['wrong']}"
+        # three collectives in flight at a time: their regions, and a few a peer had not
+        # yet been heard to finish reading; never one per collective started
+        assert r["regions"][-1] == r["regions"][ROUNDS // 2], f"rank {rank}: {r['regions']}"
+        assert r["regions"][-1] <= 12, f"rank {rank}: {r['regions']}"
+
+
+def _cannot_map_a_peer() -> dict[str, Any]:
+    bound = groups.bind(fs.Mesh({"dp": 2, "fsdp": 2}))
+    group = bound.group(("fsdp",))
+    assert group is not None
+    shm._ARENAS.pop(group, None)  # probe again, on every rank: the group may have been used
+    real = shm._map_peer
+    if bound.rank == 1:  # as a rank in another PID namespace, or on another host, finds
+
+        def refuse(pid: int, fd: int) -> torch.Tensor:
+            raise PermissionError(f"/proc/{pid}/fd/{fd}")
+
+        shm._map_peer = refuse
+    try:
+        rows = torch.arange(4.0) + 10 * bound.rank
+        out = collectives.reduce_scatter(rows.view(2, 2), bound, ("fsdp",)).wait()
+        gathered = collectives.all_gather(torch.tensor([float(bound.rank)]), bound, ("fsdp",))
+        buf = torch.full((3,), float(bound.rank))
+        collectives.all_reduce(buf, bound, ("fsdp",)).wait()
+        return {
+            "arena": shm.arena(group) is not None,
+            "out": out.tolist(),
+            "gathered": gathered.wait().view(-1).tolist(),
+            "sum": buf.tolist(),
+        }
+    finally:
+        shm._map_peer = real
+        shm._ARENAS.pop(group, None)  # later tests on this group probe afresh
+
+
+def test_ranks_that_cannot_share_memory_fall_back_together_to_gloo(pools):
+    results = pools.run(4, _cannot_map_a_peer)
+    for rank, r in enumerate(results):
+        members = [0, 1] if rank < 2 else [2, 3]
+        me = members.index(rank)
+        assert r["arena"] is (rank >= 2), f"rank {rank}: only the group of ranks 0-1 falls back"
+        rows = [torch.arange(4.0).view(2, 2) + 10 * m for m in members]
+        assert r["out"] == (rows[0][me] + rows[1][me]).tolist()
+        assert r["gathered"] == [float(m) for m in members]
+        assert r["sum"] == [float(sum(members))] * 3
+
+
+def _out_of_step() -> str:
+    bound = groups.bind(fs.Mesh({"fsdp": 2}))
+    group = bound.group(("fsdp",))
+    assert group is not None
+    arena = shm.arena(group)
+    assert arena is not None
+    n = 5 + bound.rank  # rank 1 gathers another unit, of another size
+    try:
+        collectives.all_gather(torch.ones(n), bound, ("fsdp",), tag="b/1").wait()
+    except CollectiveError as e:
+        return str(e)
+    return ""
+
+
+def test_a_peer_at_another_collective_is_an_error_not_a_wrong_read(pools):
+    try:
+        errors = pools.run(2, _out_of_step)
+    finally:
+        pools.pool(2).close()  # both ranks are out of step: the next test starts fresh
+    for rank, error in enumerate(errors):
+        assert f"all_gather of unit 'b/1' over mesh axes ['fsdp'] on rank {rank} failed" in error
+        assert "the ranks are out of step" in error
+
+
+def test_the_transport_is_off_under_funcshard_shm_0(monkeypatch):
+    monkeypatch.setenv(shm.ENV, "0")
+    assert not shm.enabled()
+    assert ag.resolve("auto", "gloo", 2, 1 << 30) == "ring_overlapped"
+    assert rs.resolve("auto", "gloo", 2, 1 << 30) == "ring"
+    assert ag.leaf_algorithm() == "ring_overlapped"
