@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import funcshard as fs
 from funcshard._src.comm import all_gather as ag
+from funcshard._src.comm import arena as regions
 from funcshard._src.comm import collectives, groups, shm
 from funcshard._src.comm import reduce_scatter as rs
 from funcshard._src.comm.runtime import CollectiveError
@@ -94,14 +95,14 @@ def _cannot_map_a_peer() -> dict[str, Any]:
     bound = groups.bind(fs.Mesh({"dp": 2, "fsdp": 2}))
     group = bound.group(("fsdp",))
     assert group is not None
-    shm._ARENAS.pop(group, None)  # probe again, on every rank: the group may have been used
-    real = shm._map_peer
+    regions._ARENAS.pop(group, None)  # probe again, on every rank: the group may have been used
+    real = regions._map_peer
     if bound.rank == 1:  # as a rank in another PID namespace, or on another host, finds
 
-        def refuse(pid: int, fd: int) -> torch.Tensor:
+        def refuse(pid: int, fd: int) -> Any:
             raise PermissionError(f"/proc/{pid}/fd/{fd}")
 
-        shm._map_peer = refuse
+        regions._map_peer = refuse
     try:
         rows = torch.arange(4.0) + 10 * bound.rank
         out = collectives.reduce_scatter(rows.view(2, 2), bound, ("fsdp",)).wait()
@@ -115,8 +116,8 @@ def _cannot_map_a_peer() -> dict[str, Any]:
             "sum": buf.tolist(),
         }
     finally:
-        shm._map_peer = real
-        shm._ARENAS.pop(group, None)  # later tests on this group probe afresh
+        regions._map_peer = real
+        regions._ARENAS.pop(group, None)  # later tests on this group probe afresh
 
 
 def test_ranks_that_cannot_share_memory_fall_back_together_to_gloo(pools):

@@ -15,7 +15,7 @@ with every rank.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from funcshard._src.comm import agree, channel, runtime, shm
 from funcshard._src.comm import all_gather as _ag
 from funcshard._src.comm import reduce_scatter as _rs
+from funcshard._src.comm.algorithm import wait_work
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.comm.reduce_scatter import Algorithm
@@ -42,6 +43,7 @@ class Pending:
     work: Any = None  # a torch.distributed Work handle, or None when already done
     what: str = ""  # "all_gather of unit 'blocks/0' over ('fsdp',) on rank 1", for errors
     then: Callable[[], None] | None = None  # runs once the work is done (e.g. copy a chunk out)
+    holds_copy: bool = False  # holds a copy of its input until done (shared memory: shm.py)
 
     def wait(self) -> torch.Tensor:
         """Blocks until the collective is done and returns its result.
@@ -136,6 +138,74 @@ def all_gather(
     return pending
 
 
+def all_gather_pieces(
+    flat: torch.Tensor,
+    bound: BoundMesh,
+    axes: tuple[str, ...],
+    pieces: Sequence[tuple[int, torch.Tensor]],
+    /,
+    *,
+    ledger: Ledger | None = None,
+    tag: str = "",
+) -> Pending:
+    """Gathers pieces of every group member's ``flat``, each into its own rows; writes them.
+
+    A piece ``(offset, rows)``, ``rows`` of shape ``(group_size, n)``, gets group
+    rank ``j``'s ``flat[offset : offset + n]`` in row ``j``: a unit's leaves, each
+    into its full storage. Through shared memory (``shm.py``) it is one
+    collective for all of them; elsewhere one all-gather per piece, with
+    ``all_gather.leaf_algorithm()`` on gloo. The ledger counts every piece as
+    an all-gather of its rows.
+
+    Raises:
+        CollectiveError: the collective could not start.
+    """
+    size = group_size(bound, axes)
+    group = bound.group(axes)
+    if group is None:
+        for lo, rows in pieces:
+            rows.view(-1).copy_(flat[lo : lo + rows.numel()])
+        return Pending(flat)
+    requested = _ag.leaf_algorithm()
+    itemsize = flat.element_size()
+    nbytes = sum(rows.numel() for _, rows in pieces) * itemsize
+    backend = dist.get_backend(group)
+    gloo = backend == "gloo"
+    chosen = _ag.resolve(requested, backend, size, nbytes)
+
+    def call() -> Any:
+        arena = shm.arena(group) if gloo and chosen == "shm" else None
+        if arena is not None:
+            return shm.all_gather_pieces(arena, flat, pieces)
+        each = []
+        for lo, rows in pieces:
+            piece = flat[lo : lo + rows.shape[1]]
+            if gloo:
+                algorithm = chosen if chosen != "shm" else _ag.fallback(requested, size, nbytes)
+                each.append(_ag.start(algorithm, piece, rows, group))
+            else:
+                each.append(_all_gather_single(rows.view(-1), piece, group=group, async_op=True))
+        return _Each(each)
+
+    pending = _issue("all_gather", tag, axes, bound, group, flat, call)
+    if ledger is not None:
+        for _, rows in pieces:
+            ledger.record("all_gather", axes, group_size=size, full_bytes=rows.numel() * itemsize)
+    return pending
+
+
+class _Each:
+    """Several collectives waited for as one, in the order they started."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        for work in self.works:
+            wait_work(work, timeout)
+        return True
+
+
 def reduce_scatter(
     rows: torch.Tensor,
     bound: BoundMesh,
@@ -223,6 +293,7 @@ def all_reduce(
         return dist.all_reduce(buf, group=group, async_op=True)
 
     pending = _issue("all_reduce", tag, axes, bound, group, buf, call)
+    pending.holds_copy = isinstance(pending.work, shm.Exchange)
     if ledger is not None:
         ledger.record(
             "all_reduce", axes, group_size=size, full_bytes=buf.numel() * buf.element_size()

@@ -43,199 +43,24 @@ Linux) keep gloo's sockets. ``FUNCSHARD_SHM=0`` turns the transport off.
 
 from __future__ import annotations
 
-import datetime
-import mmap
 import os
-import secrets
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from funcshard._src.comm import runtime
 from funcshard._src.comm.algorithm import Timeout, wait_work
+from funcshard._src.comm.arena import ENV, MAGIC, MIN_BYTES, WORDS, Arena, arena, enabled
 from funcshard._src.comm.channel import all_gather_single
 from funcshard._src.comm.runtime import CollectiveError
 
-ENV = "FUNCSHARD_SHM"
-MAGIC = 0x6673_73686D  # "fsshm"
-WORDS = 8  # a descriptor: (WORDS,) int64
-PROBE_BYTES = 4096
-# below this many bytes a collective keeps gloo's own: its descriptor exchange is itself a
-# gloo collective, so a tiny payload gains nothing from the shared copy
-MIN_BYTES = 0
-_ALIGN = 4096
+__all__ = [
+    "ENV", "MIN_BYTES", "Arena", "Exchange", "all_gather", "all_gather_pieces", "all_reduce",
+    "arena", "enabled", "reduce_scatter",
+]  # fmt: skip
 
 
-def enabled() -> bool:
-    """Whether the shared-memory transport may be used: Linux with ``memfd`` and ``FUNCSHARD_SHM`` not ``0``.
-
-    Example:
-        >>> isinstance(enabled(), bool)
-        True
-    """
-    return hasattr(os, "memfd_create") and os.environ.get(ENV, "1").strip() != "0"
-
-
-@dataclass(eq=False)
-class _Region:
-    """One shared file of this rank: its fd, bytes, the mapping as a tensor, and the last collective that wrote it."""
-
-    fd: int
-    nbytes: int
-    data: torch.Tensor  # (nbytes,) uint8 over the mapping
-    last_seq: int = -1
-
-
-@dataclass(eq=False)
-class Arena:
-    """One process group's shared regions on this rank and what it knows of its peers; mutated by every collective."""
-
-    group: Any
-    me: int
-    w: int
-    pids: list[int]
-    regions: list[_Region] = field(default_factory=list)
-    peer_maps: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    seq: int = 0  # collectives started on this arena: equal on every rank in step
-    unread: set[int] = field(default_factory=set)  # started here, peers' regions not yet read
-    marks: list[int] = field(default_factory=list)  # per group rank: its read mark, as last heard
-
-    def __post_init__(self) -> None:
-        weakref.finalize(self, _release, self.regions, self.marks, self.me)
-
-    def read_mark(self) -> int:
-        """The lowest sequence number this rank has not finished reading."""
-        return min(self.unread) if self.unread else self.seq
-
-    def region(self, nbytes: int) -> _Region:
-        """A region of at least ``nbytes`` that every peer has finished reading; a new one if none is."""
-        # free once every peer has read it, and this rank too: an all-reduce reads its own copy
-        done = min(self.read_mark(), *(m for r, m in enumerate(self.marks) if r != self.me))
-        free = [g for g in self.regions if g.last_seq < done and g.nbytes >= nbytes]
-        if free:
-            return min(free, key=lambda g: g.nbytes)
-        made = _new_region(max(nbytes, 1))
-        self.regions.append(made)
-        return made
-
-    def held_bytes(self) -> int:
-        """Bytes of this rank's own regions."""
-        return sum(g.nbytes for g in self.regions)
-
-    def peer(self, rank: int, fd: int, nbytes: int) -> torch.Tensor:
-        """Group rank ``rank``'s region ``fd``, mapped once; its first ``nbytes`` bytes."""
-        key = (rank, fd)
-        mapped = self.peer_maps.get(key)
-        if mapped is None:
-            mapped = _map_peer(self.pids[rank], fd)
-            self.peer_maps[key] = mapped
-        if nbytes > mapped.numel():
-            raise CollectiveError(
-                f"rank {rank}'s shared region holds {mapped.numel()} bytes, its descriptor "
-                f"claims {nbytes}: the ranks are out of step"
-            )
-        return mapped[:nbytes]
-
-
-_ARENAS: weakref.WeakKeyDictionary[Any, Arena | None] = weakref.WeakKeyDictionary()
-_KEPT: list[int] = []  # fds of dropped arenas' regions a peer may not have mapped yet
-
-
-def _release(regions: list[_Region], marks: list[int], me: int) -> None:
-    """Closes a dropped arena's regions that every peer has read (and so mapped).
-
-    A peer maps a region when it first reads it, in its wait, which may come
-    after this rank dropped the group; a region it has not been heard to read
-    stays open (:data:`_KEPT`) until this process exits.
-    """
-    done = min((m for r, m in enumerate(marks) if r != me), default=0)
-    for g in regions:
-        if g.last_seq < done:
-            os.close(g.fd)
-        else:
-            _KEPT.append(g.fd)
-
-
-def arena(group: Any, /) -> Arena | None:
-    """The group's arena, set up by every rank together on first use; ``None`` where ranks cannot share memory.
-
-    The first call on a group is collective (see [Note: shared-memory collectives]):
-    every rank of the group must make it at the same point of its sequence of
-    collectives on the group, as it does for any collective.
-    """
-    if group in _ARENAS:
-        return _ARENAS[group]
-    made = _probe(group) if enabled() else None
-    _ARENAS[group] = made
-    return made
-
-
-def _probe(group: Any) -> Arena | None:
-    w = dist.get_world_size(group)
-    me = dist.get_group_rank(group, dist.get_rank())
-    nonce = secrets.randbits(62)
-    probe = _new_region(PROBE_BYTES)
-    try:
-        probe.data[:8].view(torch.int64)[0] = nonce
-        mine = torch.tensor([MAGIC, os.getpid(), probe.fd, nonce, 0, 0, 0, 0], dtype=torch.int64)
-        every = torch.zeros(w * WORDS, dtype=torch.int64)
-        timeout = _timeout()
-        wait_work(all_gather_single(every, mine, group=group, async_op=True), timeout)
-        rows = every.view(w, WORDS).tolist()
-        ok = 1
-        for r, row in enumerate(rows):
-            if r == me:
-                continue
-            try:
-                seen = _map_peer(int(row[1]), int(row[2]))
-                ok &= int(seen[:8].view(torch.int64)[0]) == int(row[3])
-            except OSError:
-                ok = 0
-        agreed = torch.tensor([ok], dtype=torch.int64)
-        reduced = dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group, async_op=True)
-        wait_work(reduced, timeout)
-    finally:  # every peer has mapped the probe or failed to once the all-reduce is past
-        os.close(probe.fd)
-    if not int(agreed[0]):
-        return None
-    return Arena(group, me, w, [int(row[1]) for row in rows], marks=[0] * w)
-
-
-def _timeout() -> Timeout:
-    seconds = runtime.collective_timeout()
-    return None if seconds is None else datetime.timedelta(seconds=seconds)
-
-
-def _new_region(nbytes: int) -> _Region:
-    size = -(-nbytes // _ALIGN) * _ALIGN
-    fd = os.memfd_create("funcshard-shm", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, size)
-        mapping = mmap.mmap(fd, size)
-    except BaseException:
-        os.close(fd)
-        raise
-    return _Region(fd, size, torch.frombuffer(mapping, dtype=torch.uint8))
-
-
-def _map_peer(pid: int, fd: int) -> torch.Tensor:
-    """Maps another process's shared file through ``/proc``; raises ``OSError`` where it cannot."""
-    opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
-    try:
-        size = os.fstat(opened).st_size
-        if size <= 0:
-            raise OSError(f"/proc/{pid}/fd/{fd} is empty")
-        mapping = mmap.mmap(opened, size)
-    finally:
-        os.close(opened)
-    return torch.frombuffer(mapping, dtype=torch.uint8)
-
-
-class _Exchange:
+class Exchange:
     """One collective in flight: this rank's region written, the descriptors being gathered.
 
     ``finish(views)`` gets each group rank's published bytes as a ``dtype``
@@ -268,7 +93,8 @@ class _Exchange:
         wait_work(self.work, timeout)
         a = self.arena
         views: list[torch.Tensor | None] = []
-        for r, row in enumerate(self.every.view(a.w, WORDS).tolist()):
+        rows = self.every.view(a.w, WORDS).tolist()
+        for r, row in enumerate(rows):
             if (
                 row[0] != MAGIC
                 or row[1] != self.seq
@@ -285,26 +111,44 @@ class _Exchange:
                 None if r == a.me else a.peer(r, int(row[3]), self.nbytes).view(self.dtype)
             )
         self.finish(views)
-        a.unread.discard(self.seq)
+        a.finished(self.seq)
+        for r, row in enumerate(rows):
+            if r != a.me:
+                a.unmap_read(r, int(row[3]), self.nbytes)
         return True
 
 
-def all_gather(a: Arena, flat: torch.Tensor, rows: torch.Tensor, /) -> _Exchange:
+def all_gather(a: Arena, flat: torch.Tensor, rows: torch.Tensor, /) -> Exchange:
     """Starts gathering every group rank's ``flat`` ``(n,)`` into ``rows`` ``(W, n)``; writes ``rows``."""
-    own = rows[a.me]
+    return all_gather_pieces(a, flat, [(0, rows)])
+
+
+def all_gather_pieces(
+    a: Arena, flat: torch.Tensor, pieces: Sequence[tuple[int, torch.Tensor]], /
+) -> Exchange:
+    """Starts gathering pieces of every group rank's ``flat``, in one collective; writes each piece's rows.
+
+    A piece ``(offset, rows)``, ``rows`` of shape ``(W, n)``, gets group rank
+    ``j``'s ``flat[offset : offset + n]`` in row ``j``: the leaves of a unit's
+    shard, each into its own full storage, with one descriptor for them all.
+    """
 
     def finish(views: list[torch.Tensor | None]) -> None:
         for r, v in enumerate(views):
             if v is not None:
-                rows[r].copy_(v)
+                for lo, rows in pieces:
+                    rows[r].copy_(v[lo : lo + rows.shape[1]])
 
-    op = _Exchange(a, [flat], finish, "shared-memory all-gather")
-    if own.data_ptr() != flat.data_ptr():
-        own.copy_(flat)
+    op = Exchange(a, [flat], finish, "shared-memory all-gather")
+    for lo, rows in pieces:
+        own = rows[a.me]
+        mine = flat[lo : lo + rows.shape[1]]
+        if own.data_ptr() != mine.data_ptr():
+            own.copy_(mine)
     return op
 
 
-def reduce_scatter(a: Arena, rows: torch.Tensor, out: torch.Tensor, /) -> _Exchange:
+def reduce_scatter(a: Arena, rows: torch.Tensor, out: torch.Tensor, /) -> Exchange:
     """Starts summing ``rows`` ``(W, n)`` over the group into ``out`` ``(n,)``: group rank ``i`` gets row ``i``'s sum.
 
     This rank publishes every row but its own; it sums its peers' copies of its
@@ -322,10 +166,10 @@ def reduce_scatter(a: Arena, rows: torch.Tensor, out: torch.Tensor, /) -> _Excha
         for t in terms[2:]:
             out.add_(t)
 
-    return _Exchange(a, parts, finish, "shared-memory reduce-scatter")
+    return Exchange(a, parts, finish, "shared-memory reduce-scatter")
 
 
-def all_reduce(a: Arena, buf: torch.Tensor, /) -> _Exchange:
+def all_reduce(a: Arena, buf: torch.Tensor, /) -> Exchange:
     """Starts summing ``buf`` over the group, in place; mutates ``buf``.
 
     Every rank adds the group's buffers in group-rank order, reading its own from
@@ -340,6 +184,6 @@ def all_reduce(a: Arena, buf: torch.Tensor, /) -> _Exchange:
         for t in terms[2:]:
             flat.add_(t)
 
-    op = _Exchange(a, [flat], finish, "shared-memory all-reduce")
+    op = Exchange(a, [flat], finish, "shared-memory all-reduce")
     holder.append(op.region.data[: op.nbytes].view(flat.dtype))
     return op

@@ -47,8 +47,9 @@ class SharedGather(Protocol):
 class LeafGathers:
     """The all-gathers of a part gathered in place: each writes full leaves straight into ``result``.
 
-    One for a part of one leaf, one per leaf for a part gathered leaf by leaf
-    (:attr:`Part.by_leaf`).
+    One for a part of one leaf, and one for a part gathered leaf by leaf
+    (:attr:`Part.by_leaf`): ``collectives.all_gather_pieces`` writes every leaf,
+    through shared memory in one collective, else by one ring per leaf.
     """
 
     pendings: list[Pending]

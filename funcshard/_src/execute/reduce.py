@@ -35,8 +35,9 @@ from funcshard._src.shard.sharded import FlatShard, ShardedTensor, concatenate_l
 # reductions in flight that hold packed gradients (a staging buffer) when the next unit's
 # gradients are packed: the older ones are waited for first. One reducing while the next
 # unit's backward computes is all the overlap there is (a group runs its collectives one
-# after the other). An all-reduce in place (no_shard) holds nothing but the gradient it
-# becomes, so those queue without a wait, as DDP's buckets do.
+# after the other). An all-reduce in place on sockets (no_shard) holds nothing but the
+# gradient it becomes, so those queue without a wait, as DDP's buckets do; one through
+# shared memory holds a copy of its input until done (comm/shm.py) and counts.
 MAX_PENDING = 1
 
 
@@ -321,7 +322,8 @@ class Reducer:
                 unit.ledger,
                 unit.name,
                 staging,
-                packed=unit.group_size > 1,
+                # an all-reduce in place through shared memory holds a copy of its input
+                packed=unit.group_size > 1 or stage.holds_copy,
             )
         )
 

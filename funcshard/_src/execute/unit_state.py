@@ -235,21 +235,15 @@ class UnitRuntime:
                 algorithm=algorithm,
             )  # fmt: skip
             return [pending]
-        algorithm = _ag.leaf_algorithm()
-        pendings: list[Pending] = []
-        for slot, view in zip(part.layout.slots, part.views):
-            pendings.append(
-                collectives.all_gather(
-                    local[slot.offset : slot.offset + slot.numel],
-                    self.bound,
-                    self.axes,
-                    out=view.view(-1),
-                    ledger=self.ledger,
-                    tag=self.name,
-                    algorithm=algorithm,
-                )
+        pieces = [
+            (slot.offset, view.view(self.group_size, slot.numel))
+            for slot, view in zip(part.layout.slots, part.views)
+        ]
+        return [
+            collectives.all_gather_pieces(
+                local, self.bound, self.axes, pieces, ledger=self.ledger, tag=self.name
             )
-        return pendings
+        ]
 
     def pack_gathers(self) -> None:
         """Gathers every part through one packed buffer, none leaf by leaf (for a bucket); mutates.

@@ -1,0 +1,256 @@
+"""Shared regions of one process group on one host: made, mapped by peers, reused once read.
+
+The memory the shared-memory collectives (``shm.py``, [Note: shared-memory
+collectives]) move data through: each rank's regions (``memfd`` files its peers
+map through ``/proc/<pid>/fd/<fd>``), which of them every peer has finished
+reading (the read marks), and the probe that decides, once per group and on
+every rank together, whether its ranks can share memory at all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import mmap
+import os
+import platform
+import secrets
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from funcshard._src.comm import runtime
+from funcshard._src.comm.algorithm import Timeout, wait_work
+from funcshard._src.comm.channel import all_gather_single
+from funcshard._src.comm.runtime import CollectiveError
+
+ENV = "FUNCSHARD_SHM"
+MAGIC = 0x6673_73686D  # "fsshm"
+WORDS = 8  # a descriptor: (WORDS,) int64
+PROBE_BYTES = 4096
+# below this many bytes a collective keeps gloo's own: its descriptor exchange is itself a
+# gloo collective, so a tiny payload gains nothing from the shared copy
+MIN_BYTES = 0
+_ALIGN = 4096
+# regions this large give their pages back while free (MADV_REMOVE), and a reader drops its
+# view of a peer's (MADV_DONTNEED) once read: a root unit's embeddings are gathered once
+# and reduced once a step, and their copies would otherwise stay resident all step, in
+# the owner and, as shared pages, in every reader
+LARGE_BYTES = 32 << 20
+_REMOVE = getattr(mmap, "MADV_REMOVE", None)
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+# [Note: read marks]
+# A descriptor carries its rank's read mark as of the collective's start, so a mark heard
+# that way lags: with a step's reductions all in flight, a region is known free only two
+# steps on, and a step's worth of regions more is held. Each rank therefore also keeps its
+# mark, as it stands, in word 1 of its probe page, which its peers map, and writes it after
+# finishing a collective's reads; a writer reads its peers' marks there before reusing a
+# region. That a peer's reads are done before its mark is seen, and the mark read before
+# the region is written, is the order x86's memory model keeps for plain loads and stores
+# (TSO); elsewhere only the descriptors' marks are used.
+_ORDERED_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686"})
+
+
+def enabled() -> bool:
+    """Whether the shared-memory transport may be used: Linux with ``memfd`` and ``FUNCSHARD_SHM`` not ``0``.
+
+    Example:
+        >>> isinstance(enabled(), bool)
+        True
+    """
+    return hasattr(os, "memfd_create") and os.environ.get(ENV, "1").strip() != "0"
+
+
+@dataclass(eq=False)
+class _Region:
+    """One shared file of this rank: its fd, bytes, the mapping as a tensor, and the last collective that wrote it."""
+
+    fd: int
+    nbytes: int
+    mapping: mmap.mmap
+    data: torch.Tensor  # (nbytes,) uint8 over the mapping
+    last_seq: int = -1
+    trimmed: bool = False  # its pages given back (a large region, free): see LARGE_BYTES
+
+
+@dataclass(eq=False)
+class Arena:
+    """One process group's shared regions on this rank and what it knows of its peers; mutated by every collective."""
+
+    group: Any
+    me: int
+    w: int
+    pids: list[int]
+    regions: list[_Region] = field(default_factory=list)
+    peer_maps: dict[tuple[int, int], tuple[mmap.mmap, torch.Tensor]] = field(default_factory=dict)
+    seq: int = 0  # collectives started on this arena: equal on every rank in step
+    unread: set[int] = field(default_factory=set)  # started here, peers' regions not yet read
+    marks: list[int] = field(default_factory=list)  # per group rank: its read mark, as last heard
+    # per group rank: its probe page, word 1 its read mark as it stands (see [Note: read marks])
+    pages: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        weakref.finalize(self, _release, self.regions, self.marks, self.me)
+
+    def read_mark(self) -> int:
+        """The lowest sequence number this rank has not finished reading."""
+        return min(self.unread) if self.unread else self.seq
+
+    def finished(self, seq: int, /) -> None:
+        """Records that this rank has read every peer's data of collective ``seq``; mutates the arena."""
+        self.unread.discard(seq)
+        if self.pages:
+            self.pages[self.me][8:16].view(torch.int64)[0] = self.read_mark()
+
+    def _heard(self) -> None:
+        """Takes in the peers' read marks from their pages (where shared marks are used)."""
+        for r, page in enumerate(self.pages):
+            if r != self.me:
+                self.marks[r] = max(self.marks[r], int(page[8:16].view(torch.int64)[0]))
+
+    def region(self, nbytes: int) -> _Region:
+        """A region of at least ``nbytes`` that every peer has finished reading; a new one if none is."""
+        # free once every peer has read it, and this rank too: an all-reduce reads its own copy
+        self._heard()
+        done = min(self.read_mark(), *(m for r, m in enumerate(self.marks) if r != self.me))
+        free = [g for g in self.regions if g.last_seq < done]
+        fits = [g for g in free if g.nbytes >= nbytes]
+        chosen = min(fits, key=lambda g: g.nbytes) if fits else _new_region(max(nbytes, 1))
+        for g in free:
+            if g is not chosen and g.nbytes >= LARGE_BYTES and not g.trimmed:
+                _give_back(g.mapping, g.nbytes, _REMOVE)
+                g.trimmed = True
+        if not fits:
+            self.regions.append(chosen)
+        chosen.trimmed = False
+        return chosen
+
+    def held_bytes(self) -> int:
+        """Bytes of this rank's own regions."""
+        return sum(g.nbytes for g in self.regions)
+
+    def peer(self, rank: int, fd: int, nbytes: int) -> torch.Tensor:
+        """Group rank ``rank``'s region ``fd``, mapped once; its first ``nbytes`` bytes."""
+        key = (rank, fd)
+        if key not in self.peer_maps:
+            mapping = _map_peer(self.pids[rank], fd)
+            self.peer_maps[key] = (mapping, torch.frombuffer(mapping, dtype=torch.uint8))
+        mapping, mapped = self.peer_maps[key]
+        if nbytes > mapped.numel():
+            raise CollectiveError(
+                f"rank {rank}'s shared region holds {mapped.numel()} bytes, its descriptor "
+                f"claims {nbytes}: the ranks are out of step"
+            )
+        return mapped[:nbytes]
+
+    def unmap_read(self, rank: int, fd: int, nbytes: int) -> None:
+        """Drops a large region of ``rank``'s from this rank's pages once read: they are the peer's memory."""
+        if nbytes >= LARGE_BYTES:
+            _give_back(self.peer_maps[(rank, fd)][0], nbytes, _DONTNEED)
+
+
+_ARENAS: weakref.WeakKeyDictionary[Any, Arena | None] = weakref.WeakKeyDictionary()
+_KEPT: list[int] = []  # fds of dropped arenas' regions a peer may not have mapped yet
+
+
+def _release(regions: list[_Region], marks: list[int], me: int) -> None:
+    """Closes a dropped arena's regions that every peer has read (and so mapped).
+
+    A peer maps a region when it first reads it, in its wait, which may come
+    after this rank dropped the group; a region it has not been heard to read
+    stays open (:data:`_KEPT`) until this process exits.
+    """
+    done = min((m for r, m in enumerate(marks) if r != me), default=0)
+    for g in regions:
+        if g.last_seq < done:
+            os.close(g.fd)
+        else:
+            _KEPT.append(g.fd)
+
+
+def arena(group: Any, /) -> Arena | None:
+    """The group's arena, set up by every rank together on first use; ``None`` where ranks cannot share memory.
+
+    The first call on a group is collective (see [Note: shared-memory collectives]):
+    every rank of the group must make it at the same point of its sequence of
+    collectives on the group, as it does for any collective.
+    """
+    if group in _ARENAS:
+        return _ARENAS[group]
+    made = _probe(group) if enabled() else None
+    _ARENAS[group] = made
+    return made
+
+
+def _probe(group: Any) -> Arena | None:
+    w = dist.get_world_size(group)
+    me = dist.get_group_rank(group, dist.get_rank())
+    nonce = secrets.randbits(62)
+    probe = _new_region(PROBE_BYTES)
+    try:
+        probe.data[:8].view(torch.int64)[0] = nonce
+        mine = torch.tensor([MAGIC, os.getpid(), probe.fd, nonce, 0, 0, 0, 0], dtype=torch.int64)
+        every = torch.zeros(w * WORDS, dtype=torch.int64)
+        timeout = _timeout()
+        wait_work(all_gather_single(every, mine, group=group, async_op=True), timeout)
+        rows = every.view(w, WORDS).tolist()
+        ok = 1
+        pages: list[torch.Tensor] = []
+        for r, row in enumerate(rows):
+            if r == me:
+                pages.append(probe.data)
+                continue
+            try:
+                seen = torch.frombuffer(_map_peer(int(row[1]), int(row[2])), dtype=torch.uint8)
+                ok &= int(seen[:8].view(torch.int64)[0]) == int(row[3])
+                pages.append(seen)
+            except OSError:
+                ok = 0
+        agreed = torch.tensor([ok], dtype=torch.int64)
+        reduced = dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group, async_op=True)
+        wait_work(reduced, timeout)
+    finally:  # every peer has mapped the probe or failed to once the all-reduce is past
+        os.close(probe.fd)
+    if not int(agreed[0]):
+        return None
+    shared_marks = platform.machine().lower() in _ORDERED_MACHINES
+    return Arena(
+        group, me, w, [int(row[1]) for row in rows], marks=[0] * w,
+        pages=pages if shared_marks else [],
+    )  # fmt: skip
+
+
+def _timeout() -> Timeout:
+    seconds = runtime.collective_timeout()
+    return None if seconds is None else datetime.timedelta(seconds=seconds)
+
+
+def _new_region(nbytes: int) -> _Region:
+    size = -(-nbytes // _ALIGN) * _ALIGN
+    fd = os.memfd_create("funcshard-shm", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return _Region(fd, size, mapping, torch.frombuffer(mapping, dtype=torch.uint8))
+
+
+def _give_back(mapping: mmap.mmap, nbytes: int, advice: int | None) -> None:
+    if advice is not None:
+        mapping.madvise(advice, 0, -(-nbytes // _ALIGN) * _ALIGN)
+
+
+def _map_peer(pid: int, fd: int) -> mmap.mmap:
+    """Maps another process's shared file through ``/proc``; raises ``OSError`` where it cannot."""
+    opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    try:
+        size = os.fstat(opened).st_size
+        if size <= 0:
+            raise OSError(f"/proc/{pid}/fd/{fd} is empty")
+        return mmap.mmap(opened, size)
+    finally:
+        os.close(opened)
