@@ -127,6 +127,25 @@ class Arena:
         chosen.trimmed = False
         return chosen
 
+    def reserve(self, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of a free region, held for the next collective to publish as they are.
+
+        For a caller that writes its input straight into a region (a reduce-scatter's
+        packed gradients); the region is free again once that collective's readers
+        are done.
+        """
+        region = self.region(nbytes)
+        region.last_seq = self.seq  # the next collective's: no other takes it before
+        return region.data[:nbytes]
+
+    def owner(self, t: torch.Tensor, /) -> _Region | None:
+        """The region ``t`` starts, held for the next collective (:meth:`reserve`), or ``None``."""
+        ptr = t.data_ptr()
+        return next(
+            (g for g in self.regions if g.data.data_ptr() == ptr and g.last_seq == self.seq),
+            None,
+        )
+
     def held_bytes(self) -> int:
         """Bytes of this rank's own regions."""
         return sum(g.nbytes for g in self.regions)
@@ -168,6 +187,11 @@ def _release(regions: list[_Region], marks: list[int], me: int) -> None:
             os.close(g.fd)
         else:
             _KEPT.append(g.fd)
+
+
+def existing(group: Any, /) -> Arena | None:
+    """The group's arena if a collective has set it up already; ``None`` otherwise (never collective)."""
+    return _ARENAS.get(group)
 
 
 def arena(group: Any, /) -> Arena | None:

@@ -206,6 +206,25 @@ class _Each:
         return True
 
 
+def reduce_scatter_input(
+    bound: BoundMesh, axes: tuple[str, ...], numel: int, dtype: torch.dtype, /
+) -> torch.Tensor | None:
+    """A ``(group_size, numel)`` input that the next reduce-scatter over ``axes`` sends as it is, or ``None``.
+
+    Where the group's ranks already share memory (``shm.py``), a buffer in one
+    of this rank's regions: packing gradients into it saves the copy into a
+    region. Elsewhere ``None``: the caller packs into a buffer of its own.
+    Start that reduce-scatter before any other collective on the group.
+    """
+    group = bound.group(axes)
+    if group is None or dist.get_backend(group) != "gloo":
+        return None
+    if _rs.resolve(_rs.default_algorithm(), "gloo", group_size(bound, axes), 1 << 30) != "shm":
+        return None
+    arena = shm.existing(group)
+    return None if arena is None else shm.input_rows(arena, arena.w, numel, dtype)
+
+
 def reduce_scatter(
     rows: torch.Tensor,
     bound: BoundMesh,

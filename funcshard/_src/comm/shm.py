@@ -50,40 +50,63 @@ from typing import Any
 import torch
 
 from funcshard._src.comm.algorithm import Timeout, wait_work
-from funcshard._src.comm.arena import ENV, MAGIC, MIN_BYTES, WORDS, Arena, arena, enabled
+from funcshard._src.comm.arena import (
+    ENV,
+    MAGIC,
+    MIN_BYTES,
+    WORDS,
+    Arena,
+    arena,
+    enabled,
+    existing,
+)  # fmt: skip
 from funcshard._src.comm.channel import all_gather_single
 from funcshard._src.comm.runtime import CollectiveError
 
 __all__ = [
     "ENV", "MIN_BYTES", "Arena", "Exchange", "all_gather", "all_gather_pieces", "all_reduce",
-    "arena", "enabled", "reduce_scatter",
+    "arena", "enabled", "existing", "input_rows", "reduce_scatter",
 ]  # fmt: skip
 
 
 class Exchange:
     """One collective in flight: this rank's region written, the descriptors being gathered.
 
-    ``finish(views)`` gets each group rank's published bytes as a ``dtype``
-    tensor (``None`` at this rank) once every descriptor is in.
+    ``finish(views, layouts)`` gets each group rank's published bytes as a
+    ``dtype`` tensor (``None`` at this rank) and the layout word of its
+    descriptor once every descriptor is in.
     """
 
-    def __init__(self, a: Arena, parts: Sequence[torch.Tensor], finish: Any, what: str) -> None:
+    def __init__(
+        self,
+        a: Arena,
+        parts: Sequence[torch.Tensor],
+        finish: Any,
+        what: str,
+        *,
+        size: int | None = None,
+        layout: int = 0,
+    ) -> None:
         dtype = parts[0].dtype
         nbytes = sum(p.numel() for p in parts) * parts[0].element_size()
-        region = a.region(nbytes)
-        if nbytes:
+        held = a.owner(parts[0]) if len(parts) == 1 else None
+        region = held if held is not None else a.region(nbytes)
+        if nbytes and held is None:
             flat = region.data[:nbytes].view(dtype)
             at = 0
             for p in parts:
                 flat[at : at + p.numel()].view(p.shape).copy_(p)
                 at += p.numel()
+        # size: what every rank's descriptor must agree on (a row's bytes for a
+        # reduce-scatter, whose ranks may publish all rows or all but their own)
+        self.size = nbytes if size is None else size
         self.arena, self.region, self.seq, self.nbytes, self.dtype = a, region, a.seq, nbytes, dtype
         self.finish, self.what = finish, what
         region.last_seq = a.seq
         a.unread.add(a.seq)
         a.seq += 1
         mine = torch.tensor(
-            [MAGIC, self.seq, os.getpid(), region.fd, nbytes, a.read_mark(), 0, 0],
+            [MAGIC, self.seq, os.getpid(), region.fd, nbytes, a.read_mark(), layout, self.size],
             dtype=torch.int64,
         )
         self.every = torch.zeros(a.w * WORDS, dtype=torch.int64)
@@ -95,26 +118,21 @@ class Exchange:
         views: list[torch.Tensor | None] = []
         rows = self.every.view(a.w, WORDS).tolist()
         for r, row in enumerate(rows):
-            if (
-                row[0] != MAGIC
-                or row[1] != self.seq
-                or row[2] != a.pids[r]
-                or row[4] != self.nbytes
-            ):
+            if row[0] != MAGIC or row[1] != self.seq or row[2] != a.pids[r] or row[7] != self.size:
                 raise CollectiveError(
                     f"{self.what}: group rank {r} is at another shared-memory collective "
-                    f"(sequence {row[1]}, {row[4]} bytes; this rank: {self.seq}, "
-                    f"{self.nbytes} bytes): the ranks are out of step"
+                    f"(sequence {row[1]}, {row[7]} bytes; this rank: {self.seq}, "
+                    f"{self.size} bytes): the ranks are out of step"
                 )
             a.marks[r] = max(a.marks[r], int(row[5]))
             views.append(
-                None if r == a.me else a.peer(r, int(row[3]), self.nbytes).view(self.dtype)
+                None if r == a.me else a.peer(r, int(row[3]), int(row[4])).view(self.dtype)
             )
-        self.finish(views)
+        self.finish(views, [int(row[6]) for row in rows])
         a.finished(self.seq)
         for r, row in enumerate(rows):
             if r != a.me:
-                a.unmap_read(r, int(row[3]), self.nbytes)
+                a.unmap_read(r, int(row[3]), int(row[4]))
         return True
 
 
@@ -133,7 +151,7 @@ def all_gather_pieces(
     shard, each into its own full storage, with one descriptor for them all.
     """
 
-    def finish(views: list[torch.Tensor | None]) -> None:
+    def finish(views: list[torch.Tensor | None], _: list[int]) -> None:
         for r, v in enumerate(views):
             if v is not None:
                 for lo, rows in pieces:
@@ -151,22 +169,39 @@ def all_gather_pieces(
 def reduce_scatter(a: Arena, rows: torch.Tensor, out: torch.Tensor, /) -> Exchange:
     """Starts summing ``rows`` ``(W, n)`` over the group into ``out`` ``(n,)``: group rank ``i`` gets row ``i``'s sum.
 
-    This rank publishes every row but its own; it sums its peers' copies of its
-    row and its own in group-rank order.
+    This rank publishes every row but its own (a copy), or, where ``rows`` is a
+    region held for it (:func:`input_rows`), all of them as they are; it sums its
+    peers' copies of its row and its own in group-rank order.
     """
     me, w = a.me, a.w
-    parts = [p for p in (rows[:me], rows[me + 1 :]) if p.numel()]
+    whole = a.owner(rows) is not None
+    parts = [rows] if whole else [p for p in (rows[:me], rows[me + 1 :]) if p.numel()]
 
-    def finish(views: list[torch.Tensor | None]) -> None:
+    def finish(views: list[torch.Tensor | None], layouts: list[int]) -> None:
         terms = [
-            rows[me] if v is None else v.view(w - 1, -1)[me if me < r else me - 1]
+            rows[me]
+            if v is None
+            else (v.view(w, -1)[me] if layouts[r] else v.view(w - 1, -1)[me if me < r else me - 1])
             for r, v in enumerate(views)
         ]
         torch.add(terms[0], terms[1], out=out)
         for t in terms[2:]:
             out.add_(t)
 
-    return Exchange(a, parts, finish, "shared-memory reduce-scatter")
+    return Exchange(
+        a, parts, finish, "shared-memory reduce-scatter",
+        size=rows.shape[1] * rows.element_size(), layout=int(whole),
+    )  # fmt: skip
+
+
+def input_rows(a: Arena, w: int, n: int, dtype: torch.dtype, /) -> torch.Tensor:
+    """A ``(w, n)`` buffer in a region of this rank's that the next :func:`reduce_scatter` publishes without a copy.
+
+    Pack gradients into it and start the reduce-scatter before any other
+    collective on the group: the region is held for the next one.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return a.reserve(w * n * itemsize).view(dtype).view(w, n)
 
 
 def all_reduce(a: Arena, buf: torch.Tensor, /) -> Exchange:
@@ -178,7 +213,7 @@ def all_reduce(a: Arena, buf: torch.Tensor, /) -> Exchange:
     flat = buf.view(-1)
     holder: list[torch.Tensor] = []
 
-    def finish(views: list[torch.Tensor | None]) -> None:
+    def finish(views: list[torch.Tensor | None], _: list[int]) -> None:
         terms = [holder[0] if v is None else v for v in views]
         torch.add(terms[0], terms[1], out=flat)
         for t in terms[2:]:

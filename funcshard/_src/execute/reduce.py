@@ -276,13 +276,24 @@ class Reducer:
         spare = None if defer else self.spares.pop(layout, None)
         if spare is not None and spare.dtype != part.grad_dtype:
             spare = None
+        shared = None
         if spare is not None and unit.group_size == 1:
             rows = spare.view(1, -1)  # no_shard: reduced in place, this becomes the gradient
             spare = None
         else:
+            if unit.group_size > 1 and not defer and device.type == "cpu":
+                # packed straight into shared memory, which the reduce-scatter sends as it is
+                shared = collectives.reduce_scatter_input(
+                    unit.bound, unit.axes, layout.numel, part.grad_dtype
+                )
             pool = unit.pool if unit.unit.is_root else self.pool  # the root's: not kept
-            rows = pool.take(unit.group_size * layout.numel, part.grad_dtype, device)
-            rows = rows.view(unit.group_size, layout.numel)
+            rows = (
+                shared
+                if shared is not None
+                else pool.take(unit.group_size * layout.numel, part.grad_dtype, device).view(
+                    unit.group_size, layout.numel
+                )
+            )
         kept = self.deferred.pop(layout, None)
         # the mean over every data-parallel rank: divide while packing, unless gradients
         # kept from earlier micro-batches are still to be added
@@ -310,8 +321,10 @@ class Reducer:
                 rows, unit.bound, unit.axes, out=spare, ledger=unit.ledger, tag=unit.name
             )
             then = replica
-            # over one rank, rows is the result; the root's rows are not kept for the next step
-            staging = rows if unit.group_size > 1 and not unit.unit.is_root else None
+            # over one rank, rows is the result; the root's rows are not kept for the next
+            # step; shared rows belong to the group's regions
+            keep = unit.group_size > 1 and not unit.unit.is_root and shared is None
+            staging = rows if keep else None
         unit.memory.log("reduce", unit.name)
         self.pending.append(
             Reduction(
