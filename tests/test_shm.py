@@ -11,6 +11,7 @@ an error naming it, never a read of the wrong bytes.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ import torch.distributed as dist
 import funcshard as fs
 from funcshard._src.comm import all_gather as ag
 from funcshard._src.comm import arena as regions
-from funcshard._src.comm import collectives, groups, shm
+from funcshard._src.comm import collectives, groups, inputs, shm
 from funcshard._src.comm import reduce_scatter as rs
 from funcshard._src.comm.runtime import CollectiveError
 
@@ -162,3 +163,65 @@ def test_the_transport_is_off_under_funcshard_shm_0(monkeypatch):
     assert ag.resolve("auto", "gloo", 2, 1 << 30) == "ring_overlapped"
     assert rs.resolve("auto", "gloo", 2, 1 << 30) == "ring"
     assert ag.leaf_algorithm() == "ring_overlapped"
+
+
+def _inputs_in_regions(mesh: dict[str, int], axes: tuple[str, ...]) -> dict[str, Any]:
+    """Reduce-scatter and all-reduce inputs packed straight into regions: sent as they are."""
+    bound = groups.bind(fs.Mesh(mesh))
+    group = bound.group(axes)
+    assert group is not None
+    collectives.all_gather(torch.ones(4), bound, axes).wait()  # the group shares memory now
+    arena = regions.existing(group)
+    assert arena is not None
+    w, n = arena.w, 301
+    gen = torch.Generator().manual_seed(bound.rank)
+    wrong = []
+    for it in range(4):
+        rows = inputs.reduce_scatter_input(bound, axes, n, torch.float32)
+        assert rows is not None
+        assert arena.owner(rows) is not None
+        rows.copy_(torch.randn(w, n, generator=gen))
+        reference = rows.clone()
+        out = collectives.reduce_scatter(rows, bound, axes).wait()
+        dist.all_reduce(reference, group=group)
+        if not torch.allclose(out, reference[arena.me], rtol=1e-5, atol=1e-5):
+            wrong.append(f"reduce-scatter, round {it}")
+        buf = inputs.all_reduce_input(bound, axes, n, torch.float32)
+        assert buf is not None
+        buf.copy_(torch.randn(n, generator=gen))
+        reference = buf.clone()
+        dest = torch.full((n,), float("nan"))
+        got = collectives.all_reduce(buf, bound, axes, out=dest).wait()
+        dist.all_reduce(reference, group=group)
+        if got.data_ptr() != dest.data_ptr() or not torch.allclose(dest, reference, atol=1e-5):
+            wrong.append(f"all-reduce, round {it}")
+        everyone = [torch.empty_like(dest) for _ in range(w)]
+        dist.all_gather(everyone, dest, group=group)
+        if not all(torch.equal(everyone[0], d) for d in everyone):
+            wrong.append(f"all-reduce differs between ranks, round {it}")
+    return {"wrong": wrong, "regions": len(arena.regions)}
+
+
+@pytest.mark.parametrize("name", ["world2", "world4"])
+def test_inputs_packed_into_regions_are_sent_as_they_are(pools, name):
+    mesh, axes = MESHES[name]
+    for rank, r in enumerate(pools.run(fs.Mesh(mesh).size, _inputs_in_regions, mesh, axes)):
+        assert r["wrong"] == [], f"rank {rank}: {r['wrong']}"
+        assert r["regions"] <= 8, f"rank {rank}: {r['regions']} regions"
+
+
+def _socket_all_reduce_into_out(monkeypatch_env: str) -> list[float]:
+    bound = groups.bind(fs.Mesh({"fsdp": 2}))
+    buf = torch.full((2,), 1.0 + bound.rank)
+    out = torch.zeros(2)
+    os.environ[shm.ENV] = monkeypatch_env  # gloo's own all-reduce in place, then copied out
+    try:
+        collectives.all_reduce(buf, bound, ("fsdp",), out=out).wait()
+    finally:
+        del os.environ[shm.ENV]
+    return out.tolist()
+
+
+def test_an_all_reduce_on_sockets_gives_its_sum_to_out_too(pools):
+    for r in pools.run(2, _socket_all_reduce_into_out, "0"):
+        assert r == [3.0, 3.0]

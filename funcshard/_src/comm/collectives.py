@@ -206,25 +206,6 @@ class _Each:
         return True
 
 
-def reduce_scatter_input(
-    bound: BoundMesh, axes: tuple[str, ...], numel: int, dtype: torch.dtype, /
-) -> torch.Tensor | None:
-    """A ``(group_size, numel)`` input that the next reduce-scatter over ``axes`` sends as it is, or ``None``.
-
-    Where the group's ranks already share memory (``shm.py``), a buffer in one
-    of this rank's regions: packing gradients into it saves the copy into a
-    region. Elsewhere ``None``: the caller packs into a buffer of its own.
-    Start that reduce-scatter before any other collective on the group.
-    """
-    group = bound.group(axes)
-    if group is None or dist.get_backend(group) != "gloo":
-        return None
-    if _rs.resolve(_rs.default_algorithm(), "gloo", group_size(bound, axes), 1 << 30) != "shm":
-        return None
-    arena = shm.existing(group)
-    return None if arena is None else shm.input_rows(arena, arena.w, numel, dtype)
-
-
 def reduce_scatter(
     rows: torch.Tensor,
     bound: BoundMesh,
@@ -293,31 +274,41 @@ def all_reduce(
     *,
     ledger: Ledger | None = None,
     tag: str = "",
+    out: torch.Tensor | None = None,
 ) -> Pending:
-    """Sums ``buf`` over the group over ``axes``, in place; mutates ``buf``.
+    """Sums ``buf`` over the group over ``axes``, in place or into ``out``; mutates ``buf``, and ``out`` when given.
 
-    On gloo, ranks that share a host add from each other's memory (``shm.py``).
+    On gloo, ranks that share a host add from each other's memory (``shm.py``);
+    a ``buf`` from ``inputs.all_reduce_input`` is sent from there as it is, and its
+    sum must go to ``out``.
     """
     size = group_size(bound, axes)
     group = bound.group(axes)
     if group is None:
-        return Pending(buf)
+        return Pending(buf if out is None else out.copy_(buf))
     nbytes = buf.numel() * buf.element_size()
     shared = dist.get_backend(group) == "gloo" and shm.enabled() and nbytes >= shm.MIN_BYTES
 
     def call() -> Any:  # on one host, gloo's ranks add from each other's memory: shm.py
         arena = shm.arena(group) if shared else None
         if arena is not None:
-            return shm.all_reduce(arena, buf)
+            return shm.all_reduce(arena, buf, out=out)
         return dist.all_reduce(buf, group=group, async_op=True)
 
     pending = _issue("all_reduce", tag, axes, bound, group, buf, call)
     pending.holds_copy = isinstance(pending.work, shm.Exchange)
+    if out is not None and not pending.holds_copy:
+        target = out
+
+        def copy_out() -> None:  # gloo summed in place
+            target.copy_(buf)
+
+        pending.then = copy_out
     if ledger is not None:
         ledger.record(
             "all_reduce", axes, group_size=size, full_bytes=buf.numel() * buf.element_size()
         )
-    pending.result = buf
+    pending.result = buf if out is None else out
     return pending
 
 

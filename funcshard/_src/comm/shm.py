@@ -86,10 +86,13 @@ class Exchange:
         *,
         size: int | None = None,
         layout: int = 0,
+        in_place: bool = False,
     ) -> None:
         dtype = parts[0].dtype
         nbytes = sum(p.numel() for p in parts) * parts[0].element_size()
-        held = a.owner(parts[0]) if len(parts) == 1 else None
+        held = a.owner(parts[0]) if in_place else None
+        if in_place and held is None:
+            raise ValueError(f"{what}: its input is not a region held for it (input_rows)")
         region = held if held is not None else a.region(nbytes)
         if nbytes and held is None:
             flat = region.data[:nbytes].view(dtype)
@@ -190,7 +193,7 @@ def reduce_scatter(a: Arena, rows: torch.Tensor, out: torch.Tensor, /) -> Exchan
 
     return Exchange(
         a, parts, finish, "shared-memory reduce-scatter",
-        size=rows.shape[1] * rows.element_size(), layout=int(whole),
+        size=rows.shape[1] * rows.element_size(), layout=int(whole), in_place=whole,
     )  # fmt: skip
 
 
@@ -204,21 +207,24 @@ def input_rows(a: Arena, w: int, n: int, dtype: torch.dtype, /) -> torch.Tensor:
     return a.reserve(w * n * itemsize).view(dtype).view(w, n)
 
 
-def all_reduce(a: Arena, buf: torch.Tensor, /) -> Exchange:
-    """Starts summing ``buf`` over the group, in place; mutates ``buf``.
+def all_reduce(a: Arena, buf: torch.Tensor, /, *, out: torch.Tensor | None = None) -> Exchange:
+    """Starts summing ``buf`` over the group, in place or into ``out``; mutates ``buf`` or ``out``.
 
     Every rank adds the group's buffers in group-rank order, reading its own from
-    its region, so every rank gets the same bits.
+    its region, so every rank gets the same bits. A ``buf`` in a region held for
+    it (:func:`input_rows`) is sent as it is; its sum must go to ``out``.
     """
     flat = buf.view(-1)
+    dest = flat if out is None else out.view(-1)
+    held = out is not None and a.owner(flat) is not None
     holder: list[torch.Tensor] = []
 
     def finish(views: list[torch.Tensor | None], _: list[int]) -> None:
         terms = [holder[0] if v is None else v for v in views]
-        torch.add(terms[0], terms[1], out=flat)
+        torch.add(terms[0], terms[1], out=dest)
         for t in terms[2:]:
-            flat.add_(t)
+            dest.add_(t)
 
-    op = Exchange(a, [flat], finish, "shared-memory all-reduce")
+    op = Exchange(a, [flat], finish, "shared-memory all-reduce", in_place=held)
     holder.append(op.region.data[: op.nbytes].view(flat.dtype))
     return op

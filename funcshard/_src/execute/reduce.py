@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import collectives
+from funcshard._src.comm import collectives, inputs
 from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
@@ -283,7 +283,7 @@ class Reducer:
         else:
             if unit.group_size > 1 and not defer and device.type == "cpu":
                 # packed straight into shared memory, which the reduce-scatter sends as it is
-                shared = collectives.reduce_scatter_input(
+                shared = inputs.reduce_scatter_input(
                     unit.bound, unit.axes, layout.numel, part.grad_dtype
                 )
             pool = unit.pool if unit.unit.is_root else self.pool  # the root's: not kept
@@ -299,21 +299,27 @@ class Reducer:
         # kept from earlier micro-batches are still to be added
         direct = kept is None and not defer
         dtype = part.grad_dtype
+        replica = unit.replica_axes if unit.replica_size > 1 else ()
+        packed = rows
+        if unit.group_size == 1 and replica and not defer and device.type == "cpu":
+            # no_shard: packed straight into shared memory, summed from there into rows
+            into = inputs.all_reduce_input(unit.bound, replica, layout.numel, dtype)
+            packed = rows if into is None else into.view(1, -1)
         leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
-        pack_into(layout, leaves, rows, unit.axes, scale=1.0 / self.world_size if direct else 1.0)
+        pack_into(layout, leaves, packed, unit.axes, scale=1.0 / self.world_size if direct else 1.0)
         if kept is not None:
-            rows.add_(kept)
+            packed.add_(kept)
             self.pool.give(kept)
         if defer:
             self.deferred[layout] = rows
             return
         if not direct:
-            rows.div_(self.world_size)
-        replica = unit.replica_axes if unit.replica_size > 1 else ()
+            packed.div_(self.world_size)
         if unit.group_size == 1 and replica:  # no_shard: start the all-reduce now, overlapped
             stage = collectives.all_reduce(
-                rows.view(-1), unit.bound, replica, ledger=unit.ledger, tag=unit.name
-            )
+                packed.view(-1), unit.bound, replica, ledger=unit.ledger, tag=unit.name,
+                out=None if packed is rows else rows.view(-1),
+            )  # fmt: skip
             then: tuple[str, ...] = ()
             staging = None  # reduced in place: it becomes the gradient
         else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter
