@@ -30,8 +30,10 @@ import torch
 import torch.distributed as dist
 
 from funcshard._src.calibrate import measure
-from funcshard._src.comm.channel import all_gather_single, reduce_scatter_single
+from funcshard._src.comm import collectives, groups
+from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.plan.hardware import Hardware
+from funcshard._src.spec.mesh import Mesh
 
 
 @dataclass(frozen=True)
@@ -184,17 +186,25 @@ def _measure_all(s: Settings, device: torch.device) -> dict[str, float]:
     def seconds_of(fn: Any) -> float:
         return _timed_together(fn, seconds=s.seconds)
 
+    # funcshard's own collectives, with the algorithms a step runs (on one host, gloo's
+    # ranks go through shared memory: comm/shm.py)
+    bound = groups.bind(Mesh({"fsdp": w}))
+    axes = ("fsdp",)
     sent = (w - 1) / w * s.comm_bytes  # ledger bytes of a gather or a reduce-scatter
-    gather = sent / seconds_of(lambda: all_gather_single(whole, shard))
-    scatter = sent / seconds_of(lambda: reduce_scatter_single(shard, whole))
-    reduce = 2 * sent / seconds_of(lambda: dist.all_reduce(whole))
+    gather = sent / seconds_of(lambda: collectives.all_gather(shard, bound, axes, out=whole).wait())
+    scatter = sent / seconds_of(
+        lambda: collectives.reduce_scatter(whole.view(w, -1), bound, axes, out=shard).wait()
+    )
+    reduce = 2 * sent / seconds_of(lambda: collectives.all_reduce(whole, bound, axes).wait())
     # One bandwidth for every collective: FSDP's step is two gathers and a reduce-scatter.
     out["bandwidth"] = 3 / (2 / gather + 1 / scatter)
     out["all_gather_bandwidth"], out["reduce_scatter_bandwidth"] = gather, scatter
     out["all_reduce_bandwidth"] = reduce
     one = torch.ones(1)
-    out["latency"] = seconds_of(lambda: dist.all_reduce(one)) / (2 * (w - 1))
-    out["overlap"] = _overlap(whole, device, n, seconds_of)
+    out["latency"] = seconds_of(lambda: collectives.all_reduce(one, bound, axes).wait()) / (
+        2 * (w - 1)
+    )
+    out["overlap"] = _overlap(whole, bound, device, n, seconds_of)
     out["memory_bytes"] = _memory_bytes(device, w)
     out["devices_per_node"] = (
         torch.cuda.device_count()
@@ -204,22 +214,24 @@ def _measure_all(s: Settings, device: torch.device) -> dict[str, float]:
     return out
 
 
-def _overlap(whole: torch.Tensor, device: torch.device, n: int, seconds_of: Any) -> float:
+def _overlap(
+    whole: torch.Tensor, bound: BoundMesh, device: torch.device, n: int, seconds_of: Any
+) -> float:
     """The fraction of an all-reduce that hides under a matmul as long as it: ``(a + c - both) / min``."""
-    comm = seconds_of(lambda: dist.all_reduce(whole))
+    axes = ("fsdp",)
+    comm = seconds_of(lambda: collectives.all_reduce(whole, bound, axes).wait())
     a = torch.ones(n, n, device=device)
     one = measure.timed(lambda: a @ a, seconds=0.1, sync=_sync_of(device))
     reps = _agree(max(1, round(comm / one)), dist.ReduceOp.MAX)  # a matmul as long as the comm
     compute = seconds_of(lambda: [a @ a for _ in range(reps)])
 
     def both() -> None:
-        work = dist.all_reduce(whole, async_op=True)
+        pending = collectives.all_reduce(whole, bound, axes)
         for _ in range(reps):
             torch.mm(a, a)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        assert work is not None
-        work.wait()
+        pending.wait()
 
     together = seconds_of(both)
     return (comm + compute - together) / min(comm, compute)
