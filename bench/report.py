@@ -106,15 +106,17 @@ def _section(size: str, s: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         "",
         f"Step time and throughput (allocator: {', '.join(headline)}):",
         "",
-        "| mode | median step (s) | x floor | min step (s) | tokens/s | params / grads / AdamW per rank (MiB) | sent / step / rank (MiB) | cost model (MiB) | largest loss diff |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | median step (s) | x floor | min step (s) | CPU user / system per step (s) | tokens/s | params / grads / AdamW per rank (MiB) | sent / step / rank (MiB) | cost model (MiB) | largest loss diff |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, m in modes.items():
         state = m["state_bytes_per_rank"]
         expected = m["expected_comm_bytes_per_step"]
         floor = f"{m['floor_multiple']:.2f}x floor" if "floor_multiple" in m else ""
+        user, system = m.get("cpu_user_s"), m.get("cpu_system_s")
+        cpu = "" if user is None or system is None else f"{user:.3f} / {system:.3f}"
         lines.append(
-            f"| {mode} | {m['median_step_s']:.3f} | {floor} | {m['min_step_s']:.3f} | {m['tokens_per_s']:,.0f} | "
+            f"| {mode} | {m['median_step_s']:.3f} | {floor} | {m['min_step_s']:.3f} | {cpu} | {m['tokens_per_s']:,.0f} | "
             f"{state['params'] / MIB:.1f} / {state['grads'] / MIB:.1f} / {state['optimizer'] / MIB:.1f} | "
             f"{m['comm_bytes_per_step'] / MIB:.2f} | {'' if expected is None else f'{expected / MIB:.2f}'} | {m['largest_loss_difference']:.2e} |"
         )

@@ -55,6 +55,7 @@ def summarize_size(runs: list[dict[str, Any]], meta: dict[str, Any], size: str) 
         headline = "default" if "default" in allocators else allocators[0]
         timed = [r for r in mine if r["malloc"] == headline]
         times = [t for r in timed for t in r["ranks"][0]["step_times_s"]]
+        cpu = [c for r in timed for c in r["ranks"][0].get("step_cpu_s", [])]
         first = timed[0]["ranks"][0]
         median = statistics.median(times)
         cuda = [
@@ -80,6 +81,10 @@ def summarize_size(runs: list[dict[str, Any]], meta: dict[str, Any], size: str) 
             "allocator": headline,
             "median_step_s": median,
             "min_step_s": min(times),
+            # rank 0's CPU time per step, all its threads: system time is mostly the
+            # kernel's copies of socket traffic and page faults
+            "cpu_user_s": statistics.median(u for u, _ in cpu) if cpu else None,
+            "cpu_system_s": statistics.median(k for _, k in cpu) if cpu else None,
             "tokens_per_s": MODES[mode].tokens_per_step(world, cfg) / median,
             "memory": memory,
             "peak_cuda_mib": max(cuda) if cuda else None,

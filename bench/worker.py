@@ -51,19 +51,23 @@ def main(
     trainer = build(mode, cfg, gpt.init_params(cfg), device)
     per_batch = kind.batches_per_step(world)  # single: one process trains every rank's batch
     times: list[float] = []
+    cpu: list[tuple[float, float]] = []  # (user, system) seconds of this process per timed step
     losses: list[float] = []
     comm: list[int] = []
     for i in range(spec["warmup"] + spec["steps"]):
         tokens, targets = (t.to(device) for t in gpt.batch(cfg, i, rank, ranks=per_batch))
         _sync(device)
+        before = os.times()
         start = time.perf_counter()
         loss = trainer.step(tokens, targets)
         _sync(device)
         elapsed = time.perf_counter() - start
+        after = os.times()
         losses.append(_mean_over_ranks(loss))
         comm.append(trainer.comm_bytes())
         if i >= spec["warmup"]:
             times.append(elapsed)
+            cpu.append((after.user - before.user, after.system - before.system))
     result = {
         "mode": mode,
         "rank": rank,
@@ -72,6 +76,7 @@ def main(
         "malloc_set_by": set_by,
         "units": trainer.units,
         "step_times_s": times,
+        "step_cpu_s": cpu,
         "losses": losses,
         "comm_bytes_per_step": comm[-1],
         "expected_comm_bytes_per_step": trainer.expected_comm_bytes,
