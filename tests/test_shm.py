@@ -33,7 +33,16 @@ MESHES = {
 ROUNDS = 12
 
 
-def _many_in_flight(mesh: dict[str, int], axes: tuple[str, ...]) -> dict[str, Any]:
+def _many_in_flight(
+    mesh: dict[str, int], axes: tuple[str, ...], large_bytes: int | None = None
+) -> dict[str, Any]:
+    if large_bytes is not None:  # every region counts as large: trimmed while free
+        real = regions.LARGE_BYTES
+        regions.LARGE_BYTES = large_bytes
+        try:
+            return _many_in_flight(mesh, axes)
+        finally:
+            regions.LARGE_BYTES = real
     bound = groups.bind(fs.Mesh(mesh))
     group = bound.group(axes)
     assert group is not None
@@ -81,10 +90,13 @@ def _many_in_flight(mesh: dict[str, int], axes: tuple[str, ...]) -> dict[str, An
     return {"wrong": wrong, "regions": held}
 
 
+@pytest.mark.parametrize("trimmed", [False, True], ids=["kept", "trimmed"])
 @pytest.mark.parametrize("name", sorted(MESHES))
-def test_collectives_in_flight_equal_gloo_and_reuse_their_regions(pools, name):
+def test_collectives_in_flight_equal_gloo_and_reuse_their_regions(pools, name, trimmed):
+    """Also with every region "large": its pages given back while free, a reader's dropped."""
     mesh, axes = MESHES[name]
-    for rank, r in enumerate(pools.run(fs.Mesh(mesh).size, _many_in_flight, mesh, axes)):
+    large = 0 if trimmed else None
+    for rank, r in enumerate(pools.run(fs.Mesh(mesh).size, _many_in_flight, mesh, axes, large)):
         assert r["wrong"] == [], f"rank {rank}: {r['wrong']}"
         # three collectives in flight at a time: their regions, and a few a peer had not
         # yet been heard to finish reading; never one per collective started
