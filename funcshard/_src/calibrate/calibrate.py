@@ -57,6 +57,9 @@ class Settings:
     batch: int = 2
 
 
+_AXES = ("fsdp",)  # the one mesh axis of the ranks that calibrate times
+
+
 def calibrate(settings: Settings = Settings(), /, *, name: str = "this-machine") -> Hardware:
     """Measures this machine (its CPU, or its first CUDA device) and returns its description.
 
@@ -188,8 +191,8 @@ def _measure_all(s: Settings, device: torch.device) -> dict[str, float]:
 
     # funcshard's own collectives, with the algorithms a step runs (on one host, gloo's
     # ranks go through shared memory: comm/shm.py)
-    bound = groups.bind(Mesh({"fsdp": w}))
-    axes = ("fsdp",)
+    bound = groups.bind(Mesh({_AXES[0]: w}))
+    axes = _AXES
     sent = (w - 1) / w * s.comm_bytes  # ledger bytes of a gather or a reduce-scatter
     gather = sent / seconds_of(lambda: collectives.all_gather(shard, bound, axes, out=whole).wait())
     scatter = sent / seconds_of(
@@ -218,7 +221,7 @@ def _overlap(
     whole: torch.Tensor, bound: BoundMesh, device: torch.device, n: int, seconds_of: Any
 ) -> float:
     """The fraction of an all-reduce that hides under a matmul as long as it: ``(a + c - both) / min``."""
-    axes = ("fsdp",)
+    axes = _AXES
     comm = seconds_of(lambda: collectives.all_reduce(whole, bound, axes).wait())
     a = torch.ones(n, n, device=device)
     one = measure.timed(lambda: a @ a, seconds=0.1, sync=_sync_of(device))

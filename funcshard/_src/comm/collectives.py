@@ -177,11 +177,11 @@ def all_gather_pieces(
         arena = shm.arena(group) if gloo and chosen == "shm" else None
         if arena is not None:
             return shm.all_gather_pieces(arena, flat, pieces)
+        algorithm = chosen if chosen != "shm" else _ag.fallback(requested, size, nbytes)
         each = []
         for lo, rows in pieces:
             piece = flat[lo : lo + rows.shape[1]]
             if gloo:
-                algorithm = chosen if chosen != "shm" else _ag.fallback(requested, size, nbytes)
                 each.append(_ag.start(algorithm, piece, rows, group))
             else:
                 each.append(_all_gather_single(rows.view(-1), piece, group=group, async_op=True))

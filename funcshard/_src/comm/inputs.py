@@ -27,13 +27,13 @@ def reduce_scatter_input(
     region. Elsewhere ``None``: the caller packs into a buffer of its own.
     Start that reduce-scatter before any other collective on the group.
     """
-    group = bound.group(axes)
-    if group is None or dist.get_backend(group) != "gloo":
+    arena = _shared(bound, axes)
+    if arena is None:
         return None
-    if _rs.resolve(_rs.default_algorithm(), "gloo", _group_size(bound, axes), 1 << 30) != "shm":
+    nbytes = arena.w * numel * dtype.itemsize
+    if _rs.resolve(_rs.default_algorithm(), "gloo", arena.w, nbytes) != "shm":
         return None
-    arena = shm.existing(group)
-    return None if arena is None else shm.input_rows(arena, arena.w, numel, dtype)
+    return shm.input_rows(arena, arena.w, numel, dtype)
 
 
 def all_reduce_input(
@@ -46,15 +46,16 @@ def all_reduce_input(
     which must start before any other collective on the group. Elsewhere
     ``None``: the caller reduces a buffer of its own.
     """
-    group = bound.group(axes)
-    if group is None or dist.get_backend(group) != "gloo" or not shm.enabled():
+    arena = _shared(bound, axes)
+    # the test collectives.all_reduce makes to go through shared memory
+    if arena is None or not shm.enabled() or numel * dtype.itemsize < shm.MIN_BYTES:
         return None
-    arena = shm.existing(group)
-    return None if arena is None else shm.input_rows(arena, 1, numel, dtype).view(-1)
+    return shm.input_rows(arena, 1, numel, dtype).view(-1)
 
 
-def _group_size(bound: BoundMesh, axes: tuple[str, ...], /) -> int:
-    size = 1
-    for a in axes:
-        size *= bound.mesh.axis_size(a)
-    return size
+def _shared(bound: BoundMesh, axes: tuple[str, ...], /) -> shm.Arena | None:
+    """The arena of the group over ``axes`` where a collective has set one up on gloo."""
+    group = bound.group(axes)
+    if group is None or dist.get_backend(group) != "gloo":
+        return None
+    return shm.existing(group)

@@ -11,8 +11,9 @@ its peers map through ``/proc/<pid>/fd/<fd>``, and a collective is:
 
 1. start: the rank copies what its peers need into a free region of its own
    (an all-gather: its shard; a reduce-scatter: every row but its own; an
-   all-reduce: its buffer), then issues an all-gather of a 64-byte
-   *descriptor* (magic, sequence number, pid, fd, bytes, read mark) on the
+   all-reduce: its buffer), unless the caller packed it into one already
+   (``inputs.py``), then issues an all-gather of a 64-byte *descriptor*
+   (magic, sequence number, pid, fd, bytes, read mark, layout, size) on the
    group, asynchronously;
 2. wait: once every rank's descriptor is in, the data has been written; the
    rank reads its peers' regions straight into the result (a copy for a
@@ -29,8 +30,8 @@ sizes recur every step and the regions are warm pages reused step after step.
 
 Descriptors travel on the group itself, issued at the collective's start,
 which every rank reaches in the same order (the same order the ring
-algorithms rely on). A descriptor with the wrong magic or sequence number
-means the ranks are out of step: :class:`CollectiveError`, never a read of
+algorithms rely on). A descriptor with the wrong magic, sequence number, pid
+or size means the ranks are out of step: :class:`CollectiveError`, never a read of
 the wrong bytes.
 
 The transport is chosen per group, once, by every rank together
@@ -187,9 +188,7 @@ def reduce_scatter(a: Arena, rows: torch.Tensor, out: torch.Tensor, /) -> Exchan
             else (v.view(w, -1)[me] if layouts[r] else v.view(w - 1, -1)[me if me < r else me - 1])
             for r, v in enumerate(views)
         ]
-        torch.add(terms[0], terms[1], out=out)
-        for t in terms[2:]:
-            out.add_(t)
+        _sum_in_order(terms, out)
 
     return Exchange(
         a, parts, finish, "shared-memory reduce-scatter",
@@ -203,8 +202,14 @@ def input_rows(a: Arena, w: int, n: int, dtype: torch.dtype, /) -> torch.Tensor:
     Pack gradients into it and start the reduce-scatter before any other
     collective on the group: the region is held for the next one.
     """
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return a.reserve(w * n * itemsize).view(dtype).view(w, n)
+    return a.reserve(w * n * dtype.itemsize).view(dtype).view(w, n)
+
+
+def _sum_in_order(terms: Sequence[torch.Tensor], out: torch.Tensor, /) -> None:
+    """``out = terms[0] + terms[1] + ...``, left to right: the same bits on every rank; mutates ``out``."""
+    torch.add(terms[0], terms[1], out=out)
+    for t in terms[2:]:
+        out.add_(t)
 
 
 def all_reduce(a: Arena, buf: torch.Tensor, /, *, out: torch.Tensor | None = None) -> Exchange:
@@ -220,10 +225,7 @@ def all_reduce(a: Arena, buf: torch.Tensor, /, *, out: torch.Tensor | None = Non
     holder: list[torch.Tensor] = []
 
     def finish(views: list[torch.Tensor | None], _: list[int]) -> None:
-        terms = [holder[0] if v is None else v for v in views]
-        torch.add(terms[0], terms[1], out=dest)
-        for t in terms[2:]:
-            dest.add_(t)
+        _sum_in_order([holder[0] if v is None else v for v in views], dest)
 
     op = Exchange(a, [flat], finish, "shared-memory all-reduce", in_place=held)
     holder.append(op.region.data[: op.nbytes].view(flat.dtype))
