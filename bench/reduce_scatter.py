@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from bench import collective_timing
 
-ALGORITHMS = ("native", "all_reduce", "all_to_all", "ring", "ring_pipelined")
+ALGORITHMS = ("native", "all_reduce", "all_to_all", "ring", "ring_pipelined", "shm")
 SIZES_KIB = (256, 4096, 16384, 65536)
 
 
