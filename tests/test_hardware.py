@@ -9,6 +9,8 @@ Parallel" (PVLDB 16(12)) for GPT-175B on 128 A100s; this machine's benchmark
 from __future__ import annotations
 
 import json
+import re
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -169,6 +171,26 @@ def _median_step(measured: dict[str, Any], mode: str, malloc: str) -> float:
         for t in rank["step_times_s"]
     )
     return times[len(times) // 2]
+
+
+def test_the_calibration_and_the_bench_results_come_from_one_host_and_day():
+    """A calibration describes one host: compared with runs of another, a failure below would
+    blame the cost model for a change of machine."""
+    meta = json.loads((RESULTS / "results.json").read_text())["meta"]
+    source = Hardware.from_json(RESULTS / "hardware-this-machine.json").source
+    match = re.match(r"measured by funcshard calibrate on (\S+ \S+) UTC: (\S+),", source)
+    assert match, f"not a calibration's source: {source!r}"
+    calibrated = datetime.strptime(match[1], "%Y-%m-%d %H:%M")
+    benched = datetime.strptime(meta["date"], "%Y-%m-%d %H:%M:%S UTC")
+    fix = (
+        "run `funcshard calibrate --out bench/results/hardware-this-machine.json` beside the bench"
+    )
+    assert match[2] == meta["machine"]["platform"], (
+        f"calibrated on {match[2]}, benched on {meta['machine']['platform']}: {fix}"
+    )
+    assert abs(calibrated - benched) < timedelta(days=1), (
+        f"calibrated {calibrated}, benched {benched}: {fix}"
+    )
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
