@@ -223,6 +223,18 @@ def _different_collectives_in_debug_mode() -> None:
         del os.environ["FUNCSHARD_DEBUG"]
 
 
+def _change_a_setting_on_one_rank() -> None:
+    """Rank 1 alone changes the all-gather algorithm between two steps (the ranks agreed once)."""
+    _, sparams, step = _setup()
+    step(sparams, *MODEL.batch_for(fs.rank()))
+    if fs.rank() == 1:
+        os.environ["FUNCSHARD_ALL_GATHER"] = "native"
+    try:
+        step(sparams, *MODEL.batch_for(fs.rank()))
+    finally:
+        os.environ.pop("FUNCSHARD_ALL_GATHER", None)
+
+
 def _load_different_checkpoints(directory: str) -> None:
     _, sparams, _ = _setup()
     name = "good" if fs.rank() == 0 else "other"  # e.g. latest() on a directory that lags
@@ -324,6 +336,7 @@ BODIES: dict[str, Callable[..., None]] = {
     "different-prefetch": _different_prefetch,
     "different-operations": _different_operations,
     "different-plans": _different_plans,
+    "change-a-transport-setting-on-one-rank": _change_a_setting_on_one_rank,
     "debug-mode": _different_collectives_in_debug_mode,
     "load-different-checkpoints": _load_different_checkpoints,
     "different-initial-params": _different_initial_params,
@@ -414,6 +427,10 @@ EXPECTED: dict[str, list[tuple[str, str]]] = {  # per rank: (error, regex of its
             r"ranks disagree at the start of a step: rank 1: plan fingerprint [0-9a-f]{16} \(rank 0: [0-9a-f]{16}\)",
         ),
         ("DesyncError", r"Every rank must build the same plan"),
+    ],
+    "change-a-transport-setting-on-one-rank": [
+        ("CollectiveError", r"all_gather of unit '<root>'.*failed"),
+        ("CollectiveError", r"the transport settings before all_gather of unit '<root>'"),
     ],
     "debug-mode": [
         (

@@ -40,7 +40,7 @@ ORDER = {
         "activations", "hardware", "step_time", "cost_model", "estimates", "leaf", "explain",
         "plan", "resolve", "cost", "search", "advice", "auto", "planner",
     ],
-    "comm": ["runtime", "channel", "agree", "settle", "lifecycle", "metrics", "ledger", "groups", "algorithm", "arena", "shm", "reduce_scatter", "all_gather", "inputs", "collectives"],
+    "comm": ["runtime", "channel", "agree", "settle", "lifecycle", "metrics", "ledger", "groups", "algorithm", "arena", "shm", "reduce_scatter", "all_gather", "preflight", "inputs", "collectives"],
     "data": ["sampler", "seed"],
     "shard": [
         "aliasing", "digest", "counter_rng", "fill", "initializers", "fans", "orthogonal", "layout", "flat",

@@ -1,9 +1,9 @@
 """Collective algorithms chosen by name: what ``reduce_scatter.py`` and ``all_gather.py`` share.
 
 Each module lists its algorithms, resolves ``"auto"`` by backend and size, and
-reads its default from an environment variable (the same on every rank under
-torchrun); the handles they return wait on ``torch.distributed`` work with or
-without a timeout.
+reads its default from an environment variable (which every rank agrees on before
+its first collective: ``preflight.py``); the handles they return wait on
+``torch.distributed`` work with or without a timeout.
 """
 
 from __future__ import annotations

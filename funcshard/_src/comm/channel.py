@@ -61,6 +61,7 @@ class Kind(enum.IntEnum):
     CHECKPOINT = 10
     OBJECT = 11
     DEBUG = 12
+    SETTINGS = 13
 
 
 @dataclass(eq=False)
@@ -77,6 +78,7 @@ class Channel:
     out_of_step: str | None = None  # why this process cannot take part in collectives any more
     peer_aborted: bool = False  # a peer's ABORT was already received: no need to post one
     abandoned: list[Any] = field(default_factory=list)  # works never waited for, kept alive
+    agreed_settings: dict[str, str] | None = None  # every rank's transport settings: preflight.py
 
     def group(self, which: str) -> dist.ProcessGroup:
         ref = self.control if which == "control" else self.payload

@@ -7,9 +7,10 @@ waits. A collective that fails or outlives :func:`runtime.collective_timeout`
 raises :class:`CollectiveError` naming the operation, its ``tag`` (the unit),
 the mesh axes and the rank, and leaves this process out of step (see
 [Note: out of step] in ``channel.py``): no later collective is issued. Every
-collective is counted in the trace that agreements compare. With
-``FUNCSHARD_DEBUG=1`` every collective first agrees on (op, tag, shape, dtype)
-with every rank.
+collective is counted in the trace that agreements compare. Before the first,
+every rank agrees on the settings that choose how collectives move their bytes
+(``preflight.py``); with ``FUNCSHARD_DEBUG=1`` every collective first agrees on
+(op, tag, shape, dtype) with every rank.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from funcshard._src.comm import agree, channel, runtime, shm
 from funcshard._src.comm import all_gather as _ag
+from funcshard._src.comm import channel, preflight, runtime, shm
 from funcshard._src.comm import reduce_scatter as _rs
 from funcshard._src.comm.algorithm import wait_work
 from funcshard._src.comm.groups import BoundMesh
@@ -355,8 +356,7 @@ def _issue(
         f"{op}{f' of unit {tag!r}' if tag else ''} over mesh axes {list(axes)} on rank {bound.rank}"
     )
     channel.ensure_in_step(what)
-    if runtime.debug_collectives():
-        _check_same_everywhere(op, tag, axes, tensor, group, what)
+    preflight.check(op, tag, group, tensor, what)  # see [Note: transport settings]
     channel.record_issued(op, tag, tensor.numel(), tensor.dtype)
     try:
         work = call()
@@ -364,30 +364,6 @@ def _issue(
         channel.mark_out_of_step(f"{what} failed")
         raise _failure(what, e, None) from e
     return Pending(tensor, work, what)
-
-
-def _check_same_everywhere(
-    op: str,
-    tag: str,
-    axes: tuple[str, ...],
-    tensor: torch.Tensor,
-    group: dist.ProcessGroup,
-    what: str,
-) -> None:
-    """FUNCSHARD_DEBUG: every rank agrees on (op, tag, shape, dtype) first; see [Note: agreements]."""
-    mine = [op, tag, list(tensor.shape), str(tensor.dtype)]
-    members = dist.get_process_group_ranks(group)
-    everyone = agree.all_gather_json(mine, f"the debug check before {what}")
-    if any(everyone[r] != everyone[members[0]] for r in members):
-        listing = "; ".join(
-            f"rank {r}: ({sig[0]!r}, {sig[1]!r}, {tuple(sig[2])}, {sig[3]!r})"
-            for r, sig in enumerate(everyone)
-            if r in members
-        )
-        raise runtime.DesyncError(
-            f"ranks issue different collectives at {what} (axes {list(axes)}): {listing}. "
-            f"Every rank must call the same units in the same order"
-        )
 
 
 def _failure(what: str, error: Exception, timeout: float | None) -> CollectiveError:
