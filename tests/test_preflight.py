@@ -50,6 +50,12 @@ def test_settings_read_the_environment_with_its_defaults(monkeypatch):
     assert (changed["FUNCSHARD_SHM"], changed["FUNCSHARD_REDUCE_SCATTER"]) == ("off", "ring")
 
 
+def _sharded_step() -> tuple[Any, fs.Step]:
+    params = MODEL.init(0)
+    plan = fs.plan(params, fs.Mesh({"fsdp": 2}), units=MODEL.units)
+    return fs.shard(params, plan), fs.value_and_grad(MODEL.loss_fn, plan)
+
+
 def _step_with(name: str, value: str) -> tuple[str, str, float]:
     """A step where rank 1 alone has ``name=value`` from the start; what each rank raised."""
     fs.set_collective_timeout(TIMEOUT_S)
@@ -57,10 +63,8 @@ def _step_with(name: str, value: str) -> tuple[str, str, float]:
         os.environ[name] = value
     start = time.monotonic()
     try:
-        params = MODEL.init(0)
-        plan = fs.plan(params, fs.Mesh({"fsdp": 2}), units=MODEL.units)
-        sparams = fs.shard(params, plan)
-        fs.value_and_grad(MODEL.loss_fn, plan)(sparams, *MODEL.batch_for(fs.rank()))
+        sparams, step = _sharded_step()
+        step(sparams, *MODEL.batch_for(fs.rank()))
         return "ok", "", time.monotonic() - start
     except Exception as e:
         return type(e).__name__, str(e), time.monotonic() - start
@@ -83,10 +87,7 @@ def test_a_setting_one_rank_has_alone_fails_every_rank_naming_it(pools, name, va
 
 def _step_with_both(name: str, value: str) -> tuple[str, float]:
     """Both ranks set ``name=value`` between steps: the next step agrees again and trains."""
-    params = MODEL.init(0)
-    plan = fs.plan(params, fs.Mesh({"fsdp": 2}), units=MODEL.units)
-    sparams = fs.shard(params, plan)
-    step = fs.value_and_grad(MODEL.loss_fn, plan)
+    sparams, step = _sharded_step()
     before = float(step(sparams, *MODEL.batch_for(fs.rank()))[0])
     os.environ[name] = value
     try:

@@ -49,7 +49,7 @@ def settings() -> dict[str, str]:
         shm.ENV: "on" if shm.enabled() else "off",
         _ag.ALGORITHM_ENV: os.environ.get(_ag.ALGORITHM_ENV, "auto"),
         _rs.ALGORITHM_ENV: os.environ.get(_rs.ALGORITHM_ENV, "auto"),
-        "FUNCSHARD_DEBUG": "on" if runtime.debug_collectives() else "off",
+        runtime.DEBUG_ENV: "on" if runtime.debug_collectives() else "off",
     }
 
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "FUNCSHARD_COLLECTIVE_TIMEOUT_S"
+DEBUG_ENV = "FUNCSHARD_DEBUG"
 
 _UNSET: Any = object()
 _explicit_timeout_s: float | None = _UNSET  # set_collective_timeout; wins over everything
@@ -86,7 +87,7 @@ def check_timeout(seconds: object, /, *, what: str) -> float:
 
 def debug_collectives() -> bool:
     """Whether ``FUNCSHARD_DEBUG=1``: every collective first checks that all ranks issue the same one."""
-    return os.environ.get("FUNCSHARD_DEBUG", "") not in ("", "0")
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 def is_distributed() -> bool:
