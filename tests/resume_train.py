@@ -120,15 +120,17 @@ def _arm_save_points(die_at: Any) -> None:
     saving.write_chunks = after(saving.write_chunks, "save:write")
     saving.write_manifest = after(saving.write_manifest, "save:manifest")
     commit.commit = after(commit.commit, "save:committed")
-    remove = commit.shutil.rmtree
+    import funcshard._src.checkpoint.cleanup as cleanup
 
-    class _Shutil:
-        @staticmethod
-        def rmtree(path: Any, **kw: Any) -> None:
-            die_at("save:rotating")  # delete() removed the manifest already: a half-deleted one
-            remove(path, **kw)
+    unlink = cleanup._unlink_regular
 
-    commit.shutil = _Shutil  # pyright: ignore[reportAttributeAccessIssue]
+    def unlink_then_die(fd: int, name: str) -> bool:
+        done = unlink(fd, name)
+        if name == cleanup.MANIFEST:
+            die_at("save:rotating")  # the manifest is gone, its files not yet: a half-deleted one
+        return done
+
+    cleanup._unlink_regular = unlink_then_die
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ def test_not_a_checkpoint(tmp_path):
     ):
         fs.checkpoint.load_full(tmp_path / "plain")
     (tmp_path / "plain" / "manifest.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="unreadable manifest"):
+    with pytest.raises(CheckpointError, match=r"manifest\.json: not valid JSON"):
         fs.checkpoint.load_full(tmp_path / "plain")
 
 

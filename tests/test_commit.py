@@ -115,8 +115,8 @@ def test_torchrun_restarts_share_a_run(tmp_path, monkeypatch):
 
 
 def test_rotation_removes_only_its_own_interrupted_saves(tmp_path):
-    mine = commit.staging_dir(tmp_path / "step9", "a", "dead")
-    theirs = commit.staging_dir(tmp_path / "step9", "b", "alive")
+    mine = commit.staging_dir(tmp_path / "step9", "a", "d" * 32)
+    theirs = commit.staging_dir(tmp_path / "step9", "b", "a" * 32)
     mine.mkdir()
     theirs.mkdir()
     fs.checkpoint.save(tmp_path / "step1", {"n": 1}, step=1, keep=1, run="a")
@@ -125,7 +125,7 @@ def test_rotation_removes_only_its_own_interrupted_saves(tmp_path):
 
 
 def test_a_bad_run_name_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"run must be a name of letters, digits"):
+    with pytest.raises(ValueError, match=r"run must be a name of ASCII letters, digits"):
         fs.checkpoint.save(tmp_path / "x", {"n": 1}, run="../up")
 
 

@@ -1,6 +1,6 @@
 """Layers import downward only, modules inside a package import in one order, and there is no cycle.
 
-Order between packages (docs/design.md §3): tree and dtypes, spec, plan, comm, data and shard,
+Order between packages (docs/design.md §3): tree, dtypes and untrusted, spec, plan, comm, data and shard,
 execute, then optim / checkpoint / interop, then the command line. Inside each
 package, :data:`ORDER` lists its modules from the bottom up: a module imports only
 modules listed before it. Only the runtime layers touch torch.distributed. A
@@ -20,6 +20,7 @@ SRC = PACKAGE / "_src"
 LAYERS = {
     "tree": 0,
     "dtypes": 0,
+    "untrusted": 0,
     "spec": 1,
     "plan": 2,
     "comm": 3,
@@ -48,7 +49,7 @@ ORDER = {
     ],
     "execute": ["memory", "loss", "buffers", "desync", "part", "unit_state", "bucket", "reduce", "run", "compiled", "call", "value_and_grad", "forward"],
     "optim": ["base", "schedules", "select", "sgd", "adamw", "lion", "clip", "nonfinite", "adafactor", "chain", "ema", "torch_optim"],
-    "checkpoint": ["errors", "chunks", "manifest", "commit", "dcp_io", "rng", "save", "load", "export"],
+    "checkpoint": ["errors", "chunks", "manifest", "cleanup", "commit", "dcp_io", "rng", "save", "load", "export"],
     "interop": [
         "host", "module_tree", "module_units", "module_init", "hf_checkpointing",
         "safetensors_format", "safetensors_io", "hf_export", "forwards", "apply", "module", "jax", "orbax",

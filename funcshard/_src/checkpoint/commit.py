@@ -9,30 +9,39 @@ Every checkpoint records the *run* that wrote it. A process's run is, in
 order: the ``run=`` it passes; the run of the checkpoint it loaded last (a
 resumed job continues its run); ``FUNCSHARD_RUN``, or torchrun's
 ``TORCHELASTIC_RUN_ID`` (the same for every restart of one job); otherwise a
-fresh id chosen by rank 0 at the first save. Rotation (``keep``) deletes only
-checkpoints and interrupted saves of the run that saves, never the checkpoint
-just written; :func:`latest` returns the newest checkpoint of the process's
-run, or of the only run in the directory, and refuses to guess between runs.
-So two jobs that save side by side into one directory never prune or resume
-each other's checkpoints.
+fresh id chosen by rank 0 at the first save. A run's name is a short name of
+ASCII letters, digits, ``-``, ``_`` and ``.`` (not first): :data:`RUN_NAME`, checked
+where it is given and where a manifest is read, since it becomes part of a staging
+directory's name. Rotation (``keep``) deletes only checkpoints and interrupted
+saves of the run that saves (compared by equality, never matched as a pattern),
+never the checkpoint just written, and only the files a save wrote (see
+[Note: what cleanup deletes] in ``cleanup.py``); :func:`latest` returns the newest
+checkpoint of the process's run, or of the only run in the directory, and refuses
+to guess between runs. So two jobs that save side by side into one directory never
+prune or resume each other's checkpoints.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
+import stat
 import uuid
 from pathlib import Path
 from typing import Any
 
+from funcshard._src.checkpoint.cleanup import (
+    TMP,
+    interrupted_saves,
+    remove_saved,
+    staging_name,
+)
 from funcshard._src.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
     NotACheckpointError,
 )
-from funcshard._src.checkpoint.manifest import MANIFEST, is_checkpoint, read_manifest
+from funcshard._src.checkpoint.manifest import RUN_NAME, is_checkpoint, read_manifest
 
-TMP = ".tmp-"
 RUN_ENV = ("FUNCSHARD_RUN", "TORCHELASTIC_RUN_ID")
 
 _current_run: str | None = None  # see [Note: runs]; set by saves and loads
@@ -71,21 +80,17 @@ def check_keep(keep: object, /) -> int | None:
 
 
 def check_run(run: object, /) -> str | None:
-    """``run`` if it is ``None`` or a usable run name (letters, digits, ``-_.``).
+    """``run`` if it is ``None`` or a usable run name (:data:`RUN_NAME`).
 
     Raises:
         ValueError: an empty or unusable name.
     """
     if run is None:
         return None
-    if (
-        not isinstance(run, str)
-        or not run
-        or len(run) > 128
-        or not all(c.isalnum() or c in "-_." for c in run)
-    ):
+    if not isinstance(run, str) or RUN_NAME.fullmatch(run) is None:
         raise ValueError(
-            f"run must be a name of letters, digits, '-', '_' or '.' (at most 128), got {run!r}"
+            f"run must be a name of ASCII letters, digits, '-', '_' or '.' (not first; at most "
+            f"128), got {run!r}"
         )
     return run
 
@@ -119,15 +124,21 @@ def adopt_run(run: str, /) -> None:
 
 
 def staging_dir(target: Path, run: str, token: str, /) -> Path:
-    """Where a save of ``target`` by ``run`` writes before it commits."""
-    return target.parent / f".{target.name}{TMP}{run}-{token}"
+    """Where a save of ``target`` by ``run`` writes before it commits (see ``cleanup.staging_name``)."""
+    return target.parent / staging_name(target.name, check_run(run) or "", token)
 
 
 def commit(staging: Path, target: Path, /) -> None:
-    """Renames ``staging`` to ``target`` and syncs the parent: the commit; mutates the disk."""
+    """Renames ``staging`` to ``target``: the commit; mutates the disk.
+
+    Raises:
+        OSError: the rename failed: nothing was committed.
+        FileExistsError: ``target`` appeared meanwhile (nothing was committed).
+    """
     fsync_dir(staging)
-    os.replace(staging, target)  # atomic on one filesystem
-    fsync_dir(target.parent)
+    if os.path.lexists(target):
+        raise FileExistsError(f"{target} appeared while the save was being written")
+    os.rename(staging, target)  # atomic on one filesystem
 
 
 def fsync_dir(directory: Path, /) -> None:
@@ -139,26 +150,41 @@ def fsync_dir(directory: Path, /) -> None:
         os.close(fd)
 
 
-def rotate(parent: Path, run: str, keep: int, /, *, written: Path, token: str) -> None:
+def rotate(parent: Path, run: str, keep: int | None, /, *, written: Path, token: str) -> list[str]:
     """Deletes all but ``keep`` newest checkpoints of ``run`` in ``parent``, and its interrupted saves.
 
-    Never deletes ``written`` (the checkpoint just committed) or another run's
-    files; see [Note: runs]. Mutates the disk.
+    Never deletes ``written`` (the checkpoint just committed), another run's files,
+    or a file no save writes; see [Note: runs] and [Note: what cleanup deletes].
+    With ``keep=None`` only the interrupted saves go. Mutates the disk.
+
+    Returns:
+        What could not be deleted, in words (empty when all went well); the caller
+        reports it: the save committed either way.
     """
-    for stale in parent.glob(f".*{TMP}{run}-*"):
-        if stale.is_dir() and not stale.name.endswith(token):
-            shutil.rmtree(stale, ignore_errors=True)
-    mine = [(d, m) for d, m in _checkpoints(parent) if m["run"] == run and d != written]
+    problems: list[str] = []
+    try:
+        stale = sorted(interrupted_saves(parent, run, keep_token=token))
+    except OSError as e:
+        return [f"cannot list {parent} ({e})"]
+    for name in stale:
+        try:
+            remove_saved(parent, name)
+        except OSError as e:
+            problems.append(f"{parent / name}: {e}")
+    if keep is None:
+        return problems
+    try:
+        found = _checkpoints(parent)
+    except (OSError, CheckpointError) as e:
+        return [*problems, f"cannot list the checkpoints of {parent} ({e})"]
+    mine = [(d, m) for d, m in found if m["run"] == run and d.name != written.name]
     mine.sort(key=_order)
     for old, _ in mine[: max(0, len(mine) - (keep - 1))]:
-        delete(old)
-
-
-def delete(checkpoint: Path, /) -> None:
-    """Deletes a checkpoint, its manifest first: a crash midway leaves no checkpoint with files missing."""
-    (checkpoint / MANIFEST).unlink(missing_ok=True)
-    fsync_dir(checkpoint)
-    shutil.rmtree(checkpoint, ignore_errors=True)
+        try:
+            remove_saved(parent, old.name)
+        except OSError as e:
+            problems.append(f"{old}: {e}")
+    return problems
 
 
 def latest(directory: str | os.PathLike[str], /, *, run: str | None = None) -> Path | None:
@@ -216,8 +242,8 @@ def _checkpoints(parent: Path) -> list[tuple[Path, dict[str, Any]]]:
     """
     out: list[tuple[Path, dict[str, Any]]] = []
     for d in sorted(parent.iterdir()):
-        if not d.is_dir() or TMP in d.name or not is_checkpoint(d):
-            continue
+        if TMP in d.name or not stat.S_ISDIR(os.lstat(d).st_mode) or not is_checkpoint(d):
+            continue  # a symlink to a checkpoint (a ``latest`` link) is not one more checkpoint
         try:
             out.append((d, read_manifest(d)))
         except NotACheckpointError:

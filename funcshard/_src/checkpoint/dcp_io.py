@@ -7,16 +7,22 @@ planner, which would ``torch.load(weights_only=False)`` any entry the metadata
 declares as bytes: :func:`read_chunks` unpickles ``.metadata`` with an
 allowlist, checks every entry it will use against the manifest (tensor
 storage only, the dtype and size the manifest says, a byte range inside the
-data file), reads each chunk with ``torch.load(weights_only=True)`` from a
-file whose real path lies inside the checkpoint, and checks the tensor it gets
-(type, dtype, shape and, with ``verify``, the SHA-256 of its contents).
+data file that holds at least the chunk's bytes and overlaps no other chunk's,
+so that what a leaf declares is no more than the files hold), refuses a
+``torch.save`` archive whose records would allocate more than it holds, reads
+each chunk with ``torch.load(weights_only=True)`` from a file reached through no
+symlink, and proves the tensor it gets (a plain dense CPU tensor of the dtype and
+shape the manifest says whose storage holds exactly its bytes; see
+[Note: reader discipline] in ``funcshard/_src/untrusted.py``) before anything
+reads its values (with ``verify``, the SHA-256 of its contents).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
-import os
+import itertools
 import pickle
 import warnings
 from collections.abc import Iterator
@@ -25,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.filesystem import _StorageInfo  # pyright: ignore[reportPrivateUsage]
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -38,6 +45,7 @@ from funcshard._src.checkpoint.chunks import Chunk
 from funcshard._src.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 from funcshard._src.checkpoint.manifest import file_digest, rank_dir
 from funcshard._src.shard.digest import tensor_digest
+from funcshard._src.untrusted import check_plain_tensor, check_torch_blob, plain_file
 
 DATA_FILE = "__0_0.distcp"
 METADATA_FILE = ".metadata"
@@ -67,10 +75,13 @@ def write_chunks(directory: Path, chunks: dict[str, torch.Tensor], /) -> dict[st
         The files written, ``{name: {"size": bytes}}`` (``.metadata`` also with its SHA-256).
     """
     directory.mkdir(parents=True, exist_ok=True)
-    with _single_process_is_intended():
-        dcp.save(
-            chunks, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), no_dist=True
-        )
+    writer = dcp.FileSystemWriter(directory, sync_files=True)
+    save_local = getattr(state_dict_saver, "_save_state_dict", None)
+    if save_local is not None:  # no warning to silence: safe in a background thread
+        save_local(chunks, storage_writer=writer, no_dist=True)
+    else:  # pragma: no cover - a torch without it
+        with _single_process_is_intended():
+            dcp.save(chunks, storage_writer=writer, no_dist=True)
     files: dict[str, dict[str, Any]] = {}
     for name in (METADATA_FILE, DATA_FILE):
         info: dict[str, Any] = {"size": (directory / name).stat().st_size}
@@ -110,12 +121,16 @@ def read_chunks(
                 f"{data_path}: {data_path.stat().st_size} bytes, saved {expected}; the file is "
                 f"truncated or was replaced"
             )
+        infos = [
+            (item, _storage_of(metadata, item[0], item[1], data_path, expected)) for item in items
+        ]
+        _no_overlaps(infos, data_path)
         with open(data_path, "rb") as stream:
-            for chunk, dtype, sha256 in items:
-                info = _storage_of(metadata, chunk, dtype, data_path, expected)
+            for (chunk, dtype, sha256), info in infos:
                 stream.seek(info.offset)
                 blob = stream.read(info.length)
                 where = f"{data_path}, chunk {chunk.key!r}"
+                check_torch_blob(blob, where=where, error=CorruptCheckpointError)
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
@@ -125,20 +140,19 @@ def read_chunks(
                         f"{where}: unreadable ({type(e).__name__}: {str(e)[:200]}); the checkpoint "
                         f"is corrupted"
                     ) from None
-                if (
-                    not isinstance(tensor, torch.Tensor)
-                    or tensor.dtype != dtype
-                    or tuple(tensor.shape) != chunk.sizes
-                ):
-                    got = (
-                        f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
-                        if isinstance(tensor, torch.Tensor)
-                        else f"a {type(tensor).__name__}"
+                try:
+                    check_plain_tensor(
+                        tensor,
+                        dtype=dtype,
+                        shape=chunk.sizes,
+                        where=where,
+                        error=CorruptCheckpointError,
                     )
+                except CorruptCheckpointError as e:
                     raise CorruptCheckpointError(
-                        f"{where}: holds {got}, the manifest says {dtype} {chunk.sizes}; the "
-                        f"checkpoint is corrupted"
-                    )
+                        f"{e}; the manifest says a plain {dtype} tensor of shape {chunk.sizes}: the "
+                        f"checkpoint is corrupted or was crafted"
+                    ) from None
                 if verify and tensor_digest(tensor) != sha256:
                     raise CorruptCheckpointError(
                         f"{where}: its contents differ from what was saved (SHA-256); the "
@@ -148,12 +162,28 @@ def read_chunks(
     return out
 
 
+def _no_overlaps(infos: list[tuple[Any, _StorageInfo]], path: Path) -> None:
+    """Chunks' byte ranges in one data file are disjoint: the file holds every chunk's bytes once."""
+    spans = sorted((info.offset, info.offset + info.length, item[0].key) for item, info in infos)
+    for (_, stop, key), (start, _, other) in itertools.pairwise(spans):
+        if start < stop:
+            raise UnsafeCheckpointError(
+                f"{path.parent / METADATA_FILE}: entries {key!r} and {other!r} share bytes of "
+                f"{path.name}; every chunk has bytes of its own, so the checkpoint was crafted"
+            )
+
+
 def _read_metadata(root: Path, sub: str, files: dict[str, Any]) -> Metadata:
     name = f"{sub}/{METADATA_FILE}"
     path = _inside(root, name)
     expected = files[name]
+    if path.stat().st_size != expected["size"]:
+        raise CorruptCheckpointError(
+            f"{path}: {path.stat().st_size} bytes, saved {expected['size']}; the file is truncated "
+            f"or was replaced"
+        )
     data = path.read_bytes()
-    if len(data) != expected["size"] or file_digest(path) != expected["sha256"]:
+    if len(data) != expected["size"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
         raise CorruptCheckpointError(
             f"{path}: its contents differ from what was saved (size or SHA-256); the checkpoint "
             f"is corrupted"
@@ -175,10 +205,14 @@ def _read_metadata(root: Path, sub: str, files: dict[str, Any]) -> Metadata:
 def _storage_of(
     metadata: Metadata, chunk: Chunk, dtype: torch.dtype, path: Path, file_size: int
 ) -> _StorageInfo:
-    """The checked storage entry of ``chunk``: tensor storage as the manifest says, inside the file."""
+    """The checked storage entry of ``chunk``: tensor storage as the manifest says, inside the file.
+
+    Any field the unpickled objects lack or hold in another type makes the entry
+    corrupt: the allowlist admits DCP's classes, not objects built as DCP builds them.
+    """
     where = f"{path.parent / METADATA_FILE}, entry {chunk.key!r}"
-    entries = metadata.state_dict_metadata if isinstance(metadata.state_dict_metadata, dict) else {}
-    entry = entries.get(chunk.key)
+    entries = getattr(metadata, "state_dict_metadata", None)
+    entry = entries.get(chunk.key) if isinstance(entries, dict) else None
     if not isinstance(entry, TensorStorageMetadata):
         kind = "missing" if entry is None else f"a {type(entry).__name__}, not tensor storage"
         error = CorruptCheckpointError if entry is None else UnsafeCheckpointError
@@ -188,14 +222,12 @@ def _storage_of(
             f"{where}: does not describe one {dtype} tensor of shape {chunk.sizes} as the manifest "
             f"does; the checkpoint is corrupted"
         )
-    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-    info = storage.get(MetadataIndex(chunk.key, torch.Size([0] * len(chunk.sizes))))
+    storage = getattr(metadata, "storage_data", None)
+    info = _lookup(storage, chunk) if isinstance(storage, dict) else None
     if not isinstance(info, _StorageInfo):
         raise CorruptCheckpointError(f"{where}: no storage entry; the checkpoint is corrupted")
     offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-    numel = 1
-    for n in chunk.sizes:
-        numel *= n
+    nbytes = chunk.numel * dtype.itemsize
     if (
         getattr(info, "relative_path", None) != DATA_FILE
         or getattr(info, "transform_descriptors", None)
@@ -204,14 +236,22 @@ def _storage_of(
         or offset < 0
         or length <= 0
         or offset + length > file_size
-        or length > numel * dtype.itemsize + SERIALIZATION_SLACK
+        or not nbytes <= length <= nbytes + SERIALIZATION_SLACK
     ):
         raise UnsafeCheckpointError(
             f"{where}: storage {getattr(info, 'relative_path', None)!r} [{offset}, +{length}) is not "
-            f"a byte range of {path.name} ({file_size} bytes) holding that tensor; the checkpoint is "
-            f"corrupted or was crafted"
+            f"a byte range of {path.name} ({file_size} bytes) holding the {nbytes} bytes of that "
+            f"tensor; the checkpoint is corrupted or was crafted"
         )
     return info
+
+
+def _lookup(storage: dict[Any, Any], chunk: Chunk) -> Any:
+    """``storage``'s entry of ``chunk``; ``None`` if absent or if its keys are malformed objects."""
+    try:
+        return storage.get(MetadataIndex(chunk.key, torch.Size([0] * len(chunk.sizes))))
+    except (TypeError, ValueError, AttributeError):  # a key without its fields
+        return None
 
 
 def _describes(entry: TensorStorageMetadata, sizes: tuple[int, ...], dtype: torch.dtype) -> bool:
@@ -231,16 +271,13 @@ def _describes(entry: TensorStorageMetadata, sizes: tuple[int, ...], dtype: torc
 
 
 def _inside(root: Path, name: str) -> Path:
-    """``root / name`` if it is a regular file whose real path lies inside ``root``."""
-    path = root / name
-    real, base = Path(os.path.realpath(path)), Path(os.path.realpath(root))
-    if not real.is_relative_to(base):
-        raise UnsafeCheckpointError(
-            f"{path}: resolves to {real}, outside the checkpoint {root}; refusing to read it"
-        )
-    if not real.is_file():
-        raise CorruptCheckpointError(f"{path}: missing; the checkpoint is incomplete")
-    return path
+    """``root / name`` if it is a regular file reached through no symlink (a checkpoint holds none)."""
+    return plain_file(root, name, unsafe=UnsafeCheckpointError, missing=_MissingError)
+
+
+class _MissingError(CorruptCheckpointError):
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{message}; the checkpoint is incomplete")
 
 
 class _Unpickler(pickle.Unpickler):

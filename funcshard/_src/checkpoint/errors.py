@@ -24,3 +24,7 @@ class UnsafeCheckpointError(CorruptCheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """A sound checkpoint of another tree than the one asked for (paths, shapes, dtypes or kinds differ)."""
+
+
+class CheckpointWarning(UserWarning):
+    """A save committed, but what it does after the commit did not all succeed (``keep=``'s cleanup)."""

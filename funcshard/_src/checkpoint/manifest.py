@@ -8,9 +8,11 @@ contents), the tree structure, every rank's RNG states (``rng``, optional), the 
 the SHA-256 of each rank's ``.metadata``; and, last, the SHA-256 of the
 manifest itself. A directory without a complete manifest is not a checkpoint.
 
-The manifest is untrusted input: :func:`read_manifest` checks every field's
-type and range, the digest, and that file names stay inside the checkpoint,
-before anything else reads it.
+The manifest is untrusted input: :func:`read_manifest` reads it as strict JSON
+(see [Note: reader discipline] in ``funcshard/_src/untrusted.py``), refuses a
+symlinked one, and checks every field's type and range, the digest, that file
+names stay inside the checkpoint and that the run is a name from the allowlist
+(:data:`RUN_NAME`) before anything else reads it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import math
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ from funcshard._src.checkpoint.errors import (
 )
 from funcshard._src.dtypes import dtype_name, dtype_of
 from funcshard._src.shard.sharded import ShardedTensor
+from funcshard._src.untrusted import read_json
 
 MANIFEST = "manifest.json"
 FORMAT = "funcshard-checkpoint"
@@ -40,6 +44,9 @@ VERSION = 2
 VALUE_TYPES = (bool, int, float, str, type(None))
 KINDS = ("sharded", "tensor", "value")
 MAX_MANIFEST_BYTES = 1 << 30
+MAX_MANIFEST_DEPTH = 256  # a tree node is three JSON levels: 80-odd levels of pytree
+# A run's name: what may reach a staging directory's name (see [Note: runs] in commit.py)
+RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 RNG_PATH = "<rng>"  # the manifest's "rng" entry: every rank's generator states
 _FILE = re.compile(r"rank(0|[1-9][0-9]{0,5})/(\.metadata|__0_0\.distcp)")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -113,6 +120,11 @@ def read_manifest(directory: Path, /) -> dict[str, Any]:
     if not directory.is_dir():
         raise NotACheckpointError(f"{directory}: no such checkpoint directory")
     target = directory / MANIFEST
+    if target.is_symlink():
+        raise UnsafeCheckpointError(
+            f"{target}: a symlink (to {os.path.realpath(target)}); a checkpoint holds no "
+            f"symlink, so it is not read"
+        )
     if not target.is_file():
         hint = (
             "its save was interrupted before it committed"
@@ -122,16 +134,13 @@ def read_manifest(directory: Path, /) -> dict[str, Any]:
         raise NotACheckpointError(
             f"{directory}: no {MANIFEST}; {hint}. Use fs.checkpoint.latest(dir) to find a complete one"
         )
-    try:
-        if target.stat().st_size > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(f"{target}: larger than {MAX_MANIFEST_BYTES} bytes")
-        manifest = json.loads(target.read_bytes(), parse_constant=_no_constants)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        if isinstance(e, CorruptCheckpointError):
-            raise
-        raise CorruptCheckpointError(
-            f"{target}: unreadable manifest ({type(e).__name__}: {e}); the checkpoint is corrupted"
-        ) from None
+    manifest = read_json(
+        target,
+        max_bytes=MAX_MANIFEST_BYTES,
+        max_depth=MAX_MANIFEST_DEPTH,
+        error=CorruptCheckpointError,
+        symlinks=False,
+    )
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{target}: not a funcshard checkpoint manifest")
     if manifest.get("version") != VERSION:
@@ -155,8 +164,12 @@ def read_manifest(directory: Path, /) -> dict[str, Any]:
 
 
 def is_checkpoint(directory: Path, /) -> bool:
-    """Whether ``directory`` holds a manifest at all (complete or not, sound or not)."""
-    return (directory / MANIFEST).is_file()
+    """Whether ``directory`` holds a manifest at all (complete or not, sound or not; a symlink too)."""
+    try:
+        mode = os.lstat(directory / MANIFEST).st_mode
+    except OSError:
+        return False
+    return stat.S_ISREG(mode) or stat.S_ISLNK(mode)
 
 
 def file_digest(path: Path, /) -> str:
@@ -169,10 +182,6 @@ def file_digest(path: Path, /) -> str:
 
 
 # -- checks --------------------------------------------------------------------------
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON a checkpoint writes")
 
 
 def _digest(body: dict[str, Any]) -> str:
@@ -188,8 +197,11 @@ def _check(m: dict[str, Any]) -> str | None:
     """Why manifest ``m`` is unsound (``"unsafe: ..."`` for a hostile one), or ``None``."""
     if not (m.get("step") is None or _is_int(m["step"])):
         return f"step {m.get('step')!r} is not an integer >= 0"
-    if not isinstance(m.get("run"), str) or not m["run"]:
-        return f"run {m.get('run')!r} is not a run id"
+    if not isinstance(m.get("run"), str) or RUN_NAME.fullmatch(m["run"]) is None:
+        return (
+            f"unsafe: run {str(m.get('run'))[:80]!r} is not a run name (letters, digits, '-', '_' "
+            f"and '.', not first, at most 128)"
+        )
     if "tree" not in m:
         return "it has no tree structure"
     world = m.get("world_size")

@@ -1,0 +1,396 @@
+"""Reading files that funcshard does not trust: strict JSON, no symlinks, tensors proven before use.
+
+[Note: reader discipline]
+Checkpoint manifests and metadata, plans, hardware files, Hugging Face configs and
+safetensors headers and indexes are untrusted input: a file may be damaged, or crafted
+by someone who recomputes every digest. Every reader goes through this module:
+
+- **JSON** (:func:`loads_json`, :func:`read_json`): at most ``max_bytes``, nested at most
+  ``max_depth`` deep, no ``NaN``/``Infinity`` literal, no number that overflows to
+  infinity (``1e400``), no key twice in one object. A failure raises the caller's error
+  class naming the file and the field (``leaves[3].shape``), never a bare ``ValueError``
+  or ``RecursionError`` from ``json``.
+- **Paths** (:func:`plain_file`): a name read from a file is relative, has no ``..``,
+  and every component below the root is a real directory and the last a regular file:
+  no symlink anywhere, so nothing outside the root is read.
+- **Tensors** (:func:`check_torch_blob`, :func:`check_plain_tensor`): before
+  ``torch.load``, the blob is a zip archive of stored entries whose sizes add up to at
+  most the blob (nothing is allocated beyond what the file holds); after it, the result
+  is a plain dense CPU tensor (no subclass or ``Parameter``, not sparse, quantized, meta,
+  conjugated or requiring grad) of the declared dtype and shape, whose storage holds
+  exactly its bytes (strides that cover them once; no ``expand`` over one element).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+import stat
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MAX_DEPTH = 64  # no file funcshard reads nests deeper (a manifest's tree: its own depth)
+MAX_JSON_BYTES = 64 << 20
+
+
+class _Bad:
+    """A literal that strict JSON refuses, kept in place to find the field that holds it."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+
+def loads_json(
+    raw: bytes | str,
+    /,
+    *,
+    what: str,
+    max_bytes: int = MAX_JSON_BYTES,
+    max_depth: int = MAX_DEPTH,
+    error: type[Exception] = ValueError,
+) -> Any:
+    """``raw`` parsed as strict JSON (see [Note: reader discipline]).
+
+    Args:
+        raw: the text.
+        what: the file (or thing) it came from, for messages.
+        max_bytes: the most bytes accepted.
+        max_depth: the deepest nesting of arrays and objects accepted.
+        error: the exception class raised (a ``ValueError`` subclass, say).
+
+    Raises:
+        error: too large, nested too deeply, not JSON, a ``NaN``/``Infinity`` or
+            out-of-range number, or a duplicate key; the message names ``what``
+            and the field.
+
+    Example:
+        >>> loads_json('{"a": [1, 2.5]}', what="x.json")
+        {'a': [1, 2.5]}
+        >>> loads_json('{"a": {"b": 1e400}}', what="x.json")
+        Traceback (most recent call last):
+        ...
+        ValueError: x.json: a.b is 1e400, not a finite number; the file is damaged or was crafted
+    """
+    data = raw.encode() if isinstance(raw, str) else raw
+    if len(data) > max_bytes:
+        raise error(f"{what}: {len(data)} bytes, more than the {max_bytes} such a file may have")
+    try:
+        value = json.loads(
+            data, object_pairs_hook=_unique, parse_constant=_refuse, parse_float=_finite
+        )
+    except RecursionError:
+        raise error(
+            f"{what}: nested more than {max_depth} arrays or objects deep (near byte "
+            f"{_deep_at(data, max_depth)}); the file is damaged or was crafted"
+        ) from None
+    except _RefusedError:
+        found = _find_bad(json.loads(data, parse_constant=_Bad, parse_float=_float_or_bad))
+        field, token = found if found is not None else ("a field", "a non-finite number")
+        raise error(
+            f"{what}: {field} is {token}, not a finite number; the file is damaged or was crafted"
+        ) from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, duplicate keys, huge ints
+        raise error(f"{what}: not valid JSON ({e}); the file is damaged or was crafted") from None
+    deep = _too_deep(value, max_depth)
+    if deep is not None:
+        raise error(
+            f"{what}: {deep} is nested more than {max_depth} arrays or objects deep; the file is "
+            f"damaged or was crafted"
+        )
+    return value
+
+
+def read_json(
+    path: str | os.PathLike[str],
+    /,
+    *,
+    what: str | None = None,
+    max_bytes: int = MAX_JSON_BYTES,
+    max_depth: int = MAX_DEPTH,
+    error: type[Exception] = ValueError,
+    symlinks: bool = True,
+) -> Any:
+    """The strict JSON of the file at ``path`` (see :func:`loads_json`).
+
+    Args:
+        path: the file.
+        what: how messages name it (default: the path).
+        max_bytes, max_depth, error: as :func:`loads_json`.
+        symlinks: whether ``path`` itself may be a symlink (a user's own file may be;
+            a file inside a checkpoint may not).
+
+    Raises:
+        error: missing, unreadable, not a regular file (or a symlink when refused),
+            or not strict JSON.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "hw.json"
+        >>> _ = p.write_text('{"name": "x"}')
+        >>> read_json(p)
+        {'name': 'x'}
+    """
+    p = Path(path)
+    label = what or str(p)
+    flags = os.O_RDONLY | (0 if symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(p, flags)
+    except OSError as e:
+        reason = "a symlink, which is refused" if not symlinks and p.is_symlink() else e.strerror
+        raise error(f"{label}: cannot read it ({reason})") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise error(f"{label}: not a regular file")
+        if info.st_size > max_bytes:
+            raise error(
+                f"{label}: {info.st_size} bytes, more than the {max_bytes} such a file may have"
+            )
+        raw = f.read(max_bytes + 1)
+    return loads_json(raw, what=label, max_bytes=max_bytes, max_depth=max_depth, error=error)
+
+
+def plain_file(
+    root: Path,
+    relative: str,
+    /,
+    *,
+    unsafe: type[Exception] = ValueError,
+    missing: type[Exception] = ValueError,
+) -> Path:
+    """``root / relative`` if it is a regular file reached through real directories only.
+
+    Raises:
+        unsafe: ``relative`` is absolute or has ``..``, or a component is a symlink
+            or not a directory.
+        missing: the file is not there.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> root = pathlib.Path(tempfile.mkdtemp())
+        >>> (root / "a").mkdir(); _ = (root / "a" / "f").write_text("x")
+        >>> plain_file(root, "a/f").name
+        'f'
+        >>> (root / "l").symlink_to(root / "a")
+        >>> plain_file(root, "l/f")
+        Traceback (most recent call last):
+        ...
+        ValueError: .../l/f: .../l is a symlink; refusing to follow it (nothing outside ... is read)
+    """
+    parts = relative.split("/")
+    if os.path.isabs(relative) or any(p in ("", ".", "..") for p in parts):
+        raise unsafe(f"{root / relative}: {relative!r} is not a plain relative name; refusing")
+    here = root
+    for i, part in enumerate(parts):
+        here = here / part
+        try:
+            mode = os.lstat(here).st_mode
+        except FileNotFoundError:
+            raise missing(f"{root / relative}: missing") from None
+        except OSError as e:
+            raise missing(f"{root / relative}: cannot read it ({e.strerror})") from None
+        if stat.S_ISLNK(mode):
+            raise unsafe(
+                f"{root / relative}: {here} is a symlink; refusing to follow it (nothing outside "
+                f"{root} is read)"
+            )
+        last = i == len(parts) - 1
+        if (last and not stat.S_ISREG(mode)) or (not last and not stat.S_ISDIR(mode)):
+            kind = "a regular file" if last else "a directory"
+            raise unsafe(f"{root / relative}: {here} is not {kind}")
+    return here
+
+
+def check_torch_blob(blob: bytes, /, *, where: str, error: type[Exception] = ValueError) -> None:
+    """Refuses a ``torch.save`` blob whose archive would make ``torch.load`` allocate beyond it.
+
+    ``torch.load`` allocates every record of the archive at the size its central
+    directory declares; a compressed record (a zip bomb) or a declared size beyond the
+    blob would allocate what the file does not hold.
+
+    Raises:
+        error: not a zip archive, a compressed record, or records larger than the blob.
+
+    Example:
+        >>> buffer = io.BytesIO(); torch.save(torch.zeros(3), buffer)
+        >>> check_torch_blob(buffer.getvalue(), where="x")
+        >>> check_torch_blob(b"junk", where="x")
+        Traceback (most recent call last):
+        ...
+        ValueError: x: not a torch.save archive (File is not a zip file)
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
+        raise error(f"{where}: not a torch.save archive ({e})") from None
+    total = 0
+    for record in records:
+        if record.compress_type != zipfile.ZIP_STORED or record.file_size != record.compress_size:
+            raise error(
+                f"{where}: record {record.filename[:80]!r} is compressed; torch.save stores its "
+                f"records as they are"
+            )
+        total += record.file_size
+    if total > len(blob):
+        raise error(
+            f"{where}: its records declare {total} bytes, more than the {len(blob)} it holds"
+        )
+
+
+def check_plain_tensor(
+    value: object,
+    /,
+    *,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    where: str,
+    error: type[Exception] = ValueError,
+) -> torch.Tensor:
+    """``value`` if it is a plain dense CPU tensor of ``dtype`` and ``shape`` holding exactly its bytes.
+
+    Raises:
+        error: anything else; the message says what ``value`` is instead.
+
+    Example:
+        >>> check_plain_tensor(torch.zeros(2, 3).T, dtype=torch.float32, shape=(3, 2), where="x").shape
+        torch.Size([3, 2])
+        >>> check_plain_tensor(torch.zeros(1).expand(4), dtype=torch.float32, shape=(4,), where="x")
+        Traceback (most recent call last):
+        ...
+        ValueError: x: a tensor whose strides (0,) over storage of 4 bytes do not cover its 16 bytes once
+    """
+    problem = _tensor_problem(value, dtype, shape)
+    if problem is not None:
+        raise error(f"{where}: {problem}")
+    assert isinstance(value, torch.Tensor)
+    return value
+
+
+def _tensor_problem(value: object, dtype: torch.dtype, shape: tuple[int, ...]) -> str | None:
+    if type(value) is not torch.Tensor:
+        return f"a {type(value).__name__}, not a plain tensor"
+    t = value
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        return f"a {t.layout} tensor{' (quantized)' if t.is_quantized else ''}, not a dense one"
+    if t.device.type != "cpu":
+        return f"a tensor on {t.device}, not a CPU tensor with data"
+    if t.requires_grad or t.grad_fn is not None or t.is_conj() or t.is_neg():
+        return "a tensor that requires grad or carries a view flag; a saved tensor is plain data"
+    if t.dtype != dtype or tuple(t.shape) != shape:
+        return f"a {t.dtype} tensor of shape {tuple(t.shape)}, not {dtype} {shape}"
+    nbytes = math.prod(shape) * dtype.itemsize
+    storage = t.untyped_storage().nbytes()
+    if storage != nbytes or t.storage_offset() != 0 or not _covers_once(shape, t.stride()):
+        return (
+            f"a tensor whose strides {t.stride()} over storage of {storage} bytes do not cover "
+            f"its {nbytes} bytes once"
+        )
+    return None
+
+
+def _covers_once(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether ``strides`` lay ``shape`` out densely: a permutation of the contiguous strides."""
+    dims = sorted((s, n) for n, s in zip(shape, strides) if n != 1)
+    expected = 1
+    for s, n in dims:
+        if s != expected:
+            return False
+        expected *= n
+    return True
+
+
+class _RefusedError(ValueError):
+    pass
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def _refuse(token: str) -> Any:
+    raise _RefusedError(token)
+
+
+def _finite(token: str) -> float:
+    value = float(token)
+    if not math.isfinite(value):
+        raise _RefusedError(token)
+    return value
+
+
+def _float_or_bad(token: str) -> float | _Bad:
+    value = float(token)
+    return value if math.isfinite(value) else _Bad(token)
+
+
+def _walk(value: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every node with its path, depth first, without recursion."""
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), value)]
+    while stack:
+        path, node = stack.pop()
+        yield path, node
+        if isinstance(node, dict):
+            stack.extend(((*path, k), v) for k, v in node.items())  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
+        elif isinstance(node, list):
+            stack.extend(((*path, i), v) for i, v in enumerate(node))  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
+
+
+def field_name(path: tuple[Any, ...], /) -> str:
+    """A JSON field's path as messages write it: ``leaves[3].shape``.
+
+    Example:
+        >>> field_name(("leaves", 3, "shape"))
+        'leaves[3].shape'
+    """
+    out = ""
+    for key in path:
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return (out or "the top level")[:200]
+
+
+def _find_bad(value: Any) -> tuple[str, str] | None:
+    for path, node in _walk(value):
+        if isinstance(node, _Bad):
+            return field_name(path), node.token
+    return None
+
+
+def _too_deep(value: Any, limit: int) -> str | None:
+    stack: list[tuple[int, Any]] = [(0, value)]
+    while stack:  # depths only; the paths are found again on the error path
+        depth, node = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()  # pyright: ignore[reportUnknownMemberType]
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth >= limit:
+            path = next(p for p, n in _walk(value) if n is node)
+            return field_name(path[:4]) + "..." if len(path) > 4 else field_name(path)
+        stack.extend((depth + 1, child) for child in children)
+    return None
+
+
+def _deep_at(data: bytes, limit: int) -> int:
+    """The byte where nesting first passes ``limit`` (strings skipped); only on the error path."""
+    text = re.sub(rb'"(?:[^"\\]|\\.)*"', lambda m: b"_" * len(m.group()), data)
+    depth = 0
+    for i, c in enumerate(text):
+        depth += (c in b"[{") - (c in b"]}")
+        if depth > limit:
+            return i
+    return len(data)
