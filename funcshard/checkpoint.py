@@ -10,11 +10,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from funcshard._src.checkpoint.async_save import AsyncCheckpointer as AsyncCheckpointer
+    from funcshard._src.checkpoint.async_save import SaveHandle as SaveHandle
     from funcshard._src.checkpoint.commit import latest as latest
     from funcshard._src.checkpoint.errors import CheckpointError as CheckpointError
     from funcshard._src.checkpoint.errors import (
         CheckpointMismatchError as CheckpointMismatchError,
     )
+    from funcshard._src.checkpoint.errors import CheckpointWarning as CheckpointWarning
     from funcshard._src.checkpoint.errors import CorruptCheckpointError as CorruptCheckpointError
     from funcshard._src.checkpoint.errors import NotACheckpointError as NotACheckpointError
     from funcshard._src.checkpoint.errors import UnsafeCheckpointError as UnsafeCheckpointError
@@ -28,10 +31,13 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "SAVED": "load",
+    "AsyncCheckpointer": "async_save",
     "CheckpointError": "errors",
     "CheckpointMismatchError": "errors",
+    "CheckpointWarning": "errors",
     "CorruptCheckpointError": "errors",
     "NotACheckpointError": "errors",
+    "SaveHandle": "async_save",
     "UnsafeCheckpointError": "errors",
     "export_safetensors": "export",
     "latest": "commit",
@@ -44,10 +50,13 @@ _WHERE = {
 
 __all__ = [
     "SAVED",
+    "AsyncCheckpointer",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointWarning",
     "CorruptCheckpointError",
     "NotACheckpointError",
+    "SaveHandle",
     "UnsafeCheckpointError",
     "export_safetensors",
     "latest",

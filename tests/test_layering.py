@@ -49,7 +49,7 @@ ORDER = {
     ],
     "execute": ["memory", "loss", "buffers", "desync", "part", "unit_state", "bucket", "reduce", "run", "compiled", "call", "value_and_grad", "forward"],
     "optim": ["base", "schedules", "select", "sgd", "adamw", "lion", "clip", "nonfinite", "adafactor", "chain", "ema", "torch_optim"],
-    "checkpoint": ["errors", "chunks", "manifest", "cleanup", "commit", "dcp_io", "rng", "save", "load", "export"],
+    "checkpoint": ["errors", "chunks", "manifest", "cleanup", "commit", "dcp_io", "rng", "save", "async_save", "load", "export"],
     "interop": [
         "host", "module_tree", "module_units", "module_init", "hf_checkpointing",
         "safetensors_format", "safetensors_io", "hf_export", "forwards", "apply", "module", "jax", "orbax",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from pathlib import Path
 
 from funcshard._src.checkpoint.manifest import MANIFEST, RUN_NAME
@@ -63,14 +63,14 @@ def parse_staging(name: str, /) -> tuple[str, str] | None:
     return found["run"], found["token"]
 
 
-def interrupted_saves(parent: Path, run: str, /, *, keep_token: str) -> Iterator[str]:
-    """Names in ``parent`` of ``run``'s staging directories other than ``keep_token``'s (no symlinks)."""
+def interrupted_saves(parent: Path, run: str, /, *, alive: Set[str]) -> Iterator[str]:
+    """Names in ``parent`` of ``run``'s staging directories but those of saves ``alive`` (no symlinks)."""
     for entry in os.scandir(parent):
         found = parse_staging(entry.name)
         if (
             found is not None
             and found[0] == run
-            and found[1] != keep_token
+            and found[1] not in alive
             and entry.is_dir(follow_symlinks=False)
         ):
             yield entry.name

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,8 @@ from funcshard._src.checkpoint.manifest import RUN_NAME, is_checkpoint, read_man
 RUN_ENV = ("FUNCSHARD_RUN", "TORCHELASTIC_RUN_ID")
 
 _current_run: str | None = None  # see [Note: runs]; set by saves and loads
+_in_flight: set[str] = set()  # tokens of this process's saves still writing: rotation spares them
+_in_flight_lock = threading.Lock()
 
 
 def check_step(step: object, /) -> int | None:
@@ -123,6 +126,15 @@ def adopt_run(run: str, /) -> None:
     _current_run = run
 
 
+def writing(token: str, /, *, done: bool = False) -> None:
+    """Records that the save ``token`` is (or, with ``done``, no longer is) being written; mutates."""
+    with _in_flight_lock:
+        if done:
+            _in_flight.discard(token)
+        else:
+            _in_flight.add(token)
+
+
 def staging_dir(target: Path, run: str, token: str, /) -> Path:
     """Where a save of ``target`` by ``run`` writes before it commits (see ``cleanup.staging_name``)."""
     return target.parent / staging_name(target.name, check_run(run) or "", token)
@@ -163,7 +175,9 @@ def rotate(parent: Path, run: str, keep: int | None, /, *, written: Path, token:
     """
     problems: list[str] = []
     try:
-        stale = sorted(interrupted_saves(parent, run, keep_token=token))
+        with _in_flight_lock:
+            alive = {token, *_in_flight}
+        stale = sorted(interrupted_saves(parent, run, alive=alive))
     except OSError as e:
         return [f"cannot list {parent} ({e})"]
     for name in stale:

@@ -9,11 +9,26 @@ count, then a u32 length and the bytes of each). Little-endian. A row read
 from a checkpoint is untrusted: every length and value is checked before any
 generator is set, and a row of only torch's CPU state (funcshard 0.1's rows) is
 still read.
+
+[Note: rng states checked by value]
+A state that every length check passes can still ruin a run: an MT19937 state
+whose 19937 significant bits are all zero draws only zeros forever (``torch.rand``
+returns 0), and a cached Gaussian that is NaN makes the next ``random.gauss`` or
+``torch.randn`` NaN. So, per generator: torch's CPU state is exactly
+:data:`TORCH_CPU_STATE` (``<QiiQ624Qdddi4xfB3x``, 5056 bytes: seed, ``left`` in
+[1, 624], ``seeded`` 1, ``next`` in [0, 624], 624 MT words below 2**32, the cached
+normal's three doubles and its flag, the cached float normal and its flag), every
+double finite and every flag 0 or 1; Python's and numpy's MT words and position are
+in range and their cached Gaussian finite; no MT19937 state is degenerate; a CUDA
+state is the 16 bytes of a Philox seed and offset. Anything else is a
+:class:`CorruptCheckpointError` naming the generator and the field, and no generator
+is changed.
 """
 
 from __future__ import annotations
 
 import base64
+import math
 import random
 import struct
 from collections.abc import Callable
@@ -30,6 +45,9 @@ _PY = struct.Struct("<625IBd")
 _NP = struct.Struct("<624IIId")
 _U32 = struct.Struct("<I")
 _MAX_STATE = 1 << 20
+TORCH_CPU_STATE = struct.Struct("<QiiQ624Qdddi4xfB3x")  # See [Note: rng states checked by value]
+CUDA_STATE_BYTES = 16  # a Philox generator: seed and offset, u64 each
+_MT_WORDS = 624
 
 
 def rng_states() -> torch.Tensor:
@@ -89,7 +107,11 @@ def rng_setter(states: torch.Tensor, /) -> Callable[[], None]:
             f"RNG states must be a (ranks, n) uint8 tensor from fs.checkpoint.rng_states(), got "
             f"{tuple(states.shape)} {states.dtype}"
         )
-    return _parse(bytes(states[runtime.rank() % states.shape[0]].numpy().tobytes()))
+    row = runtime.rank() % states.shape[0]
+    try:
+        return _parse(bytes(states[row].numpy().tobytes()))
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"RNG states, row {row}: {e}") from None
 
 
 def _pack() -> bytes:
@@ -112,7 +134,7 @@ def _pack() -> bytes:
 def _parse(row: bytes) -> Callable[[], None]:
     """Checks all of ``row``; returns the function that sets the generators it holds."""
     if not row.startswith(_MAGIC):  # a row of torch's CPU state alone
-        return _setter(row, None, None, [])
+        return _setter(_check_torch_cpu(row), None, None, [])
     at = len(_MAGIC)
 
     def take(n: int) -> bytes:
@@ -128,9 +150,72 @@ def _parse(row: bytes) -> Callable[[], None]:
     cuda = [take(_U32.unpack(take(4))[0]) for _ in range(_U32.unpack(take(4))[0])]
     if any(row[at:]):  # only zero padding may follow (rows are padded to the longest)
         raise CorruptCheckpointError("the saved RNG state has trailing bytes")
-    if py[624] > 624 or py[625] > 1 or npy[624] > 624 or npy[625] > 1:
-        raise CorruptCheckpointError("the saved RNG state holds an invalid Python or numpy state")
+    _check_torch_cpu(cpu)
+    _check_mt("Python's random", py[:_MT_WORDS], py[_MT_WORDS], flag=py[625], gauss=py[626])
+    _check_mt(
+        "numpy's global generator", npy[:_MT_WORDS], npy[_MT_WORDS], flag=npy[625], gauss=npy[626]
+    )
+    for device, state in enumerate(cuda):
+        if len(state) != CUDA_STATE_BYTES:
+            raise CorruptCheckpointError(
+                f"the saved RNG state of CUDA device {device} has {len(state)} bytes, not the "
+                f"{CUDA_STATE_BYTES} of a Philox seed and offset"
+            )
     return _setter(cpu, py, npy, cuda)
+
+
+def _check_torch_cpu(state: bytes) -> bytes:
+    """``state`` if it is a sound torch CPU generator state (See [Note: rng states checked by value])."""
+    what = "the saved torch CPU RNG state"
+    if len(state) != TORCH_CPU_STATE.size:
+        raise CorruptCheckpointError(
+            f"{what} has {len(state)} bytes, not the {TORCH_CPU_STATE.size} of a CPU generator"
+        )
+    fields = TORCH_CPU_STATE.unpack(state)
+    left, seeded, next_ = fields[1], fields[2], fields[3]
+    words = fields[4 : 4 + _MT_WORDS]
+    normals, normal_valid, float_normal, float_valid = (
+        fields[628:631],
+        fields[631],
+        fields[632],
+        fields[633],
+    )
+    if seeded != 1 or not 1 <= left <= _MT_WORDS or not 0 <= next_ <= _MT_WORDS:
+        raise CorruptCheckpointError(
+            f"{what}: seeded={seeded}, left={left}, next={next_} is no MT19937 position"
+        )
+    if any(w >= 1 << 32 for w in words):
+        raise CorruptCheckpointError(f"{what}: an MT19937 word is not a 32-bit value")
+    _check_not_degenerate(what, words)
+    if normal_valid > 1 or float_valid > 1:
+        raise CorruptCheckpointError(f"{what}: a cached-normal flag is neither 0 nor 1")
+    if not all(math.isfinite(x) for x in (*normals, float_normal)):
+        raise CorruptCheckpointError(
+            f"{what}: a cached normal sample is not finite ({[*normals, float_normal]}); "
+            f"torch.randn would return NaN"
+        )
+    return state
+
+
+def _check_mt(what: str, words: tuple[int, ...], pos: int, *, flag: int, gauss: float) -> None:
+    if not 0 <= pos <= _MT_WORDS:
+        raise CorruptCheckpointError(f"the saved {what} state: position {pos} is not in [0, 624]")
+    _check_not_degenerate(f"the saved {what} state", words)
+    if flag > 1:
+        raise CorruptCheckpointError(f"the saved {what} state: its Gaussian flag is {flag}")
+    if not math.isfinite(gauss):
+        raise CorruptCheckpointError(
+            f"the saved {what} state: its cached Gaussian is {gauss}; the next Gaussian drawn "
+            f"would be NaN"
+        )
+
+
+def _check_not_degenerate(what: str, words: tuple[int, ...]) -> None:
+    """MT19937 uses the top bit of the first word and all of the others: all zero draws zeros forever."""
+    if not words[0] & 0x8000_0000 and not any(words[1:]):
+        raise CorruptCheckpointError(
+            f"{what}: its MT19937 state is all zero (degenerate: every number drawn would be 0)"
+        )
 
 
 def _setter(
@@ -138,7 +223,7 @@ def _setter(
 ) -> Callable[[], None]:
     cpu_state = torch.frombuffer(bytearray(cpu), dtype=torch.uint8).clone()
     before = torch.get_rng_state()
-    try:  # torch checks the state's size and content
+    try:  # torch checks the state's size and content too
         torch.set_rng_state(cpu_state)
     except RuntimeError as e:
         raise CorruptCheckpointError(f"the saved torch RNG state is invalid: {e}") from None

@@ -110,10 +110,13 @@ def save(
     """
     with settle.operation("fs.checkpoint.save"):
         prepared = prepare(path, state, step=step, keep=keep, run=run, rng=rng)
-        report = _write_mine(prepared.staging, prepared.entries, prepared.leaves, prepared.rank)
-        reports = agree.all_gather_json(report, "the writes of fs.checkpoint.save")
-        outcome = finish(prepared, reports) if prepared.rank == 0 else None
-        outcome = agree.broadcast_json(outcome, "the commit of fs.checkpoint.save")
+        try:
+            report = _write_mine(prepared.staging, prepared.entries, prepared.leaves, prepared.rank)
+            reports = agree.all_gather_json(report, "the writes of fs.checkpoint.save")
+            outcome = finish(prepared, reports) if prepared.rank == 0 else None
+            outcome = agree.broadcast_json(outcome, "the commit of fs.checkpoint.save")
+        finally:
+            commit.writing(prepared.token, done=True)
     return conclude(prepared, outcome)
 
 
@@ -162,6 +165,7 @@ def prepare(
     if rng_leaf is not None:
         entries.append(leaf_entry(RNG_PATH, rng_leaf))
         leaves = [*leaves, rng_leaf]
+    commit.writing(first["token"])  # until the save ends, rotation spares its staging directory
     return Prepared(
         target,
         commit.staging_dir(target, first["run"], first["token"]),
@@ -232,9 +236,9 @@ def conclude(prepared: Prepared, outcome: dict[str, Any], /) -> Path:
     return prepared.target
 
 
-def local_chunks(prepared: Prepared, /) -> dict[str, torch.Tensor]:
-    """The chunks this rank writes: its own shard where it is replica 0; plain tensors on rank 0."""
-    return _local_chunks(prepared.entries, prepared.leaves, prepared.rank)
+def local_views(prepared: Prepared, /) -> dict[str, torch.Tensor]:
+    """Views of the chunks this rank writes (its shards where it is replica 0; plain tensors on rank 0)."""
+    return _local_views(prepared.entries, prepared.leaves, prepared.rank)
 
 
 def write_report(staging: Path, chunks: dict[str, torch.Tensor], rank: int, /) -> dict[str, Any]:
@@ -307,7 +311,14 @@ def _commit(prepared: Prepared, reports: list[dict[str, Any]]) -> None:
 def _local_chunks(
     entries: list[dict[str, Any]], leaves: list[Any], rank: int
 ) -> dict[str, torch.Tensor]:
-    """The chunks this rank writes: its own shard where it is replica 0; plain tensors on rank 0."""
+    """The chunks this rank writes, on the CPU and contiguous."""
+    views = _local_views(entries, leaves, rank)
+    return {key: view.detach().cpu().contiguous() for key, view in views.items()}
+
+
+def _local_views(
+    entries: list[dict[str, Any]], leaves: list[Any], rank: int
+) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for entry, leaf in zip(entries, leaves):
         mine = [c for c in entry.get("chunks", []) if c["writer"] == rank]
@@ -316,8 +327,8 @@ def _local_chunks(
         if isinstance(leaf, ShardedTensor):  # one box, or the boxes of a flat range
             by_offsets = {tuple(a for a, _ in r): v for r, v in local_pieces(leaf)}
             for chunk in mine:
-                out[chunk["key"]] = by_offsets[tuple(chunk["offsets"])].detach().cpu().contiguous()
+                out[chunk["key"]] = by_offsets[tuple(chunk["offsets"])]
         else:
             (chunk,) = mine
-            out[chunk["key"]] = leaf.detach().cpu().contiguous()
+            out[chunk["key"]] = leaf
     return out

@@ -312,6 +312,10 @@ def estimate(
         (65536, 65536, {('all_gather', ('fsdp',)): 196608, ('reduce_scatter', ('fsdp',)): 196608})
         >>> e.memory.staging  # one leaf split on dim 0: gathered in place; reduced from 4 rows
         262144
+        >>> from funcshard._src.plan.cost_model import CostModel
+        >>> plan4 = make_plan({"w": torch.zeros(256, 256)}, Mesh({"fsdp": 4}))
+        >>> estimate(plan4, CostModel(async_checkpoint=True)).checkpoint_staging  # params + 2 moments + count
+        196616
     """
     model = model or CostModel()
     costs = [unit_cost(plan, unit, model) for unit in plan.units]
@@ -374,7 +378,13 @@ def estimate(
             optimizer_passes=PASSES[model.optimizer],
         )
         assumptions.append(describe_time(model.hardware, model.prefetch))
-    return Estimate(memory, dict(comm), time, tuple(assumptions), budget, reserve)
+    staging = memory.params + memory.frozen + memory.optimizer if model.async_checkpoint else 0
+    if staging:
+        assumptions.append(
+            "checkpoint staging (host): one copy of this rank's params, frozen params and "
+            "optimizer state, as fs.checkpoint.AsyncCheckpointer holds it"
+        )
+    return Estimate(memory, dict(comm), time, tuple(assumptions), budget, reserve, staging)
 
 
 def _tensor_bytes(state: Any) -> int:

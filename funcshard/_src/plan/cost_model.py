@@ -105,6 +105,10 @@ class CostModel:
         buffers: bytes every rank holds whole besides the params (an
             ``nn.Module``'s buffers, ``apply.state``), for planning;
             ``fs.cost.estimate(..., state=...)`` counts them from the tensors instead.
+        async_checkpoint: checkpoints are saved with ``fs.checkpoint.AsyncCheckpointer``,
+            whose host staging buffers hold a copy of this rank's params, frozen params
+            and optimizer state (``Estimate.checkpoint_staging``; host memory, not
+            counted in ``memory.total``).
 
     Example:
         >>> CostModel(optimizer="sgd_momentum", prefetch=2).prefetch
@@ -121,6 +125,7 @@ class CostModel:
     reserve: Reserve | None = None
     buffers: int = 0
     backend: Literal["nccl", "gloo"] = "nccl"
+    async_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -137,6 +142,10 @@ class CostModel:
             raise ValueError(f"CostModel.backend must be 'nccl' or 'gloo', got {self.backend!r}")
         if self.buffers < 0:
             raise ValueError(f"CostModel.buffers must be >= 0 bytes, got {self.buffers}")
+        if not isinstance(self.async_checkpoint, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(
+                f"CostModel.async_checkpoint must be True or False, got {self.async_checkpoint!r}"
+            )
         if self.reserve is not None and not isinstance(self.reserve, Reserve):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise TypeError(
                 f"CostModel.reserve must be a fs.cost.Reserve or None, got {self.reserve!r}"

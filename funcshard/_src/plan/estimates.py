@@ -85,6 +85,11 @@ class Estimate:
         budget: the bytes per rank the plan was asked to fit (``None``: not asked).
         reserve: the bytes of ``budget`` kept back for the runtime
             (``fs.cost.CostModel(reserve=...)``); a plan fits in what is left.
+        checkpoint_staging: host bytes of ``fs.checkpoint.AsyncCheckpointer``'s staging
+            buffers (``CostModel(async_checkpoint=True)``; else 0): this rank's shards of
+            the params, frozen params and optimizer state, padding included (at most
+            what the buffers hold; equal when every shard is whole). Host memory: not in
+            ``memory.total``.
     """
 
     memory: Memory
@@ -93,6 +98,7 @@ class Estimate:
     assumptions: tuple[str, ...] = field(default=())
     budget: int | None = None
     reserve: int = 0
+    checkpoint_staging: int = 0
 
     @property
     def usable(self) -> int | None:
@@ -120,6 +126,8 @@ class Estimate:
                 "usable": self.usable,
                 "fits": self.fits,
             }
+        if self.checkpoint_staging:
+            out["checkpoint_staging"] = self.checkpoint_staging
         out |= {
             "comm": {f"{op}:{'+'.join(axes)}": n for (op, axes), n in sorted(self.comm.items())},
             "assumptions": list(self.assumptions),
