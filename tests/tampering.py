@@ -8,10 +8,14 @@ reader. These helpers do what such an attacker would.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from funcshard._src.checkpoint import manifest as manifest_module
 
@@ -49,3 +53,112 @@ def replace_file(directory: Path, name: str, data: bytes) -> None:
         manifest["files"][name] = info
 
     edit(directory, fix)
+
+
+def read_blobs(directory: Path, rank: int) -> dict[str, bytes]:
+    """Every chunk's ``torch.save`` blob in rank ``rank``'s data file, by DCP key."""
+    from funcshard._src.checkpoint.dcp_io import _Unpickler  # pyright: ignore[reportPrivateUsage]
+
+    with open(directory / f"rank{rank}/.metadata", "rb") as f:
+        metadata = _Unpickler(f).load()
+    data = (directory / f"rank{rank}/__0_0.distcp").read_bytes()
+    return {
+        index.fqn: data[info.offset : info.offset + info.length]
+        for index, info in metadata.storage_data.items()
+    }
+
+
+def write_blobs(
+    directory: Path,
+    rank: int,
+    blobs: dict[str, tuple[bytes, torch.dtype, tuple[int, ...]]],
+    *,
+    digests: dict[str, str] | None = None,
+) -> None:
+    """Writes rank ``rank``'s files anew: each key's blob, declared as a tensor of that dtype and
+    shape, as DCP's metadata describes it; fixes the manifest's sizes and digests (and sets the
+    chunk digests given), as an attacker who controls every byte would."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    data = b""
+    state: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for key, (blob, dtype, shape) in blobs.items():
+        size = torch.Size(shape)
+        state[key] = TensorStorageMetadata(
+            TensorProperties(dtype=dtype),
+            size,
+            [ChunkStorageMetadata(torch.Size([0] * len(shape)), size)],
+        )
+        storage[MetadataIndex(key, torch.Size([0] * len(shape)), 0)] = _StorageInfo(
+            "__0_0.distcp", len(data), len(blob)
+        )
+        data += blob
+    (directory / f"rank{rank}/__0_0.distcp").write_bytes(data)
+    metadata = pickle.dumps(Metadata(state, storage_data=storage))
+    (directory / f"rank{rank}/.metadata").write_bytes(metadata)
+
+    def fix(manifest: dict[str, Any]) -> None:
+        manifest["files"][f"rank{rank}/__0_0.distcp"] = {"size": len(data)}
+        manifest["files"][f"rank{rank}/.metadata"] = {
+            "size": len(metadata),
+            "sha256": hashlib.sha256(metadata).hexdigest(),
+        }
+        for entry in [*manifest["leaves"], *([manifest["rng"]] if "rng" in manifest else [])]:
+            for chunk in entry.get("chunks", []):
+                if digests and chunk["key"] in digests:
+                    chunk["sha256"] = digests[chunk["key"]]
+
+    edit(directory, fix)
+
+
+def saved_blob(value: Any) -> bytes:
+    """What ``torch.save`` writes for ``value``."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def rewrite_chunks(directory: Path, rank: int, tensors: dict[str, torch.Tensor]) -> None:
+    """Replaces the given chunks of rank ``rank`` by ``tensors``, every digest recomputed."""
+    from funcshard._src.shard.digest import tensor_digest
+
+    replace_blobs(
+        directory,
+        rank,
+        {k: (saved_blob(t), t.dtype, tuple(t.shape)) for k, t in tensors.items()},
+        digests={k: tensor_digest(t) for k, t in tensors.items()},
+    )
+
+
+def declared(directory: Path, rank: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """What rank ``rank``'s metadata declares of each chunk: its dtype and shape."""
+    from funcshard._src.checkpoint.dcp_io import _Unpickler  # pyright: ignore[reportPrivateUsage]
+
+    with open(directory / f"rank{rank}/.metadata", "rb") as f:
+        entries = _Unpickler(f).load().state_dict_metadata
+    return {k: (e.properties.dtype, tuple(e.size)) for k, e in entries.items()}
+
+
+def replace_blobs(
+    directory: Path,
+    rank: int,
+    new: dict[str, tuple[bytes, torch.dtype, tuple[int, ...]] | None],
+    *,
+    digests: dict[str, str] | None = None,
+) -> None:
+    """Rank ``rank``'s chunks with the blobs of ``new`` added or replaced (``None``: removed),
+    every other chunk as it was; digests recomputed as :func:`write_blobs` does."""
+    kept = declared(directory, rank)
+    blobs: dict[str, tuple[bytes, torch.dtype, tuple[int, ...]]] = {
+        k: (b, *kept[k]) for k, b in read_blobs(directory, rank).items() if k not in new
+    }
+    blobs |= {k: v for k, v in new.items() if v is not None}
+    write_blobs(directory, rank, blobs, digests=digests)

@@ -1,5 +1,9 @@
 """Commits, runs and rotation: no checkpoint is lost to ``keep``, a bad step, or a run saving alongside.
 
+Also: ``keep`` deletes exactly the files a save wrote (see [Note: what cleanup deletes]),
+never follows a symlink, never touches anything outside the directory, and a save either
+committed and returns or raises and committed nothing.
+
 References: the directory listing after each save, and which checkpoint
 ``latest`` returns, against what ``docs/checkpoints.md`` ("Runs") promises. A
 fresh process is simulated by forgetting the run this process adopted.
@@ -7,14 +11,17 @@ fresh process is simulated by forgetting the run this process adopted.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import funcshard as fs
 from funcshard._src.checkpoint import commit
-from funcshard.checkpoint import CheckpointError
+from funcshard.checkpoint import CheckpointError, CheckpointWarning, UnsafeCheckpointError
+from tests import tampering
 
 
 @pytest.fixture(autouse=True)
@@ -135,3 +142,129 @@ def test_latest_refuses_a_damaged_manifest_instead_of_skipping_it(tmp_path):
     (tmp_path / "step2" / "manifest.json").write_text("{}")
     with pytest.raises(CheckpointError, match=r"step2.*Move or delete .*step2 to go on"):
         fs.checkpoint.latest(tmp_path)
+
+
+# -- nothing deleted that a save did not write; nothing outside the directory touched ------
+
+
+def _tree(root: Path) -> dict[str, bytes | str]:
+    """Every file and link under ``root`` (links as their targets), to compare before and after."""
+    out: dict[str, bytes | str] = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_symlink():
+            out[str(p.relative_to(root))] = f"-> {os.readlink(p)}"
+        elif p.is_file():
+            out[str(p.relative_to(root))] = p.read_bytes()
+    return out
+
+
+HOSTILE_RUNS = [
+    "x/../../victim/*", "*", "../victim", "/", ".hidden", "a b", "é", "a" * 129, "job@x",
+    "job\n", "", "x/" + "a" * 10, ".",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("run", HOSTILE_RUNS)
+def test_a_crafted_run_never_reaches_a_path(tmp_path, run):
+    """A checkpoint whose manifest names a run that is no run name (digest recomputed) is refused
+    on load, so no later save adopts it; a victim directory beside the parent stays untouched."""
+    victim = tmp_path / "victim"
+    (victim / "data").mkdir(parents=True)
+    (victim / "data" / "keep.txt").write_text("mine")
+    ckpts = tmp_path / "a" / "b"
+    ckpts.mkdir(parents=True)
+    _save(ckpts, 1, run="good")
+    tampering.edit(ckpts / "step1", lambda m: m.update(run=run))
+    before = _tree(victim)
+    with pytest.raises(UnsafeCheckpointError, match=r"manifest.json: run .* is not a run name"):
+        fs.checkpoint.load(ckpts / "step1", like={"w": torch.zeros(2)})
+    assert commit._current_run == "good"  # the saving run, not the crafted one
+    with pytest.raises(UnsafeCheckpointError, match=r"is not a run name"):
+        fs.checkpoint.latest(ckpts)
+    with pytest.warns(CheckpointWarning, match=r"could not delete everything"):  # rotation refuses
+        _save(ckpts, 2, keep=1, run="good")
+    assert _tree(victim) == before
+    assert _names(ckpts) == ["step1", "step2"]
+
+
+@pytest.mark.parametrize("other", ["job-2", "x.tmp-job", "job-" + "f" * 32, "jo", "job.", "JOB"])
+def test_a_run_deletes_only_its_own_interrupted_saves(tmp_path, other):
+    mine = commit.staging_dir(tmp_path / "step9", "job", "d" * 32)
+    theirs = commit.staging_dir(tmp_path / "step9", other, "a" * 32)
+    for d in (mine, theirs):
+        (d / "rank0").mkdir(parents=True)
+        (d / "rank0" / "__0_0.distcp").write_bytes(b"x")
+    _save(tmp_path, 1, keep=1, run="job")
+    assert not mine.exists()
+    assert (
+        theirs / "rank0" / "__0_0.distcp"
+    ).read_bytes() == b"x"  # another run's save in progress
+
+
+def test_keep_never_follows_a_symlink(tmp_path):
+    """A ``latest`` link to a checkpoint, and a link to a checkpoint outside: neither is counted
+    or deleted, and what they point to keeps its manifest."""
+    ckpts, outside = tmp_path / "ckpts", tmp_path / "outside"
+    ckpts.mkdir()
+    _save(outside, 0, run="r")  # the same run, outside the directory
+    _save(ckpts, 1, run="r")
+    _save(ckpts, 2, run="r")
+    (ckpts / "latest").symlink_to(ckpts / "step2", target_is_directory=True)
+    (ckpts / "external").symlink_to(outside / "step0", target_is_directory=True)
+    outside_before = _tree(outside)
+    _save(ckpts, 3, keep=2, run="r")
+    assert _names(ckpts) == ["external", "latest", "step2", "step3"]
+    assert (ckpts / "latest").is_symlink()
+    assert fs.checkpoint.load_full(ckpts / "step2")["w"].tolist() == [2.0, 2.0]
+    assert _tree(outside) == outside_before
+    assert fs.checkpoint.latest(ckpts) == ckpts / "step3"
+
+
+def test_keep_deletes_only_the_files_a_save_wrote(tmp_path):
+    _save(tmp_path, 1)
+    (tmp_path / "step1" / "NOTES.txt").write_text("why this run diverged")
+    (tmp_path / "step1" / "rank0" / "extra.bin").write_bytes(b"\0")
+    (tmp_path / "step1" / "plots").mkdir()
+    _save(tmp_path, 2, keep=1)
+    # the folder stays with the user's files only: no manifest, so no checkpoint any more
+    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "step1").rglob("*")) == [
+        "step1/NOTES.txt",
+        "step1/plots",
+        "step1/rank0",
+        "step1/rank0/extra.bin",
+    ]
+    assert fs.checkpoint.latest(tmp_path) == tmp_path / "step2"
+    _save(tmp_path, 3, keep=1)
+    assert (tmp_path / "step1" / "NOTES.txt").read_text() == "why this run diverged"
+    assert not (tmp_path / "step2").exists()
+
+
+def test_a_save_whose_cleanup_fails_after_the_commit_returns_committed(tmp_path, monkeypatch):
+    _save(tmp_path, 1)
+
+    def refuse(*_: Any) -> list[str]:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(commit, "remove_saved", refuse)
+    with pytest.warns(CheckpointWarning, match=r"step2 was saved, but keep=1 could not delete"):
+        assert _save(tmp_path, 2, keep=1) == tmp_path / "step2"
+    assert fs.checkpoint.load_full(tmp_path / "step2")["w"].tolist() == [2.0, 2.0]
+    assert fs.checkpoint.latest(tmp_path) == tmp_path / "step2"
+
+
+def test_a_save_whose_rename_fails_commits_nothing(tmp_path, monkeypatch):
+    _save(tmp_path, 1)
+
+    rename = os.rename
+
+    def refuse(source: Any, target: Any) -> None:
+        if Path(target).name == "step2":  # the commit's rename; DCP's own renames go through
+            raise OSError(18, "Invalid cross-device link")
+        rename(source, target)
+
+    monkeypatch.setattr(commit.os, "rename", refuse)
+    with pytest.raises(CheckpointError, match=r"step2 failed on rank 0: OSError: .*cross-device"):
+        _save(tmp_path, 2, keep=1)
+    monkeypatch.undo()
+    assert not (tmp_path / "step2").exists()
+    assert fs.checkpoint.latest(tmp_path) == tmp_path / "step1"  # keep=1 deleted nothing

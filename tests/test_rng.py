@@ -106,3 +106,103 @@ def test_bad_seeds(bad):
         ValueError, match=r"fs.seed: the seed must be an integer in \[0, 2\*\*32 - 1\)"
     ):
         fs.seed(bad)
+
+
+# -- states checked by value (See [Note: rng states checked by value]) ---------------------
+
+
+def _row(change: Any = None, *, cuda: list[bytes] | None = None) -> bytes:
+    """This process's state row, with ``change(cpu_fields, py, npy)`` applied to its fields."""
+    from funcshard._src.checkpoint import rng
+
+    raw = rng._pack()
+    at = len(rng._MAGIC) + 4
+    cpu = list(rng.TORCH_CPU_STATE.unpack(raw[at : at + rng.TORCH_CPU_STATE.size]))
+    at += rng.TORCH_CPU_STATE.size
+    py = list(rng._PY.unpack(raw[at : at + rng._PY.size]))
+    npy = list(rng._NP.unpack(raw[at + rng._PY.size : at + rng._PY.size + rng._NP.size]))
+    if change is not None:
+        change(cpu, py, npy)
+    packed_cpu = rng.TORCH_CPU_STATE.pack(*cpu)
+    states = cuda or []
+    return b"".join(
+        [rng._MAGIC, len(packed_cpu).to_bytes(4, "little"), packed_cpu, rng._PY.pack(*py)]
+        + [rng._NP.pack(*npy), len(states).to_bytes(4, "little")]
+        + [len(s).to_bytes(4, "little") + s for s in states]
+    )
+
+
+def _set(fields: list[Any], index: slice | int, value: Any) -> None:
+    if isinstance(index, slice):
+        fields[index] = [value] * len(fields[index])
+    else:
+        fields[index] = value
+
+
+BAD_ROWS: dict[str, tuple[Any, str]] = {
+    "python-gauss-nan": (lambda c, p, n: (_set(p, 625, 1), _set(p, 626, float("nan"))), r"Python's random state: its cached Gaussian is nan"),
+    "python-gauss-inf": (lambda c, p, n: _set(p, 626, float("inf")), r"Python's random state: its cached Gaussian is inf"),
+    "python-mt-zero": (lambda c, p, n: _set(p, slice(0, 624), 0), r"Python's random state: its MT19937 state is all zero"),
+    "python-mt-degenerate": (lambda c, p, n: (_set(p, slice(1, 624), 0), _set(p, 0, 0x7FFF_FFFF)), r"all zero \(degenerate"),
+    "python-position": (lambda c, p, n: _set(p, 624, 625), r"position 625 is not in \[0, 624\]"),
+    "numpy-gauss-nan": (lambda c, p, n: (_set(n, 625, 1), _set(n, 626, float("nan"))), r"numpy's global generator state: its cached Gaussian is nan"),
+    "numpy-mt-zero": (lambda c, p, n: _set(n, slice(0, 624), 0), r"numpy's global generator state: its MT19937 state is all zero"),
+    "torch-normal-nan": (lambda c, p, n: (_set(c, 629, float("nan")), _set(c, 631, 1)), r"torch CPU RNG state: a cached normal sample is not finite"),
+    "torch-float-normal-nan": (lambda c, p, n: _set(c, 632, float("nan")), r"torch CPU RNG state: a cached normal sample is not finite"),
+    "torch-mt-zero": (lambda c, p, n: _set(c, slice(4, 628), 0), r"torch CPU RNG state: its MT19937 state is all zero"),
+    "torch-mt-word": (lambda c, p, n: _set(c, 10, 1 << 40), r"torch CPU RNG state: an MT19937 word is not a 32-bit value"),
+    "torch-left": (lambda c, p, n: _set(c, 1, 0), r"torch CPU RNG state: seeded=1, left=0"),
+    "torch-seeded": (lambda c, p, n: _set(c, 2, 0), r"torch CPU RNG state: seeded=0"),
+    "torch-flag": (lambda c, p, n: _set(c, 633, 7), r"a cached-normal flag is neither 0 nor 1"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ROWS))
+def test_states_are_checked_by_value_and_no_generator_changes(case):
+    change, message = BAD_ROWS[case]
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state(legacy=True))
+    row = torch.frombuffer(bytearray(_row(change)), dtype=torch.uint8).unsqueeze(0)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        fs.checkpoint.set_rng_states(row)
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert random.getstate() == before[1]
+    after = np.random.get_state(legacy=True)
+    assert all(np.array_equal(a, b) for a, b in zip(after, before[2]))
+
+
+def test_a_cuda_state_must_be_a_philox_seed_and_offset():
+    with pytest.raises(CorruptCheckpointError, match=r"CUDA device 0 has 8 bytes, not the 16"):
+        fs.checkpoint.set_rng_states(
+            torch.frombuffer(bytearray(_row(cuda=[bytes(8)])), dtype=torch.uint8).unsqueeze(0)
+        )
+    fs.checkpoint.set_rng_states(
+        torch.frombuffer(bytearray(_row(cuda=[bytes(16)])), dtype=torch.uint8).unsqueeze(0)
+    )
+
+
+def test_an_untouched_row_restores_every_generator():
+    row = torch.frombuffer(bytearray(_row()), dtype=torch.uint8).unsqueeze(0)
+    expected = _draws(), random.gauss(0, 1), torch.randn(2)
+    fs.checkpoint.set_rng_states(row)
+    assert (_draws(), random.gauss(0, 1)) == expected[:2]
+    assert torch.equal(torch.randn(2), expected[2])
+
+
+def test_a_crafted_checkpoint_with_a_nan_gaussian_is_refused_and_changes_nothing(tmp_path):
+    """The row rewritten in the file with every digest recomputed: only the value check stands."""
+    p = {"w": torch.ones(2)}
+    sp = fs.shard(p, fs.plan(p, fs.Mesh({"x": 1})))
+    directory = fs.checkpoint.save(tmp_path / "c", {"params": sp})
+    width = tampering.read(directory)["rng"]["shape"][1]
+    bad = bytearray(_row(BAD_ROWS["python-gauss-nan"][0]).ljust(width, b"\0"))
+    tampering.rewrite_chunks(
+        directory, 0, {"<rng>@0,0": torch.frombuffer(bad, dtype=torch.uint8).unsqueeze(0)}
+    )
+    before = (torch.get_rng_state(), random.getstate())
+    with pytest.raises(
+        CorruptCheckpointError, match=r"RNG states, row 0: .*cached Gaussian is nan"
+    ):
+        fs.checkpoint.load(directory, like={"params": sp})
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert random.getstate() == before[1]
+    fs.checkpoint.load(directory, like={"params": sp}, rng=False)  # the params themselves are sound

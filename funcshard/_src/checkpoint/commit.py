@@ -262,8 +262,8 @@ def _checkpoints(parent: Path) -> list[tuple[Path, dict[str, Any]]]:
             out.append((d, read_manifest(d)))
         except NotACheckpointError:
             continue
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(
+        except CorruptCheckpointError as e:  # UnsafeCheckpointError stays one
+            raise type(e)(
                 f"{e}. Move or delete {d} to go on with the other checkpoints in {parent}"
             ) from None
     return out

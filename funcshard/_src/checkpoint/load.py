@@ -102,7 +102,10 @@ def load(
             digest = manifest["digest"]
             result = _load_into(directory, manifest, like, verify)
             if rng and manifest.get("rng") is not None:
-                set_rng = rng_setter(_read_rng(directory, manifest, verify))
+                try:
+                    set_rng = rng_setter(_read_rng(directory, manifest, verify))
+                except CorruptCheckpointError as e:
+                    raise type(e)(f"{directory}: the rng entry: {e}") from None
         except Exception as e:  # every rank must learn of it
             failure = e
         status = {

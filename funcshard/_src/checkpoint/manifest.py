@@ -189,6 +189,17 @@ def _digest(body: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+_INTEGERS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_INTEGERS += (torch.uint16, torch.uint32, torch.uint64)
+
+
+def _plain_dtype(dtype: torch.dtype) -> bool:
+    """Whether a checkpoint may hold ``dtype``: not quantized, no sub-byte or bits type."""
+    return (dtype.is_floating_point or dtype.is_complex or dtype in _INTEGERS) and (
+        dtype.itemsize >= 1 and "bits" not in str(dtype) and "float4" not in str(dtype)
+    )
+
+
 def _is_int(x: object, *, low: int = 0) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
@@ -268,8 +279,12 @@ def _check_entry(i: int, entry: object, world: int, files: dict[str, Any]) -> st
         return f"leaf {path!r} has shape {shape!r}"
     if math.prod(shape) >= 1 << 50:
         return f"leaf {path!r} has {math.prod(shape)} elements"
-    if dtype_of(entry.get("dtype")) is None:
-        return f"leaf {path!r} has dtype {entry.get('dtype')!r}, which is not a torch dtype"
+    dtype = dtype_of(entry.get("dtype"))
+    if dtype is None or not _plain_dtype(dtype):
+        return (
+            f"leaf {path!r} has dtype {str(entry.get('dtype'))[:40]!r}, which is not a dtype of "
+            f"plain dense data (floating, complex, integer or bool)"
+        )
     raw = entry.get("chunks")
     if not isinstance(raw, list):
         return f"leaf {path!r} has no chunk list"
