@@ -147,6 +147,7 @@ def _field_paths(node: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any,
 REPLACEMENTS: list[Any] = [
     None, -1, 0, 1, 2**63, 1.5, "", "x", "../../outside", "/etc/passwd", [], {}, True,
     [[[[[]]]]], {"leaf": None}, {"namedtuple": "os:system", "children": []},
+    "x/../../victim/*", "qint8",
 ]  # fmt: skip
 
 
@@ -346,6 +347,44 @@ def _tree_type(node: dict[str, Any]) -> Callable[[Path], None]:
     return attack
 
 
+def _manifest_symlink(work: Path) -> None:
+    outside = work.parent / f"{work.name}-manifest.json"
+    shutil.move(work / "manifest.json", outside)
+    (work / "manifest.json").symlink_to(outside)
+
+
+def _rank_dir_symlink_inside(work: Path) -> None:
+    shutil.move(work / "rank1", work / "moved")
+    (work / "rank1").symlink_to(work / "moved", target_is_directory=True)
+
+
+def _chunk(value: Callable[[Any], Any]) -> Callable[[Path], None]:
+    """Replaces rank 0's first chunk with ``value(its tensor)``, saved as it is, digests recomputed."""
+
+    def attack(work: Path) -> None:
+        key, (dtype, shape) = next(
+            (k, v) for k, v in tampering.declared(work, 0).items() if len(v[1]) == 2
+        )
+        plain = torch.zeros(shape, dtype=dtype)
+        tampering.replace_blobs(work, 0, {key: (tampering.saved_blob(value(plain)), dtype, shape)})
+
+    return attack
+
+
+def _declared_huge(work: Path) -> None:
+    """A plain tensor declared 2**20 x 2**20 in a 1.5 KB zero-stride chunk, digests recomputed."""
+    shape = (2**20, 2**20)
+
+    def change(m: dict[str, Any]) -> None:
+        entry = next(e for e in m["leaves"] if e["path"] == "table")
+        entry.update(shape=list(shape))
+        entry["chunks"] = [dict(entry["chunks"][0], sizes=list(shape))]
+
+    tampering.edit(work, change)
+    blob = tampering.saved_blob(torch.zeros(1, dtype=torch.int64).expand(*shape))
+    tampering.replace_blobs(work, 0, {"table@0,0": (blob, torch.int64, shape)})
+
+
 ATTACKS: dict[str, Callable[[Path], None]] = {
     "pickle-global": lambda w: tampering.replace_file(w, "rank0/.metadata", pickle.dumps(_Run())),
     "bytes-storage": _bytes_entry,
@@ -358,7 +397,16 @@ ATTACKS: dict[str, Callable[[Path], None]] = {
     "tree-namedtuple": _tree_type({"namedtuple": "os:system", "children": [{"leaf": None}]}),
     "tree-defaultdict": _tree_type({"defaultdict": [], "factory": "os:system"}),
     "tree-dataclass": _tree_type({"dataclass": "subprocess:Popen", "meta": [], "children": []}),
+    "manifest-symlink": _manifest_symlink,
+    "rank-dir-symlink-inside": _rank_dir_symlink_inside,
+    "run-outside": lambda w: tampering.edit(w, lambda m: m.update(run="x/../../victim/*")),
+    "declared-huge": _declared_huge,
+    "chunk-parameter": _chunk(torch.nn.Parameter),
+    "chunk-expanded": _chunk(lambda t: t.reshape(-1)[:1].expand(t.shape)),
+    "chunk-sparse": _chunk(lambda t: t.to_sparse()),
+    "chunk-meta": _chunk(lambda t: t.to("meta")),
 }
+CORRUPT_ONLY = ("blob-payload", "chunk-parameter", "chunk-expanded", "chunk-sparse", "chunk-meta")
 
 
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
@@ -370,10 +418,10 @@ def test_payloads_never_run_and_nothing_outside_is_read(saved, copy_of, attack):
         fs.checkpoint.load_full(work)
     if attack.startswith("tree-"):  # load takes the structure from `like`, not from the file
         assert _same(fs.unshard(fs.checkpoint.load(work, like=_like())), into)
-    else:
-        with pytest.raises(type(info.value)):
+    else:  # load compares shapes with `like` first: the declared-huge leaf is a mismatch there
+        with pytest.raises(CheckpointError if attack == "declared-huge" else type(info.value)):
             fs.checkpoint.load(work, like=_like())
-    if attack not in ("blob-payload", "tree-namedtuple", "tree-defaultdict", "tree-dataclass"):
+    if attack not in CORRUPT_ONLY and not attack.startswith("tree-"):
         assert isinstance(info.value, UnsafeCheckpointError), info.value
     assert "is not known to funcshard" in str(info.value) or not attack.startswith("tree-")
     assert not MARKER.exists()

@@ -369,19 +369,18 @@ def _find_bad(value: Any) -> tuple[str, str] | None:
 
 
 def _too_deep(value: Any, limit: int) -> str | None:
-    stack: list[tuple[int, Any]] = [(0, value)]
-    while stack:  # depths only; the paths are found again on the error path
+    """The field nested more than ``limit`` deep, or ``None`` (containers only are visited)."""
+    if type(value) is not dict and type(value) is not list:
+        return None
+    stack: list[tuple[int, Any]] = [(1, value)]
+    while stack:  # depths only; the path is found again on the error path
         depth, node = stack.pop()
-        if isinstance(node, dict):
-            children: Any = node.values()  # pyright: ignore[reportUnknownMemberType]
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        if depth >= limit:
+        if depth > limit:
             path = next(p for p, n in _walk(value) if n is node)
             return field_name(path[:4]) + "..." if len(path) > 4 else field_name(path)
-        stack.extend((depth + 1, child) for child in children)
+        for child in node.values() if type(node) is dict else node:
+            if type(child) is dict or type(child) is list:
+                stack.append((depth + 1, child))
     return None
 
 
