@@ -55,7 +55,7 @@ ORDER = {
         "safetensors_format", "safetensors_io", "hf_export", "forwards", "apply", "module", "jax", "orbax",
     ],
     "verify": ["report", "batches", "reference", "summary", "verify", "worker", "launch"],
-    "cli": ["model_source", "deepspeed", "plot", "report"],
+    "cli": ["hf_config", "model_source", "deepspeed", "plot", "report"],
 }  # fmt: skip
 DISTRIBUTED_OK = {"comm", "execute", "optim", "checkpoint", "interop", "calibrate"}
 TORCH_FREE = {"spec"}  # pure index math

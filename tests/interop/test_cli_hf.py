@@ -7,6 +7,7 @@ DeepSpeed's ``largest_layer_params`` over its modules). A failure names the conf
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -105,4 +106,133 @@ def test_auto_map_on_a_built_in_model_type_is_ignored(tmp_path, capsys):
 def test_an_unreadable_config_is_named(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")
     assert cli.main(["plan", "--hf-config", str(tmp_path), "--mesh", "2"]) == 2
-    assert "cannot read a JSON config" in capsys.readouterr().err
+    assert "config.json: not valid JSON" in capsys.readouterr().err
+
+
+# -- untrusted configs (See [Note: untrusted configs]) -------------------------------------
+
+
+def _llama(**changes) -> dict:
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=30).to_dict()  # fmt: skip
+    config.update(changes)
+    return config
+
+
+def _plan(tmp_path, config: dict, capsys) -> tuple[int, str]:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code = cli.main(["plan", "--hf-config", str(tmp_path), "--mesh", "2"])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_code_fields_are_removed_at_every_depth():
+    from funcshard._src.cli.hf_config import sanitize
+
+    evil = {"AutoConfig": "evil.Config", "AutoModelForCausalLM": "evil.Model"}
+    config = {
+        "model_type": "llava",
+        "auto_map": evil,
+        "trust_remote_code": True,
+        "text_config": {"model_type": "llama", "auto_map": evil, "attn_implementation": "kernels-community/flash-attn"},
+        "vision_config": {"model_type": "clip_vision_model", "layers": [{"auto_map": evil}], "_attn_implementation": "x/y"},
+        "quantization_config": {"quant_method": "bitsandbytes"},
+        "custom_pipelines": {"p": {"impl": "evil.P"}},
+    }  # fmt: skip
+    clean, notes = sanitize(config, where="c.json", known=transformers.CONFIG_MAPPING)
+    text = json.dumps(clean)
+    for key in (
+        "auto_map",
+        "trust_remote_code",
+        "attn_implementation",
+        "quantization_config",
+        "custom_pipelines",
+        "evil",
+    ):
+        assert key not in text, key
+    assert notes[0] == (
+        "remote code in the config (auto_map, auto_map at text_config, auto_map at "
+        "vision_config.layers[0], custom_pipelines, trust_remote_code) was not run"
+    )
+    assert any("'kernels-community/flash-attn' at text_config ignored" in n for n in notes)
+    assert any("quantization_config ignored" in n for n in notes)
+
+
+def test_a_hub_kernel_attention_is_never_fetched(tmp_path, capsys, monkeypatch):
+    """transformers would download the kernel (and run it); offline it fails: planning needs none."""
+    import transformers.dynamic_module_utils as dynamic
+
+    def never(*a, **kw):
+        raise AssertionError("a config's code was imported")
+
+    monkeypatch.setattr(dynamic, "get_class_from_dynamic_module", never)
+    config = _llama(
+        attn_implementation="kernels-community/flash-attn",
+        auto_map={"AutoModelForCausalLM": "evil.M"},
+    )
+    config["rope_parameters"] = {
+        **(config.get("rope_parameters") or {}),
+        "auto_map": {"x": "evil.Y"},
+    }
+    code, out = _plan(tmp_path, config, capsys)
+    assert code == 0, out
+    assert "attention implementation 'kernels-community/flash-attn' ignored" in out
+    assert "remote code in the config (auto_map, auto_map at rope_parameters) was not run" in out
+
+
+def test_a_sub_config_of_a_model_type_transformers_lacks_is_refused(tmp_path, capsys):
+    code, out = _plan(
+        tmp_path, _llama(text_config={"model_type": "evil_model", "hidden_size": 8}), capsys
+    )
+    assert code == 2
+    assert "text_config.model_type 'evil_model' is not one transformers implements" in out
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"hidden_size": 10**12}, r"hidden_size is 1000000000000; it must be an integer in \[1, 1048576\]"),
+        ({"hidden_size": -4}, r"hidden_size is -4; it must be an integer"),
+        ({"num_attention_heads": 0}, r"num_attention_heads is 0; it must be an integer in \[1, 65536\]"),
+        ({"hidden_size": 32.5}, r"hidden_size is 32.5; it must be an integer"),
+        ({"hidden_size": True}, r"hidden_size is True; it must be an integer"),
+        ({"vocab_size": "30"}, r"vocab_size is 30; it must be an integer"),
+        ({"num_key_value_heads": 3}, r"num_attention_heads = 4 is not a multiple of num_key_value_heads = 3"),
+        ({"num_hidden_layers": 10**9}, r"num_hidden_layers is 1000000000"),
+        ({"text_config": {"model_type": "llama", "hidden_size": 0}}, r"text_config.hidden_size is 0"),
+        ({"hidden_size": 33, "head_dim": None}, r"hidden_size = 33 is not a multiple of num_attention_heads = 4"),
+    ],
+)  # fmt: skip
+def test_dims_are_checked_before_transformers_sees_them(tmp_path, capsys, changes, message):
+    code, out = _plan(tmp_path, _llama(**changes), capsys)
+    assert code == 2, out
+    assert re.search(message, out), out
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"model_type": "llama", "hidden_size": NaN}', r"config.json: hidden_size is NaN, not a finite number"),
+        ('{"model_type": "llama", "rope_theta": 1e400}', r"config.json: rope_theta is 1e400, not a finite number"),
+        ('{"model_type": "llama", "x": ' + "[" * 5000 + "]" * 5000 + "}", r"config.json: nested more than 64"),
+        ('{"model_type": "llama", "x": ' + "[" * 70 + "]" * 70 + "}", r"config.json: x\[0\]\[0\]\[0\]... is nested more than 64"),
+        ('{"model_type": "llama", "model_type": "t5"}', r"config.json: not valid JSON \(the key 'model_type' appears twice"),
+    ],
+)  # fmt: skip
+def test_a_malformed_config_file_is_named_with_the_field(tmp_path, capsys, text, message):
+    (tmp_path / "config.json").write_text(text)
+    assert cli.main(["plan", "--hf-config", str(tmp_path), "--mesh", "2"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert "Traceback" not in err
+
+
+def test_whatever_transformers_raises_is_named(tmp_path, capsys):
+    """A config that passes funcshard's checks but not the model's own: its error, named."""
+    code, out = _plan(
+        tmp_path, _llama(hidden_size=33), capsys
+    )  # head_dim given: transformers refuses
+    assert code == 2, out
+    assert "transformers cannot build it: " in out
+    assert "Traceback" not in out

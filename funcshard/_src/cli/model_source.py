@@ -5,14 +5,14 @@ builds the model that ``transformers`` makes of the config (``AutoModelForCausal
 or ``AutoModelForSeq2SeqLM`` for an encoder-decoder) under ``torch.device("meta")``,
 offline and without allocating, and functionalizes it with ``fs.interop.functionalize``,
 one unit per decoder layer (the model's ``_no_split_modules``). The config is untrusted
-input: it is read as JSON, its ``model_type`` must be one that transformers itself
-implements, and remote code (``auto_map``, ``trust_remote_code``) is never run.
+input: see [Note: untrusted configs] in ``hf_config.py`` (strict JSON; every field that
+runs or fetches code removed at every depth; dims checked before transformers sees them;
+a ``model_type`` transformers itself implements).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
+from funcshard._src.cli.hf_config import read_config, sanitize
 from funcshard._src.interop.module import functionalize
 from funcshard._src.plan.model_config import ModelConfig
 from funcshard._src.plan.presets import Preset, get_preset
@@ -88,7 +89,7 @@ def from_hf_config(
             implement (remote code is never run), transformers missing, or units that
             name no submodule.
     """
-    data = _read_config(Path(path))
+    data = read_config(Path(path))
     try:
         import transformers
         from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
@@ -102,15 +103,17 @@ def from_hf_config(
             f"{transformers.__version__} implements, and funcshard never runs a config's own "
             f"code (trust_remote_code); use a config of a built-in model_type"
         )
-    notes = ["remote code in the config (auto_map) was not run"] if "auto_map" in data else []
-    fields = {k: v for k, v in data.items() if k not in ("auto_map", "model_type")}
+    clean, notes = sanitize(data, where=f"--hf-config {path}", known=known)
+    fields = {k: v for k, v in clean.items() if k != "model_type"}
     try:
         config = known[model_type].from_dict(fields)
         auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
         with torch.device("meta"):
             model = auto.from_config(config, trust_remote_code=False)
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise ValueError(f"--hf-config {path}: transformers cannot build it: {e}") from None
+    except Exception as e:  # whatever transformers raises of a config it cannot build
+        raise ValueError(
+            f"--hf-config {path}: transformers cannot build it: {type(e).__name__}: {str(e)[:300]}"
+        ) from None
     classes = sorted(getattr(model, "_no_split_modules", None) or [])
     wanted: Sequence[Any] = _units(units) if units else classes
     params, apply = functionalize(model, units=[] if wanted == "auto" else wanted)
@@ -144,17 +147,6 @@ def from_hf_config(
 
 def _units(units: Sequence[str]) -> Sequence[str] | str:
     return "auto" if list(units) == ["auto"] else list(units)
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    file = path / "config.json" if path.is_dir() else path
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"--hf-config {path}: cannot read a JSON config ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--hf-config {path}: a config is a JSON object of fields")
-    return data  # pyright: ignore[reportUnknownVariableType]
 
 
 def _first(config: Any, *names: str) -> Any:
