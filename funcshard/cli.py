@@ -168,12 +168,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plot is not None:
             require_matplotlib()  # before planning: a missing extra is a usage error
         report = plan_report(args)
+        # strict JSON: a number that is not finite is a bug to report, never a NaN in the file
+        text = json.dumps(report["json"], indent=2, allow_nan=False) + "\n"
     except (UsageError, ValueError, OSError, MissingExtraError) as e:
         print(f"funcshard plan: error: {e}", file=sys.stderr)
         return 2
     print(report["text"])
     if args.json is not None:
-        args.json.write_text(json.dumps(report["json"], indent=2) + "\n")
+        args.json.write_text(text)
     if args.plot is not None:
         plot(report["json"], args.plot)
     return 0

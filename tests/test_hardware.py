@@ -201,3 +201,75 @@ def test_the_bench_step_on_this_machine_is_predicted_within_25_percent(strategy)
     """
     predicted, measured = _bench_estimate(strategy)
     assert predicted == pytest.approx(measured, rel=0.25), (predicted, measured)
+
+
+# -- implausible numbers and malformed files (See [Note: plausible hardware]) ---------------
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"memory_bandwidth": 1e-308}, "memory_bandwidth is 1e-308"),
+        ({"intra_node_bandwidth": 1e-308}, "intra_node_bandwidth is 1e-308"),
+        ({"latency": 1e308}, "latency is 1e+308"),
+        ({"peak_flops": 1e300}, "peak_flops is 1e+300"),
+        ({"efficiency": 1e-300}, "efficiency is 1e-300"),
+        ({"memory_bytes": 1e30}, "memory_bytes is 1e+30"),
+        ({"devices_per_node": 10**9}, "devices_per_node is 1e+09"),
+        ({"node_bandwidth": 5e-324}, "node_bandwidth is 4.94066e-324"),
+    ],
+)
+def test_numbers_no_device_has_are_refused_with_the_field(change, field, tmp_path):
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({**A100.to_json(), **change}))
+    with pytest.raises(
+        ValueError, match=rf"hw.json: hardware 'a100-80gb': {re.escape(field)}, outside \["
+    ):
+        Hardware.from_json(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"latency": 1e400}', r"hw.json: latency is 1e400, not a finite number"),
+        ('{"x": ' + "[" * 5000 + "]" * 5000 + "}", r"nested more than 64"),
+        ('{"x": ' + '{"y": ' * 80 + "1" + "}" * 80 + "}", r"x.y.y.y... is nested more than 64"),
+        ('{"latency": 1, "latency": 2}', r"the key 'latency' appears twice"),
+    ],
+)
+def test_a_malformed_hardware_file_names_the_field(text, message, tmp_path):
+    path = tmp_path / "hw.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        Hardware.from_json(path)
+
+
+def test_the_plan_command_refuses_them_and_writes_no_nan(tmp_path, capsys):
+    from funcshard import cli
+
+    path = tmp_path / "hw.json"
+    out = tmp_path / "plan.json"
+    argv = [
+        "plan",
+        "--model",
+        "llama-7b",
+        "--mesh",
+        "8",
+        "--device-memory",
+        "80GiB",
+        "--json",
+        str(out),
+    ]
+    path.write_text(json.dumps({**A100.to_json(), "latency": 1e308}))
+    assert cli.main([*argv, "--hardware", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "--hardware " in captured.err
+    assert "latency is 1e+308, outside" in captured.err
+    assert "nan" not in captured.out.lower()
+    assert not out.exists()
+    path.write_text(json.dumps(A100.to_json()))
+    assert cli.main([*argv, "--hardware", str(path), "--strategy", "auto"]) == 0
+    assert "nan" not in capsys.readouterr().out.lower()
+    from funcshard._src.untrusted import loads_json
+
+    loads_json(out.read_bytes(), what="plan.json")  # strict JSON: no NaN or Infinity

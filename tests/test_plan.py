@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -336,3 +337,28 @@ def test_the_flat_layout_round_trips_explains_itself_and_costs_one_range_per_ran
     text = flat.explain()
     assert "full_shard (flat)" in text
     assert "flat" in text.split("blocks/0/w")[1].splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"version": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}", r"plan JSON: nested more than 256"),
+        ('{"version": 1, "x": ' + "[" * 300 + "]" * 300 + "}", r"plan JSON: x\[0\]\[0\]\[0\]... is nested"),
+        ('{"version": 1, "memory_budget": NaN}', r"plan JSON: memory_budget is NaN, not a finite number"),
+        ('{"version": 1, "memory_budget": 1e400}', r"plan JSON: memory_budget is 1e400"),
+        ('{"version": 1, "version": 2}', r"plan JSON: not valid JSON \(the key 'version' appears twice"),
+    ],
+)  # fmt: skip
+def test_plan_json_text_is_read_strictly(text, message):
+    with pytest.raises(ValueError, match=message):
+        Plan.from_json(text)
+
+
+def test_a_deeply_nested_plan_mapping_is_a_value_error():
+    data = json.loads(json.dumps(plan(gpt_params(), Mesh({"fsdp": 2})).to_json()))
+    node: Any = {"leaf": None}
+    for _ in range(5000):
+        node = {"list": [node]}
+    data["treedef"] = node
+    with pytest.raises(ValueError, match=r"plan JSON"):
+        Plan.from_json(data)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -75,13 +74,10 @@ def hardware_of(name: str | None, /) -> Hardware | None:
         return get_hardware(name)
     path = Path(name)
     if path.suffix == ".json" or path.exists():
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise UsageError(f"--hardware {name}: cannot read a JSON description ({e})") from None
-        if not isinstance(data, dict):
-            raise UsageError(f"--hardware {name}: the JSON must be an object of fields")
-        return Hardware.from_dict(data)  # pyright: ignore[reportUnknownArgumentType]
+        try:  # strict JSON, every field checked (See [Note: plausible hardware])
+            return Hardware.from_json(path)
+        except ValueError as e:
+            raise UsageError(f"--hardware {e}") from None
     return get_hardware(name)  # raises, listing the presets
 
 

@@ -11,7 +11,6 @@ as JSON, which :meth:`Hardware.from_json` reads back.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -20,10 +19,32 @@ from pathlib import Path
 from typing import Any
 
 from funcshard._src.plan.sizes import GiB, parse_bytes
+from funcshard._src.untrusted import read_json
 
 _MAX_JSON_BYTES = 1 << 20  # a description is a few hundred bytes; refuse anything huge
 _FRACTIONS = ("efficiency", "overlap")  # in (0, 1] and [0, 1]
 _OPTIONAL_RATES = ("node_bandwidth", "copy_bandwidth")  # None: derived from the others
+# [Note: plausible hardware]
+# Every number of a description must lie in a range that any real device and link does,
+# with room on both sides, so that the step-time model's products and quotients stay finite:
+# a rate of 1e-308 divided into bytes overflows to inf (and 1 / inf underflows to 0, a
+# ZeroDivisionError further on), a latency of 1e308 times the ring steps is inf, and inf -
+# inf is NaN: "nan s" steps, automatic plans chosen on NaN scores, NaN in --json. Rates are
+# bytes or FLOP per second.
+_BANDWIDTH = (1e3, 1e16)  # 1 kB/s (a laptop's worst link) .. 10 PB/s
+_RANGES: Mapping[str, tuple[float, float]] = {
+    "peak_flops": (1e3, 1e19),  # a microcontroller .. 10 EFLOP/s in one device
+    "memory_bytes": (float(1 << 20), float(1 << 50)),  # 1 MiB .. 1 PiB
+    "memory_bandwidth": _BANDWIDTH,
+    "intra_node_bandwidth": _BANDWIDTH,
+    "inter_node_bandwidth": _BANDWIDTH,
+    "node_bandwidth": _BANDWIDTH,
+    "copy_bandwidth": _BANDWIDTH,
+    "devices_per_node": (1, 1 << 16),
+    "efficiency": (1e-6, 1.0),
+    "latency": (0.0, 60.0),  # seconds per ring step
+    "overlap": (0.0, 1.0),
+}
 
 
 @dataclass(frozen=True)
@@ -94,6 +115,14 @@ class Hardware:
                 what = "a fraction of peak" if name == "efficiency" else "a fraction"
                 raise ValueError(
                     f"hardware {self.name!r}: {name} is {what} in (0, 1], got {getattr(self, name)}"
+                )
+        for name, (low, high) in _RANGES.items():  # See [Note: plausible hardware]
+            value = getattr(self, name)
+            if value is not None and not low <= value <= high:
+                raise ValueError(
+                    f"hardware {self.name!r}: {name} is {value:g}, outside [{low:g}, {high:g}], the "
+                    f"range of any real device or link; check the unit (bytes and FLOP per second, "
+                    f"seconds)"
                 )
 
     @property
@@ -167,23 +196,19 @@ class Hardware:
         """Reads a description that :meth:`to_json` (or ``funcshard calibrate``) wrote.
 
         Raises:
-            ValueError: the file is not a JSON object of valid fields (or is over 1 MiB).
-            OSError: it cannot be read.
+            ValueError: the file cannot be read, is not strict JSON (see [Note: reader
+                discipline]), is over 1 MiB, or is not an object of valid fields.
         """
         p = Path(path)
-        if p.stat().st_size > _MAX_JSON_BYTES:
-            raise ValueError(f"hardware description {p}: over 1 MiB, not a description")
-
-        def refuse(token: str) -> float:  # json accepts NaN and Infinity; a rate may not be either
-            raise ValueError(f"hardware description {p}: {token} is not a number")
-
-        try:
-            data: object = json.loads(p.read_text(encoding="utf-8"), parse_constant=refuse)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"hardware description {p}: not JSON ({e})") from None
+        data: object = read_json(  # strict: no NaN, Infinity or 1e400; at most 1 MiB, 64 deep
+            p, what=f"hardware description {p}", max_bytes=_MAX_JSON_BYTES
+        )
         if not isinstance(data, dict):
             raise ValueError(f"hardware description {p}: the JSON must be an object of fields")
-        return cls.from_dict(data)  # pyright: ignore[reportUnknownArgumentType]
+        try:
+            return cls.from_dict(data)  # pyright: ignore[reportUnknownArgumentType]
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
 
     def to_json(self) -> dict[str, Any]:
         """Every field by name: what :meth:`from_dict` reads back.

@@ -28,6 +28,7 @@ from funcshard._src.plan.units import LAYOUTS, Unit
 from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.named_sharding import NamedSharding
 from funcshard._src.spec.partition_spec import P
+from funcshard._src.untrusted import loads_json
 
 Default = Literal["dim_0", "largest_dim"] | P | None
 Requested = Strategy | Literal["auto"]
@@ -216,10 +217,11 @@ class Plan:
             >>> Plan.from_json(json.dumps(p.to_json())) == p
             True
         """
-        try:
-            d: Any = json.loads(data) if isinstance(data, str) else data
-        except (ValueError, RecursionError) as e:
-            raise ValueError(f"plan JSON does not parse ({e})") from None
+        # strict: no NaN, Infinity or 1e400, no key twice, at most 256 deep (a tree node is three
+        # JSON levels); See [Note: reader discipline]
+        d: Any = (
+            loads_json(data, what="plan JSON", max_depth=256) if isinstance(data, str) else data
+        )
         if not isinstance(d, Mapping) or d.get("version") != _JSON_VERSION:  # pyright: ignore[reportUnknownMemberType]
             version = d.get("version") if isinstance(d, Mapping) else None  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
             raise ValueError(
