@@ -248,12 +248,14 @@ def test_malformed_indexes_and_headers_are_refused(tmp_path):
     plan = fs.plan(full, fs.Mesh({"fsdp": 1}))
     save_file({"w": torch.ones(2), "v": torch.ones(1)}, str(tmp_path / "a.safetensors"))
     for content, match in [
-        ("{not json", r"is not valid JSON"),
+        ("{not json", r"index\.json: not valid JSON"),
+        ('{"weight_map": {}, "metadata": {"total_size": 1e400}}', r"metadata\.total_size is 1e400"),
+        ('{"weight_map": ' + "[" * 5000 + "]" * 5000 + "}", r"index\.json: nested more than 64"),
         (
             '{"weight_map": {"w": "a.safetensors"}, "weight_map": {}}',
             r"the key 'weight_map' appears twice",
         ),
-        ('{"weight_map": {"w": NaN}}', r"NaN is not JSON"),
+        ('{"weight_map": {"w": NaN}}', r"weight_map\.w is NaN, not a finite number"),
         ("[1, 2]", r"not a safetensors index"),
         ('{"weight_map": {"w": 3}}', r"weight_map\['w'\] is 3, not a file name"),
         (
@@ -295,8 +297,12 @@ def test_malformed_indexes_and_headers_are_refused(tmp_path):
         ),
         (({"w": {**good, "code": "x"}}, bytes(8)), r"malformed header entry"),
         (({"__metadata__": {"format": 1}}, b""), r"malformed header entry"),
-        ((None, b"", b'{"w": '), r"the header is not valid JSON"),
-        ((None, b"", b"\xff\xfe"), r"the header is not valid JSON"),
+        ((None, b"", b'{"w": '), r"the header: not valid JSON"),
+        ((None, b"", b"\xff\xfe"), r"the header: not valid JSON"),
+        (
+            (None, b"", b'{"w": {"dtype": "F32", "shape": [1e400]}}'),
+            r"the header: w\.shape\[0\] is 1e400",
+        ),
         (([1],), r"the header is not a JSON object"),
     ]:
         with pytest.raises(ValueError, match=match):
@@ -482,3 +488,46 @@ def test_base_and_head_checkpoints_load_across_base_model_prefix(tmp_path):
     got = apply.state_dict(fs.unshard(sparams))
     for key, value in untied.model.state_dict().items():
         assert torch.equal(got[key], value), key
+
+
+def test_tied_names_that_hold_different_tensors_are_refused(tmp_path):
+    """A leaf read under one of two names whose tensors differ would drop the other silently;
+    from_pretrained would untie them, so funcshard refuses (equal tensors load)."""
+    full = {"head": torch.randn(4, 2), "norm": torch.ones(2)}
+    plan = fs.plan(full, fs.Mesh({"fsdp": 1}))
+    names = {"head": ["tied.a", "tied.b"], "norm": "n"}
+    save_file(
+        {"n": full["norm"], "tied.a": full["head"], "tied.b": full["head"].clone()},
+        str(tmp_path / "same.safetensors"),
+    )
+    got = load_safetensors(tmp_path / "same.safetensors", plan, names=names)
+    _assert_same_shards(got, shard_for_rank(full, plan, 0), "equal tied tensors")
+    for other in (full["head"] + 1, full["head"].double(), full["head"][:2].clone()):
+        save_file(
+            {"n": full["norm"], "tied.a": full["head"], "tied.b": other},
+            str(tmp_path / "x.safetensors"),
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"head: the checkpoint holds both 'tied\.a' and 'tied\.b', which the model ties",
+        ):
+            load_safetensors(tmp_path / "x.safetensors", plan, names=names)
+
+
+def test_load_pretrained_refuses_a_checkpoint_whose_tied_weights_differ(tmp_path):
+    model = llama(seed=0, tied=True)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"] + 1  # both names, two values
+    save_file(state, str(tmp_path / "model.safetensors"))
+    params, apply = functionalize(llama(seed=1, tied=True), units=["LlamaDecoderLayer"])
+    plan = fs.plan(params, fs.Mesh({"fsdp": 1}), units=apply.units)
+    with pytest.raises(
+        ValueError, match=r"holds both 'model\.embed_tokens\.weight' and 'lm_head\.weight'"
+    ):
+        apply.load_pretrained(tmp_path, plan)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    loaded = apply.load_pretrained(tmp_path, plan)
+    assert torch.equal(
+        loaded["model"]["embed_tokens"]["weight"].local, state["model.embed_tokens.weight"]
+    )

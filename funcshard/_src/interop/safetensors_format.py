@@ -3,7 +3,8 @@
 [Note: untrusted safetensors]
 A checkpoint's index and headers are untrusted input. A header is read by funcshard
 before ``safetensors`` maps the file: at most 100 MiB of strict JSON (no duplicate keys,
-no ``NaN``), every entry a dtype torch represents, a shape of non-negative ints and
+no ``NaN``, ``Infinity`` or ``1e400``, nested at most 64 deep: See [Note: reader
+discipline]), every entry a dtype torch represents, a shape of non-negative ints and
 byte offsets that tile the data exactly. An index's ``weight_map`` may name only plain
 file names beside it (a symlink may not leave the directory, except into the ``blobs``
 folder of a Hugging Face cache snapshot), and must agree with the files' headers.
@@ -23,6 +24,7 @@ from typing import Any, TypeAlias
 import torch
 
 from funcshard._src.dtypes import dtype_name
+from funcshard._src.untrusted import loads_json
 
 Files: TypeAlias = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
@@ -96,7 +98,7 @@ def read_header(file: Path, /) -> dict[str, Entry]:
                 f"{file}: not a safetensors file (its header length field says {n} bytes, the "
                 f"file has {size}); pass .safetensors files"
             )
-        header = _strict_json(f.read(n), f"{file}: the header")
+        header = _strict_json(f.read(n), f"{file}: the header", MAX_HEADER)
     if not isinstance(header, dict):
         raise ValueError(f"{file}: the header is not a JSON object; not a safetensors file")
     data = size - 8 - n
@@ -154,7 +156,7 @@ def _from_files(files: Sequence[Path]) -> dict[str, Entry]:
 def _from_index(index: Path) -> dict[str, Entry]:
     if not index.is_file() or index.stat().st_size > MAX_INDEX:
         raise ValueError(f"{index}: not a file of at most {MAX_INDEX} bytes; pass an index file")
-    content = _strict_json(index.read_bytes(), str(index))
+    content = _strict_json(index.read_bytes(), str(index), MAX_INDEX)
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     metadata = content.get("metadata", {}) if isinstance(content, dict) else None
     if not isinstance(weight_map, dict) or not isinstance(metadata, dict):
@@ -207,22 +209,9 @@ def _member(directory: Path, name: str, where: Path) -> Path:
     return real
 
 
-def _strict_json(raw: bytes, what: str) -> Any:
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in items:
-            if key in out:
-                raise ValueError(f"the key {key!r} appears twice")
-            out[key] = value
-        return out
-
-    def constant(name: str) -> Any:
-        raise ValueError(f"{name} is not JSON")
-
-    try:
-        return json.loads(raw, object_pairs_hook=pairs, parse_constant=constant)
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"{what} is not valid JSON ({e}); the file is corrupted") from None
+def _strict_json(raw: bytes, what: str, max_bytes: int) -> Any:
+    """Strict JSON (See [Note: reader discipline] in ``funcshard/_src/untrusted.py``)."""
+    return loads_json(raw, what=what, max_bytes=max_bytes)
 
 
 def _ints(value: Any) -> bool:

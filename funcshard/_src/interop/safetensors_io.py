@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import math
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -118,6 +119,7 @@ def load_safetensors_for_rank(
     entries = checkpoint_tensors(files)
     hint = "pass names={path: [its tensor name in the files]} for leaves named otherwise"
     keys = choose(entries, wanted, ignore=ignore_unexpected, hint=hint)
+    check_ties(entries, {label: names for label, (names, _, _) in wanted.items()})
     return _read_shards(entries, plan, keys, rank, _target(device))
 
 
@@ -207,6 +209,13 @@ def load_pretrained(
     ignore = [*ignore_unexpected, *_regexes(module, "_keys_to_ignore_on_load_unexpected")]
     hint = f"check that the checkpoint is of {type(module).__name__} and its config"
     keys = choose(entries, wanted, ignore=ignore, known=transient, hint=hint)
+    check_ties(
+        stored,
+        {
+            label: tuple(stored_as.get(n, n) for n in names if n in entries)
+            for label, (names, _, _) in wanted.items()
+        },
+    )
     keys = {label: stored_as.get(key, key) for label, key in keys.items()}
     shards = _read_shards(stored, plan, keys, rank, _target(device))
     with torch.no_grad(), _opened() as handle:
@@ -296,6 +305,51 @@ def choose(
             f"pass ignore_unexpected=[{unexpected[0]!r}, ...] (globs) to skip them, or {hint}"
         )
     return keys
+
+
+def check_ties(entries: Mapping[str, Entry], names: Mapping[str, Sequence[str]], /) -> None:
+    """Refuses a label two of whose names the files hold with different values.
+
+    A tied weight is one leaf; when a checkpoint holds it under two names (the
+    embedding and the head, say) they must be equal: ``from_pretrained`` would make
+    two parameters of two values, funcshard would keep one and drop the other.
+    Compares the tensors in blocks of at most :data:`TIE_BLOCK_BYTES`.
+
+    Raises:
+        ValueError: the label, both names, and the fix.
+    """
+    for label, candidates in names.items():
+        present = [n for n in dict.fromkeys(candidates) if n in entries]
+        for other in present[1:]:
+            a, b = entries[present[0]], entries[other]
+            if (
+                a.shape != b.shape
+                or a.dtype != b.dtype
+                or not _same_values(present[0], a, other, b)
+            ):
+                raise ValueError(
+                    f"{label}: the checkpoint holds both {present[0]!r} and {other!r}, which the "
+                    f"model ties into one leaf, with different values; from_pretrained would untie "
+                    f"them into two parameters. Untie the module (tie_word_embeddings=False in its "
+                    f"config, then functionalize it again) or drop one of them from the checkpoint"
+                )
+
+
+TIE_BLOCK_BYTES = 64 << 20
+
+
+def _same_values(key_a: str, a: Entry, key_b: str, b: Entry) -> bool:
+    rows = a.shape[0] if a.shape else 1
+    per_row = max(1, math.prod(a.shape[1:]) * a.dtype.itemsize)
+    step = max(1, TIE_BLOCK_BYTES // per_row)
+    with _opened() as handle:
+        sa, sb = handle(a.file).get_slice(key_a), handle(b.file).get_slice(key_b)
+        if not a.shape:
+            return bool(torch.equal(sa[...], sb[...]))
+        for start in range(0, rows, step):
+            if not torch.equal(sa[start : start + step], sb[start : start + step]):
+                return False
+    return True
 
 
 def _read_shards(
