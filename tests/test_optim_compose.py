@@ -218,6 +218,17 @@ def test_misuse_is_refused_with_the_fix():
         fs.optim.ema_params(fs.optim.sgd(0.1).init(sp), sp)
     with pytest.raises(TypeError, match=r"Adafactor reads whole tensors .* use fs.optim.adafactor"):
         fs.optim.from_torch(torch.optim.Adafactor)
+
+    class Factored(torch.optim.Adafactor):  # a subclass updates as its base does
+        pass
+
+    with pytest.raises(
+        TypeError,
+        match=r"Factored \(a subclass of torch.optim.Adafactor\) reads whole tensors",
+    ):
+        fs.optim.from_torch(Factored)
+    with pytest.raises(TypeError, match=r"a subclass of torch.optim.lbfgs.LBFGS"):
+        fs.optim.from_torch(type("Quasi", (torch.optim.LBFGS,), {}))
     with pytest.raises(TypeError, match=r"takes a torch.optim optimizer class"):
         fs.optim.from_torch(torch.optim.SGD([torch.zeros(1)], lr=0.1))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"from_torch: torch.optim.Adam: .*learning rate"):

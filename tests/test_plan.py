@@ -362,3 +362,24 @@ def test_a_deeply_nested_plan_mapping_is_a_value_error():
     data["treedef"] = node
     with pytest.raises(ValueError, match=r"plan JSON"):
         Plan.from_json(data)
+
+
+def test_leaves_that_do_not_require_grad_among_ones_that_do_are_frozen_or_refused():
+    """Reference: what the plan trains. Without ``frozen=`` such a leaf would be trained
+    silently on every path that does not pass values through fs.shard (fs.materialize)."""
+    params = {
+        "w": torch.empty(4, 2, device="meta", requires_grad=True),
+        "b": torch.empty(4, device="meta"),
+        "step": torch.zeros((), dtype=torch.int64),  # not floating: never trained, never asked
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"\['b'\] have requires_grad=False while other leaves require grad: .*fs.plan\(\.\.\., frozen=\['b'\]\)",
+    ):
+        fs.plan(params, fs.Mesh({"fsdp": 2}))
+    frozen = fs.plan(params, fs.Mesh({"fsdp": 2}), frozen=["b"])
+    assert [(leaf.path, leaf.frozen) for leaf in frozen.leaves] == [
+        ("b", True), ("step", False), ("w", False),
+    ]  # fmt: skip
+    alike = {"w": torch.zeros(4, 2), "b": torch.zeros(4)}  # a plain tree: nothing requires grad
+    assert not any(leaf.frozen for leaf in fs.plan(alike, fs.Mesh({"fsdp": 2})).leaves)

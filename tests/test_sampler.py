@@ -91,6 +91,22 @@ def test_defaults_are_this_rank_of_every_rank(pools):
             {"rank": 0, "axes": ["dp"]},
             r"mesh axis 'dp' is not in the mesh",
         ),
+        (
+            (8,),
+            {"epoch": 2.5},
+            r"epoch must be an int >= 0 \(below 2\*\*62\), got 2.5; count epochs",
+        ),
+        ((8,), {"epoch": -1}, r"epoch must be an int >= 0"),
+        ((8,), {"epoch": True}, r"epoch must be an int >= 0"),
+        ((8,), {"seed": "0"}, r"seed must be an int >= 0"),
+        ((8,), {"seed": 2**64}, r"seed must be an int >= 0 \(below 2\*\*62\)"),
+        ((8,), {"shuffle": 1}, r"shuffle must be True or False, got 1"),
+        (
+            (8, fs.Mesh({"dp": 2, "fsdp": 2})),
+            {"rank": 0, "axes": ["fsdp", "fsdp"]},
+            r"axes \['fsdp', 'fsdp'\] name \['fsdp'\] more than once",
+        ),
+        ((8, fs.Mesh({"fsdp": 2})), {"rank": 0, "axes": "fsdp"}, r"pass axes=\['fsdp'\]"),
     ],
 )
 def test_bad_input_names_what_is_wrong(args, kwargs, message):

@@ -80,6 +80,18 @@ def test_a_schedule_drives_an_optimizer():
             lambda: opt.join_schedules([opt.constant_schedule(1)] * 3, [5, 2]),
             r"boundaries must be >= 0 and ascending, got \[5, 2\]",
         ),
+        (
+            lambda: opt.join_schedules([opt.constant_schedule(1)] * 2, [2.5]),
+            r"boundaries are update counts, integers; got \[2.5\] in \[2.5\]: round them",
+        ),
+        (
+            lambda: opt.join_schedules([opt.constant_schedule(1)] * 2, [3.0]),
+            r"boundaries are update counts, integers; got \[3.0\]",
+        ),
+        (
+            lambda: opt.join_schedules([opt.constant_schedule(1)] * 2, [True]),
+            r"boundaries are update counts, integers; got \[True\]",
+        ),
     ],
 )
 def test_bad_arguments_are_named(make, message):

@@ -50,8 +50,9 @@ def shard_indices(
         This rank's indices, ``ceil(n / replicas)`` of them (``n // replicas`` with ``drop_last``).
 
     Raises:
-        ValueError: a negative ``n``, a rank outside the mesh, an axis the mesh lacks,
-            or a mesh that does not cover the world.
+        ValueError: a negative ``n``, a ``seed`` or ``epoch`` that is not an integer >= 0,
+            ``shuffle``/``drop_last`` that are not bools, a rank outside the mesh, an axis
+            the mesh lacks or named twice, or a mesh that does not cover the world.
 
     Example:
         >>> import funcshard as fs
@@ -63,6 +64,15 @@ def shard_indices(
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"shard_indices: n must be an int >= 0 (the dataset size), got {n!r}")
+    for name, value in (("seed", seed), ("epoch", epoch)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62:
+            raise ValueError(
+                f"shard_indices: {name} must be an int >= 0 (below 2**62), got {value!r}; "
+                f"{'count epochs in whole numbers (epoch=step // steps_per_epoch)' if name == 'epoch' else 'seed the shuffle with an integer'}"
+            )
+    for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
+        if not isinstance(value, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise ValueError(f"shard_indices: {name} must be True or False, got {value!r}")
     if mesh is None:
         mesh = Mesh({"data": runtime.world_size()})
     world = runtime.world_size()
@@ -72,9 +82,21 @@ def shard_indices(
             f"mesh the plan uses, or rank="
         )
     rank = runtime.rank() if rank is None else rank
+    if isinstance(axes, str):
+        raise ValueError(
+            f"shard_indices: axes must be a list of mesh axis names, got the string {axes!r}; "
+            f"pass axes=[{axes!r}]"
+        )
     names = list(mesh.axis_names if axes is None else axes)
     for a in names:
         mesh.axis_index(a)  # names the axes there are
+    twice = sorted({a for a in names if names.count(a) > 1})
+    if twice:
+        raise ValueError(
+            f"shard_indices: axes {names} name {twice} more than once; a rank's replica is its "
+            f"coordinate over each axis once (named twice, half the replicas would read nothing): "
+            f"pass each axis once"
+        )
     coords = dict(zip(mesh.axis_names, mesh.coords(rank)))
     replicas, replica = 1, 0
     for a in names:  # row-major over the axes, in the order given

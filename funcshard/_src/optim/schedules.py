@@ -119,7 +119,13 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int], /) 
         )
     if any(not callable(s) for s in schedules):
         raise TypeError("join_schedules: every schedule must be a function of the update count")
-    bounds = [int(b) for b in boundaries]
+    bounds = list(boundaries)
+    bad = [b for b in bounds if isinstance(b, bool) or not isinstance(b, int)]
+    if bad:  # int() would truncate 2.5 to 2: a schedule switched one update early
+        raise ValueError(
+            f"join_schedules: boundaries are update counts, integers; got {bad[:3]!r} in "
+            f"{bounds!r}: round them yourself (say int(0.1 * total_steps))"
+        )
     if any(b < 0 for b in bounds) or bounds != sorted(bounds):
         raise ValueError(f"join_schedules: boundaries must be >= 0 and ascending, got {bounds}")
 

@@ -39,8 +39,8 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **options: Any) 
     elementwise (``SGD``, ``Adam``, ``AdamW``, ``RMSprop``, ``Adagrad``,
     ``Adadelta``, ``Adamax``, ``NAdam``, ``RAdam``, ``ASGD``, ``Rprop``): the
     padding stays zero and the result equals the optimizer on the full tensors.
-    ``Adafactor``, ``LBFGS``, ``SparseAdam`` and ``Muon`` are refused (use
-    ``fs.optim.adafactor`` for the first). State is a tree (checkpointed and
+    ``Adafactor``, ``LBFGS``, ``SparseAdam`` and ``Muon`` are refused, and so is any
+    subclass of them (use ``fs.optim.adafactor`` for the first). State is a tree (checkpointed and
     resharded like any other): per-element entries sharded like the params,
     0-d entries (``step``) once, as they are the same for every parameter.
 
@@ -68,11 +68,17 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **options: Any) 
             f"from_torch takes a torch.optim optimizer class (e.g. torch.optim.Adam), got "
             f"{optimizer_class!r}"
         )
-    name = optimizer_class.__name__
-    if name in _NOT_ELEMENTWISE:
+    refused = next((c for c in optimizer_class.__mro__ if c.__name__ in _NOT_ELEMENTWISE), None)
+    if refused is not None:  # a subclass updates as its base does: refused alike
+        name = refused.__name__
+        what = (
+            f"torch.optim.{name}"
+            if refused is optimizer_class
+            else f"{optimizer_class.__qualname__} (a subclass of {refused.__module__}.{name})"
+        )
         raise TypeError(
-            f"from_torch: torch.optim.{name} reads whole tensors (norms or factored moments), so "
-            f"it would be wrong on flat shards; "
+            f"from_torch: {what} reads whole tensors (norms or factored moments), so it would be "
+            f"wrong on flat shards; "
             + ("use fs.optim.adafactor" if name == "Adafactor" else "use an elementwise optimizer")
         )
     lr: LearningRate | None = options.pop("lr", None)

@@ -152,7 +152,34 @@ def plan(
         made = auto.plan_within(spec, strategy, budget, cost)
     else:
         made = build(spec, strategy, cost=cost)
+    _check_requires_grad(leaves, made)
     return dataclasses.replace(made, estimate=estimate(made, made.cost or CostModel()))
+
+
+def _check_requires_grad(leaves: list[torch.Tensor], made: Plan) -> None:
+    """Refuses ``requires_grad=False`` leaves among leaves that require grad, unless frozen.
+
+    funcshard trains every floating leaf the plan does not freeze, whatever its
+    ``requires_grad``; a leaf left out on purpose (an ``nn.Module``'s frozen parameter)
+    would be trained without a word. ``fs.shard`` checks the same of values; this
+    catches it where no values pass through ``fs.shard`` (``fs.materialize``, loading).
+    """
+    floating = [
+        (lp.path, t)
+        for t, lp in zip(leaves, made.leaves)
+        if t.is_floating_point() and not lp.frozen
+    ]
+    if not any(t.requires_grad for _, t in floating):
+        return
+    off = [p or "<root>" for p, t in floating if not t.requires_grad]
+    if off:
+        raise ValueError(
+            f"{off[:5]} have requires_grad=False while other leaves require grad: funcshard "
+            f"computes gradients for every leaf of params that the plan does not freeze, so "
+            f"requires_grad=False would be ignored. Freeze them in the plan: fs.plan(..., "
+            f"frozen={off[:2]!r}) (sharded, no gradient, no optimizer state; for an nn.Module, "
+            f"frozen=apply.frozen), or give every leaf the same requires_grad"
+        )
 
 
 def _check_budget(budget: int | str | None, strategy: Requested) -> int | None:
