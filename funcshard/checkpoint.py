@@ -1,5 +1,8 @@
 """Sharded checkpoints that reshard: save on W ranks, load on any W' or in one process.
 
+``save`` blocks until the checkpoint is committed; ``AsyncCheckpointer`` saves the same
+checkpoints in the background while training goes on.
+
 torch.distributed.checkpoint takes seconds to import, so this module loads it on
 first use: ``import funcshard`` stays fast for planning on a laptop.
 """
