@@ -114,7 +114,7 @@ def _run(
 def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     rank0 = [r for r in records if r["rank"] == 0]  # timed between barriers: alike on every rank
 
-    def med(values: list[float]) -> float:
+    def med(values: list[float] | list[int]) -> float:
         return round(statistics.median(values), 4) if values else float("nan")
 
     none = [s for r in rank0 if r["mode"] == "none" for s in r["step_s"]]

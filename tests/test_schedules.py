@@ -81,11 +81,11 @@ def test_a_schedule_drives_an_optimizer():
             r"boundaries must be >= 0 and ascending, got \[5, 2\]",
         ),
         (
-            lambda: opt.join_schedules([opt.constant_schedule(1)] * 2, [2.5]),
+            lambda: opt.join_schedules([opt.constant_schedule(1)] * 2, [2.5]),  # pyright: ignore[reportArgumentType]
             r"boundaries are update counts, integers; got \[2.5\] in \[2.5\]: round them",
         ),
         (
-            lambda: opt.join_schedules([opt.constant_schedule(1)] * 2, [3.0]),
+            lambda: opt.join_schedules([opt.constant_schedule(1)] * 2, [3.0]),  # pyright: ignore[reportArgumentType]
             r"boundaries are update counts, integers; got \[3.0\]",
         ),
         (

@@ -218,8 +218,10 @@ def _write_and_commit(
         else:
             box["outcome"] = _exchange(prepared, report, timeout)
     except BaseException as e:  # the outcome must exist for result() on every path
-        box["outcome"] = {"error": f"saving {prepared.target} failed: {type(e).__name__}: {e}"}
-        box["outcome"]["problems"] = []
+        box["outcome"] = {
+            "error": f"saving {prepared.target} failed: {type(e).__name__}: {e}",
+            "problems": [],
+        }
     finally:
         commit.writing(prepared.token, done=True)
 

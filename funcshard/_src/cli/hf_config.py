@@ -107,7 +107,7 @@ def sanitize(
         >>> clean, notes
         ({'model_type': 'llama', 'hidden_size': 8, 'num_attention_heads': 2, 'text_config': {}}, ['remote code in the config (auto_map at text_config) was not run', "attention implementation 'x/y' at text_config ignored (planning builds on the meta device; a Hub kernel is never fetched)"])
     """
-    removed: dict[str, list[tuple[str, Any]]] = {}
+    removed: dict[str, list[tuple[str, str, Any]]] = {}
     clean = _clean(dict(data), (), removed, where, known)
     notes: list[str] = []
     if removed.get("code"):
@@ -128,7 +128,7 @@ def sanitize(
     return clean, notes
 
 
-def _named(items: list[Any]) -> list[tuple[str, str]]:
+def _named(items: list[tuple[str, str, Any]]) -> list[tuple[str, str]]:
     return [(key, place) for key, place, _ in items]
 
 

@@ -68,18 +68,19 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **options: Any) 
             f"from_torch takes a torch.optim optimizer class (e.g. torch.optim.Adam), got "
             f"{optimizer_class!r}"
         )
+    name = optimizer_class.__name__
     refused = next((c for c in optimizer_class.__mro__ if c.__name__ in _NOT_ELEMENTWISE), None)
     if refused is not None:  # a subclass updates as its base does: refused alike
-        name = refused.__name__
+        base = refused.__name__
         what = (
-            f"torch.optim.{name}"
+            f"torch.optim.{base}"
             if refused is optimizer_class
-            else f"{optimizer_class.__qualname__} (a subclass of {refused.__module__}.{name})"
+            else f"{optimizer_class.__qualname__} (a subclass of {refused.__module__}.{base})"
         )
         raise TypeError(
             f"from_torch: {what} reads whole tensors (norms or factored moments), so it would be "
             f"wrong on flat shards; "
-            + ("use fs.optim.adafactor" if name == "Adafactor" else "use an elementwise optimizer")
+            + ("use fs.optim.adafactor" if base == "Adafactor" else "use an elementwise optimizer")
         )
     lr: LearningRate | None = options.pop("lr", None)
     constant = {} if lr is None else {"lr": 0.0 if callable(lr) else lr}
