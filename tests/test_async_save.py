@@ -156,11 +156,11 @@ def test_a_failed_handle_raises_once_and_the_checkpointer_goes_on(tmp_path, monk
     monkeypatch.setattr(commit, "_current_run", None)
     state = {"w": torch.ones(3)}
     with fs.checkpoint.AsyncCheckpointer() as saver:
-        monkeypatch.setattr(saving, "write_manifest", _raise_disk_full)
-        handle = saver.save(tmp_path / "a", state)
-        with pytest.raises(CheckpointError, match=r"a failed on rank 0: OSError: disk full"):
-            handle.result()
-        monkeypatch.undo()
+        with monkeypatch.context() as patched:
+            patched.setattr(saving, "write_manifest", _raise_disk_full)
+            handle = saver.save(tmp_path / "a", state)
+            with pytest.raises(CheckpointError, match=r"a failed on rank 0: OSError: disk full"):
+                handle.result()
         assert saver.save(tmp_path / "b", state).result() == tmp_path / "b"  # reported: no raise
     assert fs.checkpoint.latest(tmp_path) == tmp_path / "b"
 

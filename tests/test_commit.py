@@ -262,9 +262,9 @@ def test_a_save_whose_rename_fails_commits_nothing(tmp_path, monkeypatch):
             raise OSError(18, "Invalid cross-device link")
         rename(source, target)
 
-    monkeypatch.setattr(commit.os, "rename", refuse)
-    with pytest.raises(CheckpointError, match=r"step2 failed on rank 0: OSError: .*cross-device"):
-        _save(tmp_path, 2, keep=1)
-    monkeypatch.undo()
+    with monkeypatch.context() as patched:  # undoes this patch only, not the fixture's
+        patched.setattr(commit.os, "rename", refuse)
+        with pytest.raises(CheckpointError, match=r"step2 failed on rank 0: OSError: .*cross-dev"):
+            _save(tmp_path, 2, keep=1)
     assert not (tmp_path / "step2").exists()
     assert fs.checkpoint.latest(tmp_path) == tmp_path / "step1"  # keep=1 deleted nothing

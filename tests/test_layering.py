@@ -52,7 +52,7 @@ ORDER = {
     "checkpoint": ["errors", "chunks", "manifest", "cleanup", "commit", "dcp_io", "rng", "save", "async_save", "load", "export"],
     "interop": [
         "host", "module_tree", "module_units", "module_init", "hf_checkpointing",
-        "safetensors_format", "safetensors_io", "hf_export", "forwards", "apply", "module", "jax", "orbax",
+        "safetensors_format", "safetensors_names", "safetensors_io", "hf_export", "forwards", "apply", "module", "jax", "orbax",
     ],
     "verify": ["report", "batches", "reference", "summary", "verify", "worker", "launch"],
     "cli": ["hf_config", "model_source", "deepspeed", "plot", "report"],

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.dtypes import dtype_name
 from funcshard._src.plan.activations import activation_parts
 from funcshard._src.plan.cost_model import (
     COUNTER_BYTES,
@@ -33,7 +32,7 @@ from funcshard._src.plan.cost_model import (
 )
 from funcshard._src.plan.estimates import Estimate, Key, Memory
 from funcshard._src.plan.plan import Plan
-from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
+from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision, describe_precision
 from funcshard._src.plan.sizes import parse_bytes
 from funcshard._src.plan.step_time import describe as describe_time
 from funcshard._src.plan.step_time import step_time
@@ -328,7 +327,7 @@ def estimate(
     assumptions = [
         f"optimizer {model.optimizer}"
         + (" with fp32 master weights (DeepSpeed/Megatron layout)" if model.master_weights else ""),
-        f"mixed precision: {_describe_mp(model.mixed_precision)}",
+        f"mixed precision: {describe_precision(model.mixed_precision)}",
         f"gathered: root unit + shard_grad_op units + {1 + model.prefetch} largest other units "
         f"(prefetch {model.prefetch}) + one unit's unreduced gradients",
         "staging: the largest all-gather output and reduce-scatter input, as the executor "
@@ -397,13 +396,3 @@ def _tensor_bytes(state: Any) -> int:
             )
         total += leaf.numel() * leaf.element_size()
     return total
-
-
-def _describe_mp(mp: MixedPrecision | None) -> str:
-    if mp is None or mp == FULL_PRECISION:
-        return "none (compute and reduce in the stored dtypes)"
-
-    def name(dtype: torch.dtype | None) -> str:
-        return "stored" if dtype is None else dtype_name(dtype)
-
-    return f"compute {name(mp.param_dtype)}, reduce {name(mp.reduce_dtype)}"

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from funcshard._src.dtypes import dtype_name
+
 
 @dataclass(frozen=True)
 class MixedPrecision:
@@ -55,3 +57,19 @@ class MixedPrecision:
 
 
 FULL_PRECISION = MixedPrecision()
+
+
+def describe_precision(mp: MixedPrecision | None, /) -> str:
+    """How a cost model's mixed precision reads in an estimate's assumptions.
+
+    Example:
+        >>> describe_precision(MixedPrecision(param_dtype=torch.bfloat16))
+        'compute bfloat16, reduce stored'
+    """
+    if mp is None or mp == FULL_PRECISION:
+        return "none (compute and reduce in the stored dtypes)"
+
+    def name(dtype: torch.dtype | None) -> str:
+        return "stored" if dtype is None else dtype_name(dtype)
+
+    return f"compute {name(mp.param_dtype)}, reduce {name(mp.reduce_dtype)}"
