@@ -256,7 +256,11 @@ def _checkpoints(parent: Path) -> list[tuple[Path, dict[str, Any]]]:
     """
     out: list[tuple[Path, dict[str, Any]]] = []
     for d in sorted(parent.iterdir()):
-        if TMP in d.name or not stat.S_ISDIR(os.lstat(d).st_mode) or not is_checkpoint(d):
+        try:
+            real_dir = stat.S_ISDIR(os.lstat(d).st_mode)
+        except FileNotFoundError:  # deleted meanwhile (another run's rotation)
+            continue
+        if TMP in d.name or not real_dir or not is_checkpoint(d):
             continue  # a symlink to a checkpoint (a ``latest`` link) is not one more checkpoint
         try:
             out.append((d, read_manifest(d)))
