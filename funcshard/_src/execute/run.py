@@ -141,6 +141,7 @@ class Run:
         self.calls: list[CallRecord] = []
         self.root: CallRecord | None = None
         self.active: CallRecord | None = None
+        self.replaying: UnitRuntime | None = None  # the unit whose call a recompute replays
         self.on_track = True  # the calls so far follow order_hint
         self.dummy = torch.zeros((), requires_grad=True)
         self.root_leaf_ids: set[int] = set()
@@ -253,7 +254,12 @@ class Run:
     # -- backward ----------------------------------------------------------------
 
     def pre_backward(self, record: CallRecord) -> None:
-        """-> BACKWARD: before a call's backward, its unit is held gathered; prefetches the call before it."""
+        """-> BACKWARD: before a call's backward, its unit is held gathered; prefetches the call before it.
+
+        A call already in BACKWARD (a recompute acquired it first) stays as it is.
+        """
+        if record.phase is CallPhase.BACKWARD:
+            return
         self._finish_forward_check()
         while self._next_backward >= 0 and not self._awaits_backward(
             self.calls[self._next_backward]
@@ -295,7 +301,8 @@ class Run:
             if record.leaves is not None:  # see [Note: local-only calls]
                 grads = [t.grad for t in record.leaves]
                 record.leaves = None
-                self.post_backward(record, grads, agreed=True)
+                if record.phase is not CallPhase.DONE:  # a replay may have reduced it
+                    self.post_backward(record, grads, agreed=True)
         unreached = [r for r in records if r.phase is not CallPhase.DONE]
         if unreached:  # which calls no gradient reached may differ between ranks
             check_unreached([r.index for r in unreached])
