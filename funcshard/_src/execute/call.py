@@ -9,9 +9,10 @@ import torch
 import torch.utils.checkpoint
 
 from funcshard._src import tree
+from funcshard._src.execute.call_record import CallRecord
 from funcshard._src.execute.compiled import compiled_call
 from funcshard._src.execute.replay import replay
-from funcshard._src.execute.run import CallRecord, Run, current_run, step_run
+from funcshard._src.execute.run import Run, current_run, step_run
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.sharded import ShardedTensor
 

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from funcshard._src.execute.run import CallPhase, CallRecord, Run
+from funcshard._src.execute.call_record import CallPhase, CallRecord
+from funcshard._src.execute.run import Run
 from funcshard._src.execute.unit_state import UnitRuntime
 
 __all__ = ["hold", "replay"]
