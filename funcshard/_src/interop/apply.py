@@ -16,11 +16,13 @@ import torch.func
 from torch import nn
 
 from funcshard._src import tree
+from funcshard._src.execute.reference import plain_scope
 from funcshard._src.execute.replay import hold
 from funcshard._src.execute.run import current_run
 from funcshard._src.interop import hf_checkpointing as hf
 from funcshard._src.interop.binding import Binding, bound, routed, swapped
 from funcshard._src.interop.hooks import backward_hooks_under
+from funcshard._src.interop.inputs import cast_inputs
 from funcshard._src.interop.leaf_check import Leaf, leaf_values
 from funcshard._src.interop.module_state import ModuleState
 from funcshard._src.interop.module_units import Units
@@ -77,6 +79,8 @@ class Apply(Weights):
         self._remat = remat
         self._caches = caches or hf.CacheOff()
         self._active = False
+        # the plain reference that binds the module now, and what it bound; see reference.py
+        self._plain_binding: tuple[contextlib.ExitStack, dict[str, Any]] | None = None
         inside = {id(m): u.path for u in units.infos for m in u.module.modules()}
         self._unit_modules = {
             u.path: list(u.module.modules()) for u in units.infos
@@ -108,6 +112,24 @@ class Apply(Weights):
         """Buffers as a tree like the params (``{}`` if there are none)."""
         return self._state.tree
 
+    def broadcast_state(self, *, src: int = 0) -> None:
+        """Makes every rank's buffers rank ``src``'s, in place; collective; mutates ``apply.state``.
+
+        Buffers are kept per rank (each rank's forward updates its own batch-norm
+        statistics, as FSDP2 keeps them); this is DDP's ``broadcast_buffers=True``:
+        call it before each step to train as DDP does, or before an evaluation.
+        Outside a distributed run it does nothing.
+
+        Raises:
+            ValueError: ``src`` is not a rank, or a buffer is still on the meta device.
+
+        Example:
+            >>> import funcshard as fs
+            >>> params, apply = fs.interop.functionalize(torch.nn.BatchNorm1d(2))
+            >>> apply.broadcast_state()  # one process: nothing to do
+        """
+        self._state.broadcast(src=src)
+
     def __call__(self, params: Params, /, *args: Any, **kwargs: Any) -> Any:
         """Runs the module's forward on ``args`` and ``kwargs`` with the leaves of ``params``.
 
@@ -138,9 +160,12 @@ class Apply(Weights):
             RuntimeError: ``apply`` called inside a forward of the same module.
         """
         by_path = self._leaf_values(params)
+        scope = plain_scope()
+        if scope is not None and current_run() is None:  # See [Note: plain references]
+            return self._plain(scope, by_path, args, kwargs)
         # See [Note: Hugging Face checkpointing]
         flagged = hf.checked_at_apply(self._module, self._units.paths, remat=self._remat)
-        kwargs = self._caches.top_level(args, kwargs, remat=self._remat)
+        args, kwargs = cast_inputs(args, self._caches.top_level(args, kwargs, remat=self._remat))
         tensors: dict[str, Any] = dict(self._state.tensors)
         for leaf in self._root_leaves:
             tensors.update(dict.fromkeys(leaf.names, by_path[leaf.path]))
@@ -197,14 +222,51 @@ class Apply(Weights):
         tensors: dict[str, Any] = dict(self._state.tensors)
         for leaf in self._leaves:
             tensors.update(dict.fromkeys(leaf.names, by_path[leaf.path]))
-        with swapped(self._module, tensors):
-            yield self._module
+        try:
+            with swapped(self._module, tensors):
+                yield self._module
+        finally:
+            self._state.adopt(tensors)
 
     def __repr__(self) -> str:
         return (
             f"Apply({type(self._module).__name__}, {len(self._leaves)} leaves, "
             f"units={list(self.units)})"
         )
+
+    def _plain(
+        self,
+        scope: contextlib.ExitStack,
+        by_path: dict[str, Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The module's own call with every leaf bound until ``scope`` ends; see [Note: plain references].
+
+        Raises:
+            ValueError: the module is bound to other tensors in this scope already.
+        """
+        leaves: dict[str, Any] = {}
+        for leaf in self._leaves:
+            leaves.update(dict.fromkeys(leaf.names, by_path[leaf.path]))
+        held = self._plain_binding
+        if held is not None and held[0] is scope:
+            if any(leaves[k] is not v for k, v in held[1].items()):
+                raise ValueError(
+                    f"apply of {type(self._module).__name__}: an unsharded reference ran the "
+                    f"module with two different params trees; its backward would read the last "
+                    f"one bound. Compare one params tree per module in a reference"
+                )
+        else:
+            scope.callback(self._unbind_plain)
+            self._plain_binding = (scope, leaves)
+        # each call on copies of the state as it was: the reference changes no state
+        state = {name: t.clone() for name, t in self._state.tensors.items()}
+        scope.enter_context(swapped(self._module, {**state, **leaves}))
+        return self._module(*args, **kwargs)
+
+    def _unbind_plain(self) -> None:
+        self._plain_binding = None
 
     @contextlib.contextmanager
     def _entered(self, binding: Binding) -> Iterator[None]:

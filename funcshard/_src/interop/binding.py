@@ -121,15 +121,18 @@ def reentered(binding: Binding, /) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(bound(binding))
         stack.enter_context(routed(binding.routes))
-        stack.enter_context(swapped(binding.module, binding.tensors))
+        stack.enter_context(swapped(binding.module, dict(binding.tensors)))
         if binding.unit is not None:
-            stack.enter_context(swapped(binding.unit.module, binding.unit.tensors))
+            stack.enter_context(swapped(binding.unit.module, dict(binding.unit.tensors)))
         yield
 
 
 @contextlib.contextmanager
-def swapped(module: nn.Module, tensors: Mapping[str, torch.Tensor], /) -> Iterator[None]:
-    """``module``'s names hold ``tensors`` while the block runs (as in ``functional_call``); mutates it.
+def swapped(module: nn.Module, tensors: dict[str, torch.Tensor], /) -> Iterator[None]:
+    """``module``'s names hold ``tensors`` while the block runs (as in ``functional_call``); mutates both.
+
+    On exit the module holds what it held before, and ``tensors`` what its names
+    held at the end (a forward may assign a buffer anew).
 
     Example:
         >>> lin = nn.Linear(1, 1)
@@ -139,7 +142,7 @@ def swapped(module: nn.Module, tensors: Mapping[str, torch.Tensor], /) -> Iterat
         >>> isinstance(lin.weight, nn.Parameter)
         True
     """
-    with _reparametrize_module(module, dict(tensors), tie_weights=False, strict=False):
+    with _reparametrize_module(module, tensors, tie_weights=False, strict=False):
         yield
 
 

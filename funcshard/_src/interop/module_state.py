@@ -14,9 +14,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from funcshard._src import tree
+from funcshard._src.comm import runtime
 from funcshard._src.interop.leaf_check import Leaf
 
 __all__ = ["ModuleState"]
@@ -56,6 +58,24 @@ class ModuleState:
         for name, value in self.tensors.items():  # never stale: the module holds them too
             owner, _, attr = name.rpartition(".")
             self._module.get_submodule(owner)._buffers[attr] = value
+
+    def broadcast(self, *, src: int = 0) -> None:
+        """Every rank's buffers become rank ``src``'s, in place; collective (DDP's ``broadcast_buffers``)."""
+        if not runtime.is_distributed() or runtime.world_size() == 1:
+            return
+        if not 0 <= src < runtime.world_size():
+            raise ValueError(
+                f"apply.broadcast_state: src={src!r} is not a rank of this run (0 to "
+                f"{runtime.world_size() - 1})"
+            )
+        for leaf in self._leaves:
+            tensor = self.tensors[leaf.names[0]]
+            if tensor.device.type == "meta":
+                raise ValueError(
+                    f"apply.broadcast_state: buffer {leaf.path!r} is on the meta device; give "
+                    f"the buffers values first (apply.materialize or apply.materialize_state)"
+                )
+            dist.broadcast(tensor, src)
 
     def adopt(self, bound: Mapping[str, Any], /) -> None:
         """Keeps the buffers a call assigned anew (``bound``: what it bound, after it); mutates this."""

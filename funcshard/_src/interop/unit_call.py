@@ -9,6 +9,7 @@ backward hook registered in it re-enters this call.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,11 +19,14 @@ from torch import nn
 from funcshard._src import tree
 from funcshard._src.execute.call import call, running_unit
 from funcshard._src.execute.replay import hold
+from funcshard._src.execute.run import current_run
 from funcshard._src.interop import hf_checkpointing as hf
 from funcshard._src.interop.binding import Binding, UnitBinding, bound, current_binding
 from funcshard._src.interop.hooks import backward_hooks_under
+from funcshard._src.interop.inputs import cast_inputs
 from funcshard._src.interop.module_tree import subtree_at
 from funcshard._src.interop.module_units import UnitInfo
+from funcshard._src.interop.remat_state import kept_buffers, recompute_buffers
 from funcshard._src.interop.unit_outputs import hidden_tensors
 
 __all__ = ["unit_call"]
@@ -51,11 +55,15 @@ def unit_call(
     subtree = subtree_at(params, unit.path)
     borrowed = {name: by_path[root_path] for name, root_path in unit.borrowed}
 
-    def run(full: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def run(
+        full: Any, args: tuple[Any, ...], kwargs: dict[str, Any], kept: dict[str, Any] | None
+    ) -> Any:
         rel_paths, leaves, _ = tree.flatten_with_paths(full)
         tensors: dict[str, Any] = dict(borrowed)
         for rel, leaf in zip(rel_paths, leaves):
             tensors.update(dict.fromkeys(unit.own[rel], leaf))
+        if kept is not None and running_unit() is None:  # remat's recompute in backward
+            tensors.update(recompute_buffers(kept))  # See [Note: remat and buffers]
         binding = current_binding()
         if (
             binding is None
@@ -74,8 +82,11 @@ def unit_call(
         return out, hidden_tensors(out, unit.path)
 
     def target(*args: Any, **kwargs: Any) -> Any:
-        kwargs = caches.unit(unit.module, kwargs, remat=remat)
-        return call(run, subtree, args, kwargs, remat=remat)[0]
+        args, kwargs = cast_inputs(args, caches.unit(unit.module, kwargs, remat=remat))
+        if not (remat and torch.is_grad_enabled() and current_run() is not None):
+            return call(functools.partial(run, kept=None), subtree, args, kwargs, remat=remat)[0]
+        kept = kept_buffers(unit.module)  # See [Note: remat and buffers]
+        return call(functools.partial(run, kept=kept), subtree, args, kwargs, remat=remat)[0]
 
     return target
 

@@ -55,11 +55,14 @@ class Weights:
             True
         """
         by_path = self._leaf_values(params, what="state_dict")
-        values: dict[str, Any] = dict(self._state.tensors)
-        for leaf in self._leaves:
-            values.update(dict.fromkeys(leaf.names, by_path[leaf.path]))
+        # by the tensor the module holds (its placeholder, a buffer), not by name: a
+        # state-dict hook may rename keys (checkpoint_wrapper strips its prefix)
+        values: dict[int, Any] = {
+            id(self._module.get_parameter(leaf.names[0])): by_path[leaf.path]
+            for leaf in self._leaves
+        }
         return {
-            key: values[key] if key in values else value.detach()
+            key: values[id(value)] if id(value) in values else value.detach()
             for key, value in self._module.state_dict(keep_vars=True).items()
         }
 
