@@ -48,10 +48,11 @@ ORDER = {
     ],
     "execute": ["memory", "loss", "buffers", "desync", "part", "unit_state", "bucket", "reduce", "run", "compiled", "call", "value_and_grad", "forward"],
     "optim": ["base", "schedules", "select", "sgd", "adamw", "lion", "clip", "nonfinite", "adafactor", "chain", "ema", "torch_optim"],
-    "checkpoint": ["errors", "chunks", "manifest", "commit", "dcp_io", "rng", "save", "load", "export"],
+    "checkpoint": ["errors", "chunks", "manifest", "commit", "dcp_io", "rng", "save", "load", "export", "dcp_metadata", "dcp_import", "dcp_export"],
     "interop": [
         "host", "module_tree", "module_units", "module_init", "hf_checkpointing",
         "safetensors_format", "safetensors_io", "hf_export", "forwards", "apply", "module", "jax", "orbax",
+        "fsdp_names", "fsdp_optim", "fsdp_checkpoint",
     ],
     "verify": ["report", "batches", "reference", "summary", "verify", "worker", "launch"],
     "cli": ["model_source", "deepspeed", "plot", "report"],
