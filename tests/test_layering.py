@@ -48,7 +48,7 @@ ORDER = {
     ],
     "execute": ["memory", "loss", "buffers", "desync", "part", "unit_state", "bucket", "reduce", "run", "compiled", "call", "value_and_grad", "forward"],
     "optim": ["base", "schedules", "select", "sgd", "adamw", "lion", "clip", "nonfinite", "adafactor", "chain", "ema", "torch_optim"],
-    "checkpoint": ["errors", "chunks", "manifest", "commit", "dcp_io", "rng", "save", "load", "export", "dcp_metadata", "dcp_import", "dcp_export"],
+    "checkpoint": ["errors", "chunks", "manifest", "commit", "dcp_io", "rng", "save", "load", "export", "dcp_files", "dcp_metadata", "dcp_import", "dcp_export"],
     "interop": [
         "host", "module_tree", "module_units", "module_init", "hf_checkpointing",
         "safetensors_format", "safetensors_io", "hf_export", "forwards", "apply", "module", "jax", "orbax",

@@ -1,10 +1,10 @@
 """Reading a standard DCP checkpoint's tensors into funcshard leaves: each rank only its slices.
 
 A :class:`Request` names a target (a sharded leaf to fill, or a whole tensor as
-saved) and the DCP keys that may hold it. :func:`read_into` checks every
-request against the index first (missing keys, shapes and dtypes, all listed in
-one error), then reads, on this rank, only the chunks that overlap the boxes the
-rank holds, from files opened as [Note: reading DCP files] says, and checks
+saved) and the DCP keys that may hold it. :func:`resolve` checks every
+request against the index before anything is read (missing keys, shapes and
+dtypes, all listed in one error); :func:`read_into` then reads, on this rank,
+only the chunks that overlap the boxes the rank holds, from files opened as [Note: reading DCP files] says, and checks
 each chunk it decodes. :func:`agreed` runs a load on every rank and lets all of
 them fail alike when one fails, as ``fs.checkpoint.load`` does.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import os
-import stat
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import torch
 
 from funcshard._src.checkpoint import errors as errors_module
 from funcshard._src.checkpoint.chunks import Chunk, Region, local_pieces, overlap, whole
+from funcshard._src.checkpoint.dcp_files import open_regular
 from funcshard._src.checkpoint.dcp_metadata import (
     DcpIndex,
     StoredChunk,
@@ -34,7 +34,6 @@ from funcshard._src.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CorruptCheckpointError,
-    UnsafeCheckpointError,
 )
 from funcshard._src.comm import agree, settle
 from funcshard._src.dtypes import dtype_name
@@ -52,20 +51,65 @@ class Request:
     target: ShardedTensor | torch.Tensor | None  # filled in place; None: read whole, as saved
 
 
-def read_into(index: DcpIndex, requests: Sequence[Request], /) -> list[torch.Tensor | None]:
-    """Fills every request's target from the checkpoint; mutates the targets' storage.
+def resolve(
+    index: DcpIndex, requests: Sequence[Request], /, *, unexpected: Sequence[str] = ()
+) -> list[StoredTensor]:
+    """The checked entry of every request, before anything is read.
+
+    Raises:
+        CheckpointMismatchError: keys the checkpoint lacks, tensors whose shape or dtype
+            differ from the target's, and the ``unexpected`` keys, every one listed.
+        CorruptCheckpointError, UnsafeCheckpointError: see :func:`stored_tensor`.
+    """
+    missing: list[str] = []
+    mismatched: list[str] = []
+    resolved: list[StoredTensor] = []
+    for request in requests:
+        key = present(index, request.keys)
+        if key is None:
+            missing.append(f"{request.label} ({' or '.join(map(repr, request.keys))})")
+            continue
+        stored = stored_tensor(index, key)
+        resolved.append(stored)
+        target = request.target
+        if target is not None and (
+            tuple(target.shape) != stored.shape or target.dtype != stored.dtype
+        ):
+            mismatched.append(
+                f"{request.label}: {key!r} holds {stored.shape} {dtype_name(stored.dtype)}, "
+                f"asked for {tuple(target.shape)} {dtype_name(target.dtype)}"
+            )
+    if missing or mismatched or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"missing from the checkpoint: {', '.join(missing)}")
+        if unexpected:
+            more = "..." if len(unexpected) > 8 else ""
+            problems.append(
+                f"{len(unexpected)} entries of the model that it does not have: "
+                f"{list(unexpected[:8])}{more}"
+            )
+        if mismatched:
+            problems.append("shape or dtype mismatches: " + "; ".join(mismatched))
+        raise CheckpointMismatchError(
+            f"{index.directory} does not hold what was asked for: " + " | ".join(problems)
+        )
+    return resolved
+
+
+def read_into(
+    index: DcpIndex, requests: Sequence[Request], resolved: Sequence[StoredTensor], /
+) -> list[torch.Tensor | None]:
+    """Fills every request's target from its entry (:func:`resolve`'s); mutates the targets' storage.
 
     Returns:
         Per request, the whole tensor as saved where ``target`` is ``None``, else ``None``.
 
     Raises:
-        CheckpointMismatchError: keys the checkpoint lacks, or tensors whose shape or
-            dtype differ from the target's (every one listed).
-        CorruptCheckpointError, UnsafeCheckpointError: see :func:`stored_tensor`; also
-            a data file that changed since it was listed, or a chunk that does not
-            decode to the tensor its entry describes.
+        CorruptCheckpointError, UnsafeCheckpointError: a data file that changed since it
+            was listed, is a symlink, or a chunk that does not decode to the tensor its
+            entry describes.
     """
-    resolved = _resolve(index, requests)
     out: list[torch.Tensor | None] = []
     with _DataFiles(index) as files:
         for request, stored in zip(requests, resolved):
@@ -139,38 +183,6 @@ def agreed(what: str, directory: Path, body: Callable[[], tuple[str, T]], /) -> 
 # -- helpers -----------------------------------------------------------------------
 
 
-def _resolve(index: DcpIndex, requests: Sequence[Request]) -> list[StoredTensor]:
-    """The checked entry of every request; every missing key and mismatch in one error."""
-    missing: list[str] = []
-    mismatched: list[str] = []
-    resolved: list[StoredTensor] = []
-    for request in requests:
-        key = present(index, request.keys)
-        if key is None:
-            missing.append(f"{request.label} ({' or '.join(map(repr, request.keys))})")
-            continue
-        stored = stored_tensor(index, key)
-        resolved.append(stored)
-        target = request.target
-        if target is not None and (
-            tuple(target.shape) != stored.shape or target.dtype != stored.dtype
-        ):
-            mismatched.append(
-                f"{request.label}: {key!r} holds {stored.shape} {dtype_name(stored.dtype)}, "
-                f"asked for {tuple(target.shape)} {dtype_name(target.dtype)}"
-            )
-    if missing or mismatched:
-        problems = []
-        if missing:
-            problems.append(f"missing from the checkpoint: {', '.join(missing)}")
-        if mismatched:
-            problems.append("shape or dtype mismatches: " + "; ".join(mismatched))
-        raise CheckpointMismatchError(
-            f"{index.directory} does not hold what was asked for: " + " | ".join(problems)
-        )
-    return resolved
-
-
 def _fill(
     files: _DataFiles, stored: StoredTensor, pieces: Sequence[tuple[Region, torch.Tensor]]
 ) -> None:
@@ -237,21 +249,12 @@ class _DataFiles:
         if stream is not None:
             return stream
         path = self._index.directory / name
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as e:
-            if os.path.islink(path):
-                raise UnsafeCheckpointError(
-                    f"{path}: a symlink; a checkpoint's files are regular files, refusing to "
-                    f"follow it"
-                ) from None
-            raise CorruptCheckpointError(f"{path}: unreadable ({e})") from None
-        stream = os.fdopen(fd, "rb")
-        info = os.fstat(stream.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_size != self._index.files.get(name):
+        stream = open_regular(path)
+        size = os.fstat(stream.fileno()).st_size
+        if size != self._index.files.get(name):
             stream.close()
             raise CorruptCheckpointError(
-                f"{path}: changed while the checkpoint was read ({info.st_size} bytes, listed "
+                f"{path}: changed while the checkpoint was read ({size} bytes, listed "
                 f"{self._index.files.get(name)}); read it again once nothing writes it"
             )
         self._open[name] = stream

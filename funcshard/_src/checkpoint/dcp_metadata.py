@@ -12,8 +12,8 @@ before anything reads its bytes.
 
 [Note: reading DCP files]
 No string from the file reaches a path unless it is one of the names
-``__<rank>_<n>.distcp``; no file is opened through a symlink (``O_NOFOLLOW``,
-and the directory listing skips links); every shape, dtype, chunk and byte range
+``__<rank>_<n>.distcp``; no file is opened through a symlink (``dcp_files.py``);
+every shape, dtype, chunk and byte range
 is checked against the entry and the data file's size before memory is
 allocated; chunks must tile their tensor exactly (a gap would load as zeros).
 Entries stored as bytes are never unpickled: DCP's own loader would
@@ -27,8 +27,6 @@ import io
 import math
 import os
 import pickle
-import re
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from funcshard._src.checkpoint.chunks import Chunk, check_tiling, chunk_key
+from funcshard._src.checkpoint.dcp_files import DATA_FILE, data_files, read_regular
 from funcshard._src.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -57,7 +56,6 @@ METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 1 << 30
 SERIALIZATION_SLACK = 64 << 10  # bytes torch.save adds around a tensor's data, at most
 MAX_DIMS = 64
-DATA_FILE = re.compile(r"__(0|[1-9][0-9]{0,6})_(0|[1-9][0-9]{0,6})\.distcp")
 
 _ALLOWED: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset(
@@ -153,7 +151,7 @@ def read_index(directory: str | os.PathLike[str], /) -> DcpIndex:
     if type(metadata) is not Metadata:
         raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
     kinds, entries = _entries(path, getattr(metadata, "state_dict_metadata", None))
-    files, links = _data_files(root)
+    files, links = data_files(root)
     return DcpIndex(
         directory=root,
         digest=hashlib.sha256(data).hexdigest(),
@@ -200,32 +198,6 @@ def stored_tensor(index: DcpIndex, key: str, /) -> StoredTensor:
     return StoredTensor(key, shape, dtype, stored)
 
 
-def read_regular(path: Path, limit: int, /) -> bytes:
-    """The bytes of ``path``, a regular file of at most ``limit`` bytes, opened without following links.
-
-    Raises:
-        UnsafeCheckpointError: ``path`` is a symlink or not a regular file.
-        CorruptCheckpointError: it is missing, unreadable or larger than ``limit``.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path}: missing; the checkpoint is incomplete") from None
-    except OSError as e:
-        if os.path.islink(path):
-            raise UnsafeCheckpointError(
-                f"{path}: a symlink; a checkpoint's files are regular files, refusing to follow it"
-            ) from None
-        raise CorruptCheckpointError(f"{path}: unreadable ({e})") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise UnsafeCheckpointError(f"{path}: not a regular file; refusing to read it")
-        if info.st_size > limit:
-            raise CorruptCheckpointError(f"{path}: {info.st_size} bytes, more than {limit}")
-        return f.read(limit + 1)
-
-
 # -- checks ----------------------------------------------------------------------
 
 
@@ -260,16 +232,22 @@ def _storage(path: Path, raw: object) -> dict[tuple[str, tuple[int, ...]], _Stor
     for index, info in raw.items():  # pyright: ignore[reportUnknownVariableType]
         fqn = getattr(index, "fqn", None)
         offset = getattr(index, "offset", None)
-        if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
+        if type(index) is not MetadataIndex or not isinstance(fqn, str):
             raise CorruptCheckpointError(
-                f"{path}: storage_data maps a {type(index).__name__} to a {type(info).__name__}"
+                f"{path}: storage_data has a {type(index).__name__} key, not a key and offsets; "
+                f"the checkpoint is corrupted"
             )
-        if not isinstance(fqn, str):
-            raise CorruptCheckpointError(f"{path}: a storage entry has no key")
+        if type(info) is not _StorageInfo:
+            raise CorruptCheckpointError(
+                f"{path}: the storage of {fqn!r} is a {type(info).__name__}, not where a chunk's "
+                f"bytes lie; the checkpoint is corrupted"
+            )
         if offset is None:
             continue  # bytes entries: never read
         if not isinstance(offset, tuple) or not all(_is_int(x) for x in offset):
-            raise CorruptCheckpointError(f"{path}: storage entry {fqn!r} has malformed offsets")
+            raise CorruptCheckpointError(
+                f"{path}: the storage of {fqn!r} has malformed offsets; the checkpoint is corrupted"
+            )
         out[(fqn, tuple(offset))] = info
     return out
 
@@ -292,7 +270,10 @@ def _described(
             raise TypeError(f"a chunk is a {type(c).__name__}")
         offsets, sizes = _ints(c.offsets, "chunk offsets"), _ints(c.sizes, "chunk sizes")
         if len(offsets) != len(shape) or len(sizes) != len(shape):
-            raise ValueError(f"a chunk of {len(offsets)} dims in a tensor of {len(shape)}")
+            raise ValueError(
+                f"a chunk's offsets have {len(offsets)} dims and its sizes {len(sizes)}, the "
+                f"tensor {len(shape)}"
+            )
         if any(o + s > n for o, s, n in zip(offsets, sizes, shape)):
             raise ValueError(f"chunk {offsets} + {sizes} sticks out of {shape}")
         if math.prod(sizes) > 0:
@@ -356,23 +337,9 @@ def _chunk(
     return StoredChunk(offsets, sizes, name, offset, length)
 
 
-def _data_files(root: Path) -> tuple[dict[str, int], set[str]]:
-    files: dict[str, int] = {}
-    links: set[str] = set()
-    with os.scandir(root) as listing:
-        for item in listing:
-            if DATA_FILE.fullmatch(item.name) is None:
-                continue
-            if item.is_symlink():
-                links.add(item.name)
-            elif item.is_file(follow_symlinks=False):
-                files[item.name] = item.stat(follow_symlinks=False).st_size
-    return files, links
-
-
 def _ints(value: object, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple | list) or not all(_is_int(x) and x >= 0 for x in value):
-        raise TypeError(f"{what} are not integers >= 0")
+        raise TypeError(f"{what}: not integers >= 0")
     return tuple(value)  # pyright: ignore[reportUnknownArgumentType]
 
 

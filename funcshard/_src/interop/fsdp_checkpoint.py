@@ -19,7 +19,7 @@ import torch
 
 from funcshard._src import tree
 from funcshard._src.checkpoint.dcp_export import Entry, write_dcp
-from funcshard._src.checkpoint.dcp_import import Request, agreed, read_into
+from funcshard._src.checkpoint.dcp_import import Request, agreed, read_into, resolve
 from funcshard._src.checkpoint.dcp_metadata import DcpIndex, read_index
 from funcshard._src.checkpoint.errors import CheckpointMismatchError
 from funcshard._src.interop.apply import Apply
@@ -116,12 +116,6 @@ def load_dcp(
         opt_found = optimizer_prefix
         if opt_found is None and slots:
             opt_found = _optimizer_prefix(index, names, slots)
-        extra = unexpected(index.kinds, names, found, opt_found)
-        if extra:
-            raise CheckpointMismatchError(
-                f"{directory} holds another model: {len(extra)} entries of the model's names "
-                f"that it lacks: {extra[:8]}{'...' if len(extra) > 8 else ''}"
-            )
         fresh = map_flats(lambda f: f.with_data(torch.zeros_like(f.data)), like)
         paths, leaves, treedef = tree.flatten_with_paths(fresh)
         targets = [_target(leaf) for leaf in leaves]
@@ -146,7 +140,8 @@ def load_dcp(
                         requests.append(
                             Request(f"{name} of {leaf_path}", tuple(k + name for k in keys), None)
                         )
-        read = read_into(index, requests)
+        extra = unexpected(index.kinds, names, found, opt_found)
+        read = read_into(index, requests, resolve(index, requests, unexpected=extra))
         _set_scalars(directory, slots, scalars, read, requests)
         out = tree.unflatten(treedef, [_placed(leaf, t) for leaf, t in zip(leaves, targets)])
         return index.digest, (out, buffers)

@@ -164,24 +164,28 @@ def split_prefix(prefix: object, /) -> tuple[str | None, str | None]:
 def unexpected(
     keys: Collection[str], names: ModelNames, model: str, optimizer: str | None, /
 ) -> list[str]:
-    """Keys under the model's prefix and top-level names that name nothing of the model.
+    """Keys of the model's entries that name nothing of the model (a larger model's layers).
 
-    A checkpoint of a larger model (more layers) has them; entries of other
-    components (``train_state.step``) and of the optimizer do not count.
+    Under a non-empty prefix every key is the model's. At the top level, where
+    other components' entries sit beside it (``train_state.step``), a key is the
+    model's if it starts with one of the model's top-level names, or with an index
+    where the model's top level is a sequence (``nn.Sequential``). The optimizer's
+    entries never count.
     """
-    known = {model + n for group in names.leaves.values() for n in group}
-    known |= {model + n for n in names.buffers}
-    tops = {
-        n.split(".")[0] for n in [*(n for g in names.leaves.values() for n in g), *names.buffers]
-    }
+    all_names = [n for group in names.leaves.values() for n in group] + list(names.buffers)
+    known = {model + n for n in all_names}
+    tops = {n.split(".")[0] for n in all_names}
+    indexed = any(top.isdigit() for top in tops)
     others = () if optimizer is None else (optimizer + "state.", optimizer + "param_groups.")
+
+    def models(key: str) -> bool:
+        top = key[len(model) :].split(".")[0]
+        return bool(model) or top in tops or (indexed and top.isdigit())
+
     return sorted(
         k
         for k in keys
-        if k.startswith(model)
-        and k not in known
-        and k[len(model) :].split(".")[0] in tops
-        and not k.startswith(others)
+        if k.startswith(model) and k not in known and not k.startswith(others) and models(k)
     )
 
 
