@@ -283,3 +283,43 @@ def small_model() -> nn.Module:
     """The module :func:`save_small` trains, with other weights."""
     torch.manual_seed(1)
     return nn.Linear(3, 5, bias=False).double()
+
+
+def load_small_outcome(path: str) -> str:
+    """This rank's load of a :func:`save_small` checkpoint at W=2: ``"ok"`` or the error."""
+    import torch.distributed as dist
+
+    params, apply = fs.interop.functionalize(small_model())
+    plan = fs.plan(params, fs.Mesh({"fsdp": dist.get_world_size()}))
+    try:
+        fs.checkpoint.load_dcp(path, fs.shard(params, plan), apply=apply)
+    except fs.checkpoint.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def save_outcome(directory: str) -> str:
+    """Every rank saves to a path of its own: the ranks must refuse alike."""
+    import torch.distributed as dist
+
+    params = {"w": torch.ones(4)}
+    sparams = fs.shard(params, fs.plan(params, fs.Mesh({"fsdp": dist.get_world_size()})))
+    try:
+        fs.checkpoint.save_dcp(f"{directory}/rank-{dist.get_rank()}", sparams)
+    except fs.DesyncError as e:
+        return f"DesyncError: {e}"
+    return "saved"
+
+
+def load_on_another_mesh(saved: str) -> dict[str, torch.Tensor]:
+    """Model A's checkpoint loaded at W=4 on a {dp: 2, fsdp: 2} mesh, hybrid_shard, with a
+    dim-1 rule: chunk boxes that cut FSDP2's across; returns the full tensors."""
+    params, apply = fs.interop.functionalize(build("stack", torch.float64, seed=3), units=[Block])
+    rules = [("blocks/*/fc1/weight", fs.P(None, "fsdp"))]
+    mesh = fs.Mesh({"dp": 2, "fsdp": 2})
+    plan = fs.plan(params, mesh, units=apply.units, strategy="hybrid_shard", rules=rules)
+    adamw = fs.optim.adamw(lr=LR)
+    sparams, state = fs.checkpoint.load_dcp(
+        saved, fs.shard(params, plan), apply=apply, optimizer=adamw
+    )
+    return fs_full(apply, sparams, state)

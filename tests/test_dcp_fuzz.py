@@ -371,3 +371,17 @@ def test_the_reference_is_what_fsdp2_saved(saved):
         "__1_0.distcp",
     ]
     assert loaded["state.weight.step"].item() == 1.0
+
+
+def test_a_rank_that_cannot_read_its_part_fails_the_load_everywhere(saved, work, pools):
+    """At W=2 only rank 1 reads the second chunk: damaged, rank 1 raises and rank 0 learns why."""
+    info = _storage(work, "model.weight")  # rank 0's chunk; rank 1's is the other one
+    other = next(
+        v for k, v in _metadata(work).storage_data.items() if k.fqn == "model.weight" and v != info
+    )
+    _splice(work / other.relative_path, other.offset, b"\0" * 64)
+    rank0, rank1 = pools.run(2, fsdp2_runs.load_small_outcome, str(work))
+    assert rank1.startswith("CorruptCheckpointError: ")
+    assert "unreadable" in rank1
+    assert rank0.startswith("CorruptCheckpointError: ")
+    assert "loading failed on rank 1" in rank0

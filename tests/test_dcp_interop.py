@@ -81,6 +81,12 @@ def test_an_fsdp2_checkpoint_loads_at_w1_bit_for_bit(runs, case):
     _same(fsdp2_runs.fs_full(apply, sparams, state), run["at_save"], f"{case}: load_dcp at W=1")
 
 
+def test_an_fsdp2_checkpoint_loads_at_w4_on_another_mesh_and_plan(runs, pools):
+    run = runs[CASES[0]]
+    for rank, loaded in enumerate(pools.run(4, fsdp2_runs.load_on_another_mesh, run["saved"])):
+        _same(loaded, run["at_save"], f"load_dcp at W=4, rank {rank}")
+
+
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_three_more_steps_equal_three_more_fsdp2_steps(runs, case):
     """float64 exactly; float32 to tolerance (here it is exact too: the same ops in the same order)."""
@@ -330,3 +336,12 @@ def test_a_byte_entry_is_never_read(tmp_path):
     back, _, _ = _loaded(path, None)
     assert torch.equal(back["bias"].local, net.bias.detach())
     shutil.rmtree(path)
+
+
+def test_ranks_that_save_different_things_refuse_alike(pools, tmp_path):
+    outcomes = pools.run(2, fsdp2_runs.save_outcome, str(tmp_path))
+    assert all(
+        o.startswith("DesyncError: fs.checkpoint.save_dcp: the ranks save different")
+        for o in outcomes
+    )
+    assert list(tmp_path.iterdir()) == []
