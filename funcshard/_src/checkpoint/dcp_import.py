@@ -48,7 +48,7 @@ class Request:
 
     label: str  # what messages call it: a leaf path, "exp_avg of blocks/0/w"
     keys: tuple[str, ...]  # DCP keys that may hold it, in order of preference
-    target: ShardedTensor | torch.Tensor | None  # filled in place; None: read whole, as saved
+    target: ShardedTensor | torch.Tensor | None  # filled in place; None: a 0-d value, as saved
 
 
 def resolve(
@@ -72,7 +72,12 @@ def resolve(
         stored = stored_tensor(index, key)
         resolved.append(stored)
         target = request.target
-        if target is not None and (
+        if target is None and stored.shape != ():  # the file's shape is never allocated
+            mismatched.append(
+                f"{request.label}: {key!r} holds a tensor of shape {stored.shape}, where torch "
+                f"keeps one number"
+            )
+        elif target is not None and (
             tuple(target.shape) != stored.shape or target.dtype != stored.dtype
         ):
             mismatched.append(
@@ -103,7 +108,7 @@ def read_into(
     """Fills every request's target from its entry (:func:`resolve`'s); mutates the targets' storage.
 
     Returns:
-        Per request, the whole tensor as saved where ``target`` is ``None``, else ``None``.
+        Per request, the 0-d tensor as saved where ``target`` is ``None``, else ``None``.
 
     Raises:
         CorruptCheckpointError, UnsafeCheckpointError: a data file that changed since it
@@ -115,9 +120,9 @@ def read_into(
         for request, stored in zip(requests, resolved):
             target = request.target
             if target is None:
-                whole_tensor = torch.zeros(stored.shape, dtype=stored.dtype)
-                _fill(files, stored, [(whole(stored.shape), whole_tensor)])
-                out.append(whole_tensor)
+                value = torch.zeros((), dtype=stored.dtype)  # resolve checked: 0-d
+                _fill(files, stored, [((), value)])
+                out.append(value)
                 continue
             if isinstance(target, ShardedTensor):
                 pieces = local_pieces(target)  # views of the target's flat buffer

@@ -128,18 +128,7 @@ def load_dcp(
         if slots:
             assert opt_found is not None
             _check_slots(index, names, slots, opt_found)
-            for s in slots:
-                for leaf_path, per in s.leaves().items():
-                    keys = [f"{opt_found}state.{n}." for n in names.leaves[leaf_path]]
-                    for name, target in per.items():
-                        requests.append(
-                            Request(f"{name} of {leaf_path}", tuple(k + name for k in keys), target)
-                        )
-                    for name in s.scalars:
-                        scalars.append((s, name, len(requests)))
-                        requests.append(
-                            Request(f"{name} of {leaf_path}", tuple(k + name for k in keys), None)
-                        )
+            scalars = _optimizer_requests(names, slots, opt_found, requests)
         extra = unexpected(index.kinds, names, found, opt_found)
         read = read_into(index, requests, resolve(index, requests, unexpected=extra))
         _set_scalars(directory, slots, scalars, read, requests)
@@ -243,7 +232,9 @@ def _target(leaf: ShardedTensor | torch.Tensor) -> ShardedTensor | torch.Tensor:
 
 def _placed(like: Any, loaded: ShardedTensor | torch.Tensor) -> Any:
     """The loaded leaf: the filled sharded leaf, or the whole tensor on ``like``'s device."""
-    return loaded if isinstance(loaded, ShardedTensor) else loaded.to(like.device)
+    if isinstance(loaded, ShardedTensor) or like.device.type == "meta":
+        return loaded  # a meta leaf asks for the shape: the values come on the CPU
+    return loaded.to(like.device)
 
 
 def _optimizer_prefix(index: DcpIndex, names: ModelNames, slots: list[TorchSlots]) -> str:
@@ -254,6 +245,26 @@ def _optimizer_prefix(index: DcpIndex, names: ModelNames, slots: list[TorchSlots
         for slot in per
     ]
     return find_prefix(index.kinds, groups, what="the optimizer state", directory=index.directory)
+
+
+def _optimizer_requests(
+    names: ModelNames, slots: list[TorchSlots], prefix: str, requests: list[Request]
+) -> list[tuple[TorchSlots, str, int]]:
+    """Appends a request per optimizer state tensor to ``requests`` (mutates it); returns, per 0-d
+    state and leaf, the index of its request."""
+    scalars: list[tuple[TorchSlots, str, int]] = []
+    for s in slots:
+        for leaf_path, per in s.leaves().items():
+            keys = [f"{prefix}state.{n}." for n in names.leaves[leaf_path]]
+            for name, target in per.items():
+                label = f"{name} of {leaf_path}"
+                requests.append(Request(label, tuple(k + name for k in keys), target))
+            for name in s.scalars:  # torch keeps them per parameter; funcshard once
+                scalars.append((s, name, len(requests)))
+                requests.append(
+                    Request(f"{name} of {leaf_path}", tuple(k + name for k in keys), None)
+                )
+    return scalars
 
 
 def _check_slots(index: DcpIndex, names: ModelNames, slots: list[TorchSlots], prefix: str) -> None:
@@ -288,11 +299,10 @@ def _set_scalars(
     values: dict[tuple[int, str], list[tuple[str, torch.Tensor]]] = {}
     for s, name, i in scalars:
         value = read[i]
-        assert value is not None
-        if value.ndim != 0 or value.is_complex():
+        assert value is not None, "resolve checked the shape: 0-d"
+        if value.is_complex():
             raise CheckpointMismatchError(
-                f"{directory}: {requests[i].label} holds a tensor of shape "
-                f"{tuple(value.shape)}, where torch keeps one number"
+                f"{directory}: {requests[i].label} is a complex number, where torch keeps a real"
             )
         values.setdefault((id(s), name), []).append((requests[i].label, value))
     for s in slots:
