@@ -92,7 +92,7 @@ def load_dcp(
         >>> opt = fs.optim.adamw(lr=0.1)
         >>> ckpt = fs.checkpoint.save_dcp(f"{tempfile.mkdtemp()}/c", sp, apply=apply, opt_state=opt.init(sp))
         >>> back, state = load_dcp(ckpt, sp, apply=apply, optimizer=opt)
-        >>> torch.equal(back["weight"].local, net.weight.detach()), int(state.count)
+        >>> torch.equal(back["weight"].local, params["weight"]), int(state.count)
         (True, 0)
     """
     directory = Path(path)
@@ -192,7 +192,7 @@ def save_dcp(
         >>> sorted(p.name for p in ckpt.iterdir())  # what dcp.load reads
         ['.metadata', '__0_0.distcp']
         >>> back, state = fs.checkpoint.load_dcp(ckpt, sp, apply=apply, optimizer=opt)
-        >>> torch.equal(back["weight"].local, net.weight.detach())
+        >>> torch.equal(back["weight"].local, params["weight"])
         True
     """
     _check_leaves(sparams)
