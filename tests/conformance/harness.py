@@ -284,17 +284,23 @@ def run_broadcast_buffers(name: str, steps: int = STEPS) -> dict[str, float]:
 
 @contextlib.contextmanager
 def stale_module_code() -> Iterator[None]:
-    """functionalize as it was before placeholders and re-entry: the module keeps its own weights.
+    """A sharded step as it was before placeholders and re-entry: the module keeps its own weights.
 
-    Module code outside apply's calls (a checkpoint's recompute, a backward hook, a
-    read of another unit's parameter) then reads the module's initial weights,
-    silently: the configurations ``fs.verify`` must catch.
+    In a step, module code outside apply's calls (a checkpoint's recompute, a
+    backward hook, a read of another unit's parameter) then reads the module's
+    initial weights, silently: the configurations ``fs.verify`` must catch. Its
+    unsharded reference (outside a step) is left as it is.
     """
+    from funcshard._src.execute.run import current_run
     from funcshard._src.interop import binding, module
 
     install, reentering = module.placeholders.install, binding.Binding.reentering
+
+    def stale(self: Any, fn: Any) -> Any:
+        return fn if current_run() is not None else reentering(self, fn)
+
     module.placeholders.install = lambda *args, **kwargs: None  # type: ignore[assignment]
-    binding.Binding.reentering = lambda self, fn: fn  # type: ignore[method-assign]
+    binding.Binding.reentering = stale  # type: ignore[method-assign]
     try:
         yield
     finally:

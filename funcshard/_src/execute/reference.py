@@ -4,15 +4,13 @@
 ``fs.verify`` and ``fs.testing.reference_value_and_grad`` compute what the model
 computes unsharded, to compare a sharded step with. Inside :func:`plain`,
 ``fs.call`` is a plain call (as anywhere outside a step) and a functionalized
-module's ``apply`` runs the module's own ``__call__`` with every leaf bound to the
-module's names, and keeps them bound until the scope ends, after the reference's
-backward: no unit routes, no re-entered bindings, nothing of funcshard's between
-the module and autograd (a checkpoint's recompute and a hook read the bound
-leaves as they would read the module's parameters). So the reference shares no
-defect of the machinery that the sharded step runs, and a difference between the
-two shows one. Each call runs on copies of the module's buffers as they were, so
-a reference changes no state (batch-norm statistics) and, run before a step, sees
-the state that step sees.
+module's ``apply`` runs the module's own ``__call__`` with every leaf bound to
+the module's names and no units: no routes, no ``fs.call``, no replays (the
+activation checkpoints and backward hooks it takes re-enter that call's binding,
+as in any apply). Each call runs on copies of the module's buffers as they were,
+so a reference changes no state (batch-norm statistics) and, run before a step,
+sees the state that step sees. So the reference shares none of the unit machinery
+of the sharded step it checks, and a difference between the two shows a defect.
 """
 
 from __future__ import annotations
@@ -21,30 +19,29 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 
-__all__ = ["plain", "plain_scope"]
+__all__ = ["in_plain", "plain"]
 
-_PLAIN: ContextVar[contextlib.ExitStack | None] = ContextVar("funcshard_plain", default=None)
+_PLAIN: ContextVar[bool] = ContextVar("funcshard_plain", default=False)
 
 
 @contextlib.contextmanager
 def plain() -> Iterator[None]:
-    """Module code in the block runs as plain PyTorch; what it binds stays bound to the block's end.
+    """Module code in the block runs as plain PyTorch (see the Note above).
 
     Example:
         >>> with plain():
-        ...     plain_scope() is not None
+        ...     in_plain()
         True
-        >>> plain_scope() is None
-        True
+        >>> in_plain()
+        False
     """
-    with contextlib.ExitStack() as stack:
-        token = _PLAIN.set(stack)
-        try:
-            yield
-        finally:
-            _PLAIN.reset(token)
+    token = _PLAIN.set(True)
+    try:
+        yield
+    finally:
+        _PLAIN.reset(token)
 
 
-def plain_scope() -> contextlib.ExitStack | None:
-    """The stack that holds a plain reference's bindings until its end, inside :func:`plain`."""
+def in_plain() -> bool:
+    """Whether code runs inside :func:`plain`."""
     return _PLAIN.get()

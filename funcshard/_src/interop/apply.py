@@ -16,7 +16,7 @@ import torch.func
 from torch import nn
 
 from funcshard._src import tree
-from funcshard._src.execute.reference import plain_scope
+from funcshard._src.execute.reference import in_plain
 from funcshard._src.execute.replay import hold
 from funcshard._src.execute.run import current_run
 from funcshard._src.interop import hf_checkpointing as hf
@@ -79,13 +79,12 @@ class Apply(Weights):
         self._remat = remat
         self._caches = caches or hf.CacheOff()
         self._active = False
-        # the plain reference that binds the module now, and what it bound; see reference.py
-        self._plain_binding: tuple[contextlib.ExitStack, dict[str, Any]] | None = None
         inside = {id(m): u.path for u in units.infos for m in u.module.modules()}
         self._unit_modules = {
             u.path: list(u.module.modules()) for u in units.infos
         }  # whose backward hooks re-enter the unit's call; see hooks.py
         self._root_modules = [m for m in module.modules() if id(m) not in inside]
+        self._all_modules = list(module.modules())  # a plain reference's; see reference.py
 
     @property
     def module(self) -> nn.Module:
@@ -160,9 +159,8 @@ class Apply(Weights):
             RuntimeError: ``apply`` called inside a forward of the same module.
         """
         by_path = self._leaf_values(params)
-        scope = plain_scope()
-        if scope is not None and current_run() is None:  # See [Note: plain references]
-            return self._plain(scope, by_path, args, kwargs)
+        if in_plain() and current_run() is None:  # See [Note: plain references]
+            return self._plain(by_path, args, kwargs)
         # See [Note: Hugging Face checkpointing]
         flagged = hf.checked_at_apply(self._module, self._units.paths, remat=self._remat)
         args, kwargs = cast_inputs(args, self._caches.top_level(args, kwargs, remat=self._remat))
@@ -234,39 +232,16 @@ class Apply(Weights):
             f"units={list(self.units)})"
         )
 
-    def _plain(
-        self,
-        scope: contextlib.ExitStack,
-        by_path: dict[str, Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """The module's own call with every leaf bound until ``scope`` ends; see [Note: plain references].
-
-        Raises:
-            ValueError: the module is bound to other tensors in this scope already.
-        """
-        leaves: dict[str, Any] = {}
+    def _plain(self, by_path: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The module's own call with every leaf bound and no units; see [Note: plain references]."""
+        tensors: dict[str, Any] = {name: t.clone() for name, t in self._state.tensors.items()}
         for leaf in self._leaves:
-            leaves.update(dict.fromkeys(leaf.names, by_path[leaf.path]))
-        held = self._plain_binding
-        if held is not None and held[0] is scope:
-            if any(leaves[k] is not v for k, v in held[1].items()):
-                raise ValueError(
-                    f"apply of {type(self._module).__name__}: an unsharded reference ran the "
-                    f"module with two different params trees; its backward would read the last "
-                    f"one bound. Compare one params tree per module in a reference"
-                )
-        else:
-            scope.callback(self._unbind_plain)
-            self._plain_binding = (scope, leaves)
-        # each call on copies of the state as it was: the reference changes no state
-        state = {name: t.clone() for name, t in self._state.tensors.items()}
-        scope.enter_context(swapped(self._module, {**state, **leaves}))
-        return self._module(*args, **kwargs)
-
-    def _unbind_plain(self) -> None:
-        self._plain_binding = None
+            tensors.update(dict.fromkeys(leaf.names, by_path[leaf.path]))
+        binding = Binding(self._module, tensors, (), None)
+        with bound(binding), intercepted(), backward_hooks_under(binding, self._all_modules):
+            return torch.func.functional_call(
+                self._module, tensors, args, kwargs, tie_weights=False, strict=False
+            )
 
     @contextlib.contextmanager
     def _entered(self, binding: Binding) -> Iterator[None]:
