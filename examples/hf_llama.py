@@ -10,8 +10,9 @@ pure ``apply``; every ``LlamaDecoderLayer`` is a unit, gathered just before its
 forward and freed after, while the tied embedding, the final norm and the rotary
 buffers form the root. The loss is the model's own (``labels=...``). The data is a
 synthetic language in which most tokens follow from the one before, so the loss
-falls from log(vocab) towards the entropy of the noise. With ``--save DIR``, rank 0
-writes the trained weights back into the model and saves it with ``save_pretrained``.
+falls from log(vocab) towards the entropy of the noise. With ``--save DIR``,
+``apply.save_pretrained`` writes the trained weights as ``from_pretrained`` loads them
+(every rank takes part; rank 0 writes).
 """
 
 from __future__ import annotations
@@ -71,13 +72,12 @@ def main(argv: list[str] | None = None) -> list[float]:
         choices=["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"],
     )
     parser.add_argument("--explain", action="store_true", help="print the plan")
-    parser.add_argument("--save", help="save the trained model here (save_pretrained, rank 0)")
+    parser.add_argument("--save", help="save the trained model here (apply.save_pretrained)")
     args = parser.parse_args(argv)
 
     fs.init()
     rank, world = fs.rank(), fs.world_size()
-    model = build_model(args)
-    params, apply = fs.interop.functionalize(model, units=["LlamaDecoderLayer"])
+    params, apply = fs.interop.functionalize(build_model(args), units=["LlamaDecoderLayer"])
     plan = fs.plan(
         params,
         fs.Mesh({"fsdp": world}),
@@ -118,15 +118,14 @@ def main(argv: list[str] | None = None) -> list[float]:
                 f"{rate:,.0f} tokens/s",
                 flush=True,
             )
-    full = fs.unshard(sparams, rank0_only=True)
     if rank == 0:
         print(
             f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (log vocab {math.log(args.vocab):.3f}) "
             f"over {args.steps} steps on {world} rank(s)"
         )
-        if args.save:
-            model.load_state_dict(apply.state_dict(full))
-            model.save_pretrained(args.save)
+    if args.save:  # collective: one flat buffer gathered at a time, rank 0 writes
+        apply.save_pretrained(sparams, args.save)
+        if rank == 0:
             print(f"saved to {args.save}")
     return losses
 

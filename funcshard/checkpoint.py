@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from funcshard._src.checkpoint.rng import rng_states as rng_states
     from funcshard._src.checkpoint.rng import set_rng_states as set_rng_states
     from funcshard._src.checkpoint.save import save as save
+    from funcshard._src.interop.fsdp_checkpoint import load_dcp as load_dcp
+    from funcshard._src.interop.fsdp_checkpoint import save_dcp as save_dcp
 
 _WHERE = {
     "SAVED": "load",
@@ -45,9 +47,11 @@ _WHERE = {
     "export_safetensors": "export",
     "latest": "commit",
     "load": "load",
+    "load_dcp": "interop.fsdp_checkpoint",  # names FSDP2's, so above the checkpoint layer
     "load_full": "load",
     "rng_states": "rng",
     "save": "save",
+    "save_dcp": "interop.fsdp_checkpoint",
     "set_rng_states": "rng",
 }
 
@@ -64,9 +68,11 @@ __all__ = [
     "export_safetensors",
     "latest",
     "load",
+    "load_dcp",
     "load_full",
     "rng_states",
     "save",
+    "save_dcp",
     "set_rng_states",
 ]
 
@@ -75,7 +81,8 @@ def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'funcshard.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"funcshard._src.checkpoint.{module}"), name)
+    where = module if "." in module else f"checkpoint.{module}"
+    value = getattr(importlib.import_module(f"funcshard._src.{where}"), name)
     globals()[name] = value
     return value
 

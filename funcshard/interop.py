@@ -10,6 +10,15 @@ from funcshard._src.interop.jax import from_jax as from_jax
 from funcshard._src.interop.jax import to_jax as to_jax
 from funcshard._src.interop.module import functionalize as functionalize
 from funcshard._src.interop.orbax import load_orbax as load_orbax
+from funcshard._src.interop.placeholders import UnboundParameterError as UnboundParameterError
 from funcshard._src.interop.safetensors_io import load_safetensors as load_safetensors
 
-__all__ = ["Apply", "from_jax", "functionalize", "load_orbax", "load_safetensors", "to_jax"]
+__all__ = [
+    "Apply",
+    "UnboundParameterError",
+    "from_jax",
+    "functionalize",
+    "load_orbax",
+    "load_safetensors",
+    "to_jax",
+]

@@ -1,4 +1,4 @@
-"""Helpers for testing sharded training against a single-process ``torch.func`` reference."""
+"""Helpers for testing sharded training against a single-process, unsharded reference."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.func
 
 from funcshard._src import tree
+from funcshard._src.execute.reference import plain
 from funcshard._src.shard.sharded import held_bytes as held_bytes
 
 __all__ = ["assert_trees_close", "held_bytes", "reference_value_and_grad"]
@@ -19,9 +19,12 @@ def reference_value_and_grad(
 ) -> tuple[torch.Tensor, Any]:
     """The unsharded reference: mean loss and mean gradients over ``batches``, in one process.
 
-    ``loss_fn`` is the same pure function a sharded step runs (``fs.call`` is a
-    plain call outside a step). With one batch per rank, this is what
-    :func:`funcshard.value_and_grad` must return as the mean over ranks.
+    ``loss_fn`` is the same pure function a sharded step runs: ``fs.call`` is a
+    plain call, and a functionalized module runs as plain PyTorch with the leaves
+    bound to its names (see [Note: plain references] in
+    ``funcshard/_src/execute/reference.py``). Gradients by autograd, so models with
+    activation checkpoints or hooks have a reference too. With one batch per rank,
+    this is what :func:`funcshard.value_and_grad` must return as the mean over ranks.
 
     Args:
         loss_fn: ``loss_fn(params, *batch)`` returning a scalar loss.
@@ -40,11 +43,16 @@ def reference_value_and_grad(
     if not batches:
         raise ValueError("reference_value_and_grad: give at least one batch")
 
-    def mean_loss(p: Any) -> torch.Tensor:
-        return torch.stack([loss_fn(p, *batch).reshape(()) for batch in batches]).mean()
-
-    grads, loss = torch.func.grad_and_value(mean_loss)(params)
-    return loss.detach(), grads
+    leaves, treedef = tree.flatten(params)
+    diff = [x.detach().clone().requires_grad_() if x.is_floating_point() else x for x in leaves]
+    trained = any(x.requires_grad for x in diff)
+    with plain(), torch.enable_grad():
+        p = tree.unflatten(treedef, diff)
+        loss = torch.stack([loss_fn(p, *batch).reshape(()) for batch in batches]).mean()
+        if trained:  # backward(), not autograd.grad: a reentrant checkpoint allows only that
+            loss.backward()
+    out = [x.grad if x.requires_grad and x.grad is not None else torch.zeros_like(x) for x in diff]
+    return loss.detach(), tree.unflatten(treedef, out)
 
 
 def assert_trees_close(

@@ -119,7 +119,7 @@ def _arm_save_points(die_at: Any) -> None:
 
     saving.write_chunks = after(saving.write_chunks, "save:write")
     saving.write_manifest = after(saving.write_manifest, "save:manifest")
-    commit.commit = after(commit.commit, "save:committed")
+    commit.rename_into_place = after(commit.rename_into_place, "save:committed")
     import funcshard._src.checkpoint.cleanup as cleanup
 
     unlink = cleanup._unlink_regular

@@ -7,6 +7,7 @@ batch. A failure names the leaf path that differs, or the error that was expecte
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import OrderedDict
 from typing import Any, cast
@@ -80,6 +81,7 @@ def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_paths_follow_module_names_with_lists_for_module_lists():
     """Paths are named_parameters names with '/'; ModuleList is a list; ties are one leaf, buffers none."""
     model = TinyLM(layers=11)
+    embed = model.embed.weight
     params, apply = functionalize(model)
     assert isinstance(params["blocks"], list)
     assert len(params["blocks"]) == 11
@@ -99,9 +101,7 @@ def test_paths_follow_module_names_with_lists_for_module_lists():
     assert "blocks/0/gain" not in paths
     assert apply.frozen == ("scale",)  # a leaf, planned frozen: sharded, no gradient
     assert fs.tree.leaf_paths(apply.state) == ["calls", "pos"]
-    assert (
-        params["embed"]["weight"].data_ptr() == model.embed.weight.data_ptr()
-    )  # a view, not a copy
+    assert params["embed"]["weight"].data_ptr() == embed.data_ptr()  # a view, not a copy
     assert not params["embed"]["weight"].requires_grad
 
 
@@ -117,30 +117,32 @@ def test_entries_without_parameters_are_none_in_lists():
 def test_apply_equals_the_module_with_tied_gradients_summed():
     """Forward equals the module's; torch.func gradients equal autograd's, the tied leaf's included."""
     model = TinyLM()
+    reference = copy.deepcopy(model)
     params, apply = functionalize(model, units=[Block])
     tokens, targets = batch(0)
-    loss = model(tokens, targets)
+    loss = reference(tokens, targets)
     loss.backward()
     grads, value = torch.func.grad_and_value(lambda p: apply(p, tokens, targets))(params)
     torch.testing.assert_close(value, loss.detach(), rtol=0, atol=0)
     expected = {
-        "embed/weight": model.embed.weight.grad,  # embedding and head uses, summed
-        "gain": model.gain.grad,  # root use plus both blocks (borrowed inside the units)
-        "blocks/1/fc1/weight": model.block(1).fc1.weight.grad,
+        "embed/weight": reference.embed.weight.grad,  # embedding and head uses, summed
+        "gain": reference.gain.grad,  # root use plus both blocks (borrowed inside the units)
+        "blocks/1/fc1/weight": reference.block(1).fc1.weight.grad,
     }
     by_path = dict(zip(fs.tree.leaf_paths(grads), fs.tree.leaves(grads)))
     for path, grad in expected.items():
         torch.testing.assert_close(by_path[path], grad, **FP32_TOL)
-    assert model.scale.grad is None
+    assert reference.scale.grad is None
 
 
 def test_state_dict_round_trips_into_the_module():
     """apply.state_dict(params) has the module's keys (tied and buffers too) and loads into it."""
     model = TinyLM()
+    keys = sorted(model.state_dict())
     params, apply = functionalize(model)
     changed = fs.tree.map(lambda t: t + 1, params)
     state = apply.state_dict(changed)
-    assert sorted(state) == sorted(model.state_dict())
+    assert sorted(state) == keys
     fresh = TinyLM(seed=1)
     fresh.load_state_dict(state)
     tokens, targets = batch(1)
@@ -217,9 +219,10 @@ def test_a_tied_parameter_used_outside_its_unit_is_an_error():
     with pytest.raises(ValueError, match=r"'blocks.1.fc1.weight', outside every unit"):
         functionalize(model, units=["blocks/0"])
     # the leaf in the root unit: the unit of blocks/1 borrows it, as it borrows `gain`
+    expected = model(*batch(0))
     params, apply = functionalize(model, units=["blocks/1"])
     assert "blocks/1/fc1/weight" not in fs.tree.leaf_paths(params)
-    torch.testing.assert_close(apply(params, *batch(0)), model(*batch(0)))
+    torch.testing.assert_close(apply(params, *batch(0)), expected)
 
 
 # -- shared memory -------------------------------------------------------------------------

@@ -92,22 +92,24 @@ class _Net(torch.nn.Module):
         self.register_buffer("scratch", torch.ones(2), persistent=False)
 
 
-def _net() -> tuple[Any, Any, Any]:
+def _net() -> tuple[dict[str, torch.Tensor], Any, Any]:
+    """The net's state dict (copied before functionalize), its apply and its sharded params."""
     net = _Net()
     with torch.no_grad():
         net.get_buffer("norm.running_mean").add_(3.0)
+    expected = {k: v.clone() for k, v in net.state_dict().items()}
     params, apply = functionalize(net)
     plan = fs.plan(params, fs.Mesh({"fsdp": 1}), frozen=apply.frozen)
-    return net, apply, fs.shard(params, plan)
+    return expected, apply, fs.shard(params, plan)
 
 
 def test_one_file_holds_frozen_parameters_and_persistent_buffers(tmp_path):
-    net, apply, sparams = _net()
+    expected, apply, sparams = _net()
     out = apply.save_pretrained(sparams, tmp_path / "net")
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]  # no config, no index
     tensors = load_file(out / "model.safetensors")
-    assert sorted(tensors) == sorted(net.state_dict())  # not scratch
-    for key, value in net.state_dict().items():
+    assert sorted(tensors) == sorted(expected)  # not scratch
+    for key, value in expected.items():
         assert torch.equal(tensors[key], value), key
 
 

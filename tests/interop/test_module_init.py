@@ -116,11 +116,21 @@ def test_a_tensor_the_module_does_not_initialize_is_an_error_naming_it():
 
 def test_tensors_with_values_keep_them():
     module = _Gain()  # real: nothing is meta, the values are kept
+    expected = {"gain": module.gain.detach().clone(), "lin": module.lin.weight.detach().clone()}
     params, apply = functionalize(module)
     plan = fs.plan(params, fs.Mesh({"fsdp": 1}))
     full = fs.unshard(apply.materialize(plan))
-    assert torch.equal(full["gain"], module.gain.detach())
-    assert torch.equal(full["lin"]["weight"], module.lin.weight.detach())
+    assert torch.equal(full["gain"], expected["gain"])
+    assert torch.equal(full["lin"]["weight"], expected["lin"])
+
+
+def test_values_dropped_with_the_params_are_an_error_naming_the_tensor():
+    """A real module's values live in the params functionalize returned; without them nothing is kept."""
+    _params, apply = functionalize(_Gain())
+    plan = fs.plan(_params, fs.Mesh({"fsdp": 1}))
+    del _params
+    with pytest.raises(ValueError, match=r"gain: this parameter had a value .* no longer hold it"):
+        apply.materialize(plan)
 
 
 def test_a_plan_of_other_params_is_an_error():

@@ -141,7 +141,17 @@ def staging_dir(target: Path, run: str, token: str, /) -> Path:
 
 
 def commit(staging: Path, target: Path, /) -> None:
-    """Renames ``staging`` to ``target``: the commit; mutates the disk.
+    """Renames ``staging`` to ``target`` and syncs the parent: the commit; mutates the disk.
+
+    Raises:
+        OSError: the rename or the sync failed (after a failed sync, ``target`` exists).
+    """
+    rename_into_place(staging, target)
+    fsync_dir(target.parent)
+
+
+def rename_into_place(staging: Path, target: Path, /) -> None:
+    """Syncs ``staging`` and renames it to ``target``: once it returns, the save committed; mutates.
 
     Raises:
         OSError: the rename failed: nothing was committed.

@@ -305,7 +305,7 @@ def _commit(prepared: Prepared, reports: list[dict[str, Any]]) -> None:
     if prepared.has_rng:
         manifest["rng"] = entries[-1]
     write_manifest(prepared.staging, manifest)
-    commit.commit(prepared.staging, prepared.target)
+    commit.rename_into_place(prepared.staging, prepared.target)  # the parent is synced after
 
 
 def _local_chunks(

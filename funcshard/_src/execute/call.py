@@ -9,8 +9,10 @@ import torch
 import torch.utils.checkpoint
 
 from funcshard._src import tree
+from funcshard._src.execute.call_record import CallRecord
 from funcshard._src.execute.compiled import compiled_call
-from funcshard._src.execute.run import Run, current_run
+from funcshard._src.execute.replay import replay
+from funcshard._src.execute.run import Run, current_run, step_run
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.sharded import ShardedTensor
 
@@ -26,6 +28,11 @@ def call(fn: Callable[..., _R], unit: Any, /, *args: Any, remat: bool = False, *
     with one all-gather per dtype, ``fn`` runs on the full tensors, and the unit
     is freed again (``full_shard``); backward re-gathers it and reduce-scatters
     its gradients. Anywhere else, ``call`` is just ``fn(unit, *args, **kwargs)``.
+
+    In backward, a call is the recompute of an activation checkpoint
+    (``torch.utils.checkpoint.checkpoint``, reentrant or not, around ``fs.call``):
+    it runs ``fn`` again on the unit's gathered leaves, re-gathering the unit if it
+    was released (see [Note: recomputes in backward] in ``replay.py``).
 
     Args:
         fn: a function of the unit's subtree of full tensors and ``args``.
@@ -52,21 +59,63 @@ def call(fn: Callable[..., _R], unit: Any, /, *args: Any, remat: bool = False, *
         return compiled_call(fn, unit, args, kwargs, remat=remat)
     run = current_run()
     if run is None:
+        backward = step_run()
+        if backward is not None and backward.forward_done and _holds_sharded(unit):
+            return _replay(backward, fn, unit, args, kwargs, remat=remat)
         _refuse_sharded_outside_a_step(unit)
         return fn(unit, *args, **kwargs)
-    if run.active is not None:
-        raise RuntimeError(
-            f"nested fs.call: unit {_describe(unit)} was called inside the function of unit "
-            f"{run.active.unit.name!r}; units cannot nest: call them one after the other from loss_fn"
-        )
+    _refuse_nesting(run, unit)
     runtime, leaves, treedef = _identify(run, unit)
     record, full = run.enter_call(runtime, leafwise=True)
     full_tree = tree.unflatten(
         treedef, [full[runtime.position[leaf.slot.index]] for leaf in leaves]
     )
-    run.active = record
+    out = _run_fn(run, record, fn, full_tree, args, kwargs, remat=remat)
+    run.exit_call(record, out)
+    return out
+
+
+def _replay(
+    run: Run,
+    fn: Callable[..., _R],
+    unit: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    remat: bool,
+) -> _R:
+    """A call in backward: ``fn`` again on the unit's gathered leaves; see [Note: recomputes in backward].
+
+    It computes what the forward's call computed, in the same way (``remat``, the
+    output cast), so that a checkpoint's recompute saves the same tensors.
+    """
+    _refuse_nesting(run, unit)
+    runtime, leaves, treedef = _identify(run, unit)
+    full = replay(run, runtime)
+    full_tree = tree.unflatten(
+        treedef, [full[runtime.position[leaf.slot.index]] for leaf in leaves]
+    )
+    return _run_fn(run, runtime, fn, full_tree, args, kwargs, remat=remat)
+
+
+def _run_fn(
+    run: Run,
+    record: CallRecord | UnitRuntime,
+    fn: Callable[..., _R],
+    full_tree: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    remat: bool,
+) -> _R:
+    """``fn(full_tree, *args, **kwargs)`` as a call of ``run``: ``record``, or a replay of that unit's."""
+    if isinstance(record, CallRecord):
+        run.active = record
+    else:
+        run.replaying = record
     try:
         if remat:
+            treedef = tree.flatten(full_tree)[1]
 
             def rerun(*full_leaves: torch.Tensor) -> Any:
                 return fn(tree.unflatten(treedef, list(full_leaves)), *args, **kwargs)
@@ -78,6 +127,7 @@ def call(fn: Callable[..., _R], unit: Any, /, *args: Any, remat: bool = False, *
             out = fn(full_tree, *args, **kwargs)
     finally:
         run.active = None
+        run.replaying = None
     output_dtype = run.output_dtype
     if output_dtype is not None:
         out = tree.tree_map(
@@ -86,8 +136,36 @@ def call(fn: Callable[..., _R], unit: Any, /, *args: Any, remat: bool = False, *
             ),
             out,
         )
-    run.exit_call(record, out)
     return out
+
+
+def _refuse_nesting(run: Run, unit: Any) -> None:
+    inside = run.active.unit if run.active is not None else run.replaying
+    if inside is not None:
+        raise RuntimeError(
+            f"nested fs.call: unit {_describe(unit)} was called inside the function of unit "
+            f"{inside.name!r}; units cannot nest: call them one after the other from loss_fn"
+        )
+
+
+def _holds_sharded(unit: Any) -> bool:
+    return any(isinstance(leaf, ShardedTensor) for leaf in tree.leaves(unit))
+
+
+def running_unit() -> tuple[Run, UnitRuntime] | None:
+    """The run and the unit whose function ``fs.call`` is running now (a call, or its replay in backward).
+
+    Example:
+        >>> running_unit() is None
+        True
+    """
+    run = current_run()
+    if run is not None and run.active is not None:
+        return run, run.active.unit
+    backward = step_run()
+    if backward is not None and backward.replaying is not None:
+        return backward, backward.replaying
+    return None
 
 
 def _identify(run: Run, unit: Any) -> tuple[UnitRuntime, list[ShardedTensor], tree.TreeDef]:

@@ -45,7 +45,8 @@ from torch.utils.checkpoint import (
 )
 
 from funcshard._src import tree
-from funcshard._src.execute.run import CallPhase, Run, step_run
+from funcshard._src.execute.call_record import CallPhase
+from funcshard._src.execute.run import Run, step_run
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.sharded import ShardedTensor
 

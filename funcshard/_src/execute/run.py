@@ -28,10 +28,8 @@ the wrong ones.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +38,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from funcshard._src import tree
 from funcshard._src.comm.agree import Agreement
 from funcshard._src.comm.collectives import Pending
+from funcshard._src.execute.call_record import CallPhase, CallRecord
 from funcshard._src.execute.desync import (
     check_backward,
     check_call,
@@ -68,35 +67,6 @@ def step_run() -> Run | None:
     return _STEP_RUN[0]
 
 
-class CallPhase(enum.Enum):
-    """Where one use of a unit is in its step; it holds its unit gathered in FORWARD, KEPT and BACKWARD."""
-
-    FORWARD = "forward"  # running its function, unit held
-    KEPT = "kept"  # forward done, unit held until backward (shard_grad_op, no_shard, the root)
-    WAITING = "waiting"  # forward done, unit released (full_shard): re-gathered for backward
-    BACKWARD = "backward"  # its backward began, unit held
-    DONE = "done"  # its gradients went to the reducer, unit released
-
-    @property
-    def holds(self) -> bool:
-        """Whether a call in this phase holds its unit gathered."""
-        return self in (CallPhase.FORWARD, CallPhase.KEPT, CallPhase.BACKWARD)
-
-
-@dataclass(eq=False)
-class CallRecord:
-    """One use of a unit in this forward (the root unit's is index -1)."""
-
-    index: int
-    unit: UnitRuntime
-    phase: CallPhase = CallPhase.FORWARD
-    expects_backward: bool = False  # outputs that require grad were hooked
-    compiled: bool = False  # a compiled call: its gather op copied the leaves out and released
-    # a local-only unit's call: the autograd leaves its function got, whose .grad
-    # autograd fills; reduced by Run.finish. See [Note: local-only calls]
-    leaves: list[torch.Tensor] | None = None
-
-
 class _Gather(torch.autograd.Function):
     """Hands a gathered unit's full leaves to autograd; its backward receives all their gradients."""
 
@@ -113,7 +83,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, None]:
-        ctx.run.post_backward(ctx.record, grads)
+        ctx.run.gathered_grads(ctx.record, grads)
         return None, None, None
 
 
@@ -129,6 +99,7 @@ class Run:
         defer: bool,
         reducer: Reducer,
         output_dtype: torch.dtype | None = None,
+        param_dtype: torch.dtype | None = None,
         evaluation: bool = False,
     ) -> None:
         self.units = {u.name: u for u in units}
@@ -138,9 +109,11 @@ class Run:
         self.defer = defer
         self.reducer = reducer
         self.output_dtype = output_dtype
+        self.param_dtype = param_dtype  # what floating leaves compute in (MixedPrecision)
         self.calls: list[CallRecord] = []
         self.root: CallRecord | None = None
         self.active: CallRecord | None = None
+        self.replaying: UnitRuntime | None = None  # the unit whose call a recompute replays
         self.on_track = True  # the calls so far follow order_hint
         self.dummy = torch.zeros((), requires_grad=True)
         self.root_leaf_ids: set[int] = set()
@@ -150,6 +123,7 @@ class Run:
         self.forward_check: Agreement | None = None  # finished before backward's first collective
         self._token: Any = None
         self.forward_done = False
+        self._root_grads: list[torch.Tensor | None] | None = None  # see gathered_grads
 
     # -- forward -----------------------------------------------------------------
 
@@ -253,7 +227,12 @@ class Run:
     # -- backward ----------------------------------------------------------------
 
     def pre_backward(self, record: CallRecord) -> None:
-        """-> BACKWARD: before a call's backward, its unit is held gathered; prefetches the call before it."""
+        """-> BACKWARD: before a call's backward, its unit is held gathered; prefetches the call before it.
+
+        A call already in BACKWARD (a recompute acquired it first) stays as it is.
+        """
+        if record.phase is CallPhase.BACKWARD:
+            return
         self._finish_forward_check()
         while self._next_backward >= 0 and not self._awaits_backward(
             self.calls[self._next_backward]
@@ -270,6 +249,25 @@ class Run:
             earlier = self.calls[j]
             if earlier.phase is CallPhase.WAITING and earlier.unit.state is UnitState.SHARDED:
                 earlier.unit.prefetch()
+
+    def gathered_grads(self, record: CallRecord, grads: Sequence[torch.Tensor | None]) -> None:
+        """A gather node's backward: the call's gradients; the root unit's are summed until finish.
+
+        The root unit's gather node can run more than once in a step: a reentrant
+        checkpoint differentiates its recompute in a nested backward, which reaches
+        the root's leaves too. Its gradients are summed and reduced once, by
+        :meth:`finish`; the root stays gathered until then, as it is held for the
+        whole step anyway.
+        """
+        if record is not self.root:
+            self.post_backward(record, grads)
+        elif self._root_grads is None:
+            self._root_grads = list(grads)
+        else:
+            self._root_grads = [
+                b if a is None else a if b is None else a + b
+                for a, b in zip(self._root_grads, grads)
+            ]
 
     def post_backward(
         self, record: CallRecord, grads: Sequence[torch.Tensor | None], *, agreed: bool = False
@@ -290,12 +288,16 @@ class Run:
     def finish(self) -> None:
         """After backward: reduce calls whose backward never ran, wait for every reduction, free all."""
         self._finish_forward_check()
+        if self._root_grads is not None and self.root is not None:  # see gathered_grads
+            grads, self._root_grads = self._root_grads, None
+            self.post_backward(self.root, grads, agreed=True)
         records = [*reversed(self.calls), *([self.root] if self.root else [])]
         for record in records:
             if record.leaves is not None:  # see [Note: local-only calls]
                 grads = [t.grad for t in record.leaves]
                 record.leaves = None
-                self.post_backward(record, grads, agreed=True)
+                if record.phase is not CallPhase.DONE:  # a replay may have reduced it
+                    self.post_backward(record, grads, agreed=True)
         unreached = [r for r in records if r.phase is not CallPhase.DONE]
         if unreached:  # which calls no gradient reached may differ between ranks
             check_unreached([r.index for r in unreached])

@@ -157,6 +157,7 @@ class Step:
             defer=False,
             reducer=Reducer(world_size=self.plan.mesh.size, spares={}, pool=self.reduce_pool),
             output_dtype=self.mixed_precision.output_dtype,
+            param_dtype=self.mixed_precision.param_dtype,
             evaluation=True,
         )
         try:
@@ -228,6 +229,7 @@ class Step:
                 defer=mode == "unsharded" and i < len(batches) - 1,
                 reducer=reducer,
                 output_dtype=self.mixed_precision.output_dtype,
+                param_dtype=self.mixed_precision.param_dtype,
             )
             try:
                 with torch.enable_grad():

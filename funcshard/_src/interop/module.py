@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from funcshard._src import tree
+from funcshard._src.interop import placeholders
 from funcshard._src.interop.apply import Apply, Leaf, Params
 from funcshard._src.interop.hf_checkpointing import cache_off, resolve_remat
 from funcshard._src.interop.module_tree import alias_groups, module_tree
@@ -41,7 +42,10 @@ def functionalize(
     ``[Note: module trees]``): ``model/layers/3/self_attn/q_proj/weight``. Tied
     parameters are one leaf; frozen parameters are leaves named by ``apply.frozen``
     (plan them with ``frozen=apply.frozen``); buffers are carried by ``apply`` as
-    replicated state. ``apply(params, *args, **kwargs)`` is the module's forward
+    replicated state. Mutates ``module``: it holds placeholders where its parameters
+    were, so that no code reads values older than the params (a read outside
+    apply's calls raises ``UnboundParameterError``; ``apply.bound(params)`` binds
+    values for a block; see [Note: module code outside the call]). ``apply(params, *args, **kwargs)`` is the module's forward
     with the leaves of ``params``. ``units`` name submodules whose forward becomes
     one :func:`funcshard.call` each; plan with ``units=apply.units``, and a step
     gathers each unit's parameters just for its forward, with no per-layer code.
@@ -89,6 +93,7 @@ def functionalize(
         >>> import torch, funcshard as fs
         >>> from torch import nn
         >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> expected = net(torch.ones(4, 2)).sum()
         >>> params, apply = functionalize(net, units=[nn.Linear])
         >>> fs.tree.leaf_paths(params)
         ['0/bias', '0/weight', '2/bias', '2/weight']
@@ -97,11 +102,19 @@ def functionalize(
         >>> plan = fs.plan(params, fs.Mesh({"fsdp": 1}), units=apply.units)
         >>> step = fs.value_and_grad(lambda p, x: apply(p, x).sum(), plan)
         >>> loss, grads = step(fs.shard(params, plan), torch.ones(4, 2))
-        >>> torch.allclose(loss, net(torch.ones(4, 2)).sum())
+        >>> torch.allclose(loss, expected)
         True
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"functionalize: expected an nn.Module, got {type(module).__name__}")
+    held = placeholders.placeholder_of(module)
+    if held is not None:
+        raise ValueError(
+            f"functionalize: {type(module).__name__} was functionalized already (it holds a "
+            f"placeholder for {held._funcshard_info.name!r}); use the params and apply that "
+            f"functionalize returned, or functionalize a copy made before it "
+            f"(copy.deepcopy(model) first)"
+        )
     groups = alias_groups(module)
     trainable = [g for g in groups if g.kind != "buffer"]
     carried = [g for g in groups if g.kind == "buffer"]
@@ -117,7 +130,20 @@ def functionalize(
         )
         for g in trainable
     ]
-    _, _, treedef = tree.flatten_with_paths(params)
+    _, values, treedef = tree.flatten_with_paths(params)
+    value_of = {leaf.path: v for leaf, v in zip(_in_tree_order(leaves, params), values)}
+    name = type(module).__name__
+    placeholders.install(
+        module,
+        [
+            (
+                leaf.names,
+                placeholders.ParameterInfo(name, leaf.names[0], leaf.path, leaf.unit),
+                value_of[leaf.path],
+            )
+            for leaf in leaves
+        ],
+    )  # See [Note: module code outside the call] in binding.py
     return params, Apply(
         module,
         treedef=treedef,
@@ -129,3 +155,8 @@ def functionalize(
         remat=resolve_remat(module, resolved.paths, remat=remat),
         caches=cache_off(module),
     )
+
+
+def _in_tree_order(leaves: list[Leaf], params: Params) -> list[Leaf]:
+    by_path = {leaf.path: leaf for leaf in leaves}
+    return [by_path[path] for path in tree.leaf_paths(params)]

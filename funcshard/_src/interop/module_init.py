@@ -29,6 +29,7 @@ from torch import nn
 
 from funcshard._src import tree
 from funcshard._src.comm import groups
+from funcshard._src.interop.placeholders import origin
 from funcshard._src.plan.plan import Plan
 from funcshard._src.shard.flat import pieces
 from funcshard._src.shard.shard import plan_layouts
@@ -200,11 +201,18 @@ def _initialize(
     tensors; ``module`` is not changed.
     """
     original = module.get_submodule(owner)
-    kept = {  # tensors that already have values keep them; only meta tensors are initialized
-        k: v.detach().to(device, copy=True)
-        for k, v in [*original._parameters.items(), *original._buffers.items()]
-        if v is not None and v.device.type != "meta"
-    }
+    kept: dict[str, torch.Tensor] = {}  # tensors with values keep them; meta ones are initialized
+    for k, v in [*original._parameters.items(), *original._buffers.items()]:
+        if v is None or v.device.type == "meta":
+            continue
+        value = origin(v)  # a functionalized module's parameter: the params leaf
+        if value is None:
+            raise ValueError(
+                f"{owner + '.' if owner else ''}{k}: this parameter had a value when the module "
+                f"was functionalized, and the params functionalize returned no longer hold it; "
+                f"keep those params until apply.materialize, or shard them (fs.shard) instead"
+            )
+        kept[k] = value.detach().to(device, copy=True)
     sub = copy.copy(original)
     sub._parameters = {
         k: None if v is None else nn.Parameter(_nan_like(v, device), requires_grad=v.requires_grad)

@@ -1,10 +1,13 @@
-"""The unsharded reference: whole params on this rank, ``torch.func`` gradients, the same optimizer.
+"""The unsharded reference: whole params on this rank, autograd gradients, the same optimizer.
 
 It computes what ``funcshard.testing.reference_value_and_grad`` does (the mean
-loss over every rank's batch and its gradient; ``fs.call`` is a plain call
-outside a step), and trains with the verified optimizer itself: the params live
-in a plan over a mesh of one rank, so ``update_`` runs on one flat buffer holding
-every leaf whole, with no process group.
+loss over every rank's batch and its gradient, by autograd, in a plain scope:
+``fs.call`` is a plain call and a functionalized module runs as plain PyTorch, see
+[Note: plain references]), and trains with the verified optimizer itself: the
+params live in a plan over a mesh of one rank, so ``update_`` runs on one flat
+buffer holding every leaf whole, with no process group. Autograd rather than
+``torch.func``: a model with activation checkpoints (saved-tensor hooks) or
+hooks trains under autograd, and so must its reference.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.func
 
 from funcshard._src import tree
+from funcshard._src.execute.reference import plain
 from funcshard._src.optim.base import Optimizer
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.planner import plan as make_plan
@@ -62,11 +65,11 @@ class Reference:
         """The mean loss over ``batches`` (one per rank) and its gradient per leaf (zeros where untrained)."""
         leaves = [x.detach() for x in self.params()]
         index = [i for i, t in enumerate(self.trained) if t]
-
-        def mean_loss(diff: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            full = list(leaves)
-            for i, x in zip(index, diff):
-                full[i] = x
+        diff = [leaves[i].clone().requires_grad_() for i in index]
+        full = list(leaves)
+        for i, x in zip(index, diff):
+            full[i] = x
+        with plain(), torch.enable_grad():
             if self.compute is not None:  # a step gathers and computes every float leaf so
                 full = [x.to(self.compute) if x.is_floating_point() else x for x in full]
             p = tree.unflatten(self.plan.treedef, full)
@@ -75,12 +78,13 @@ class Reference:
                 out = self.loss_fn(p, batch)
                 loss = out[0] if self.has_aux else out
                 losses.append(loss.reshape(()).float())
-            return torch.stack(losses).mean()
-
-        grads, loss = torch.func.grad_and_value(mean_loss)(tuple(leaves[i] for i in index))
+            loss = torch.stack(losses).mean()
+            if diff:  # backward(), not autograd.grad: a reentrant checkpoint allows only that
+                loss.backward()
         out = [torch.zeros_like(x) for x in leaves]
-        for i, g in zip(index, grads):
-            out[i] = g.to(leaves[i].dtype)
+        for i, x in zip(index, diff):
+            if x.grad is not None:
+                out[i] = x.grad.to(leaves[i].dtype)
         return loss.detach(), out
 
     def update_(self, grads: list[torch.Tensor], /) -> None:

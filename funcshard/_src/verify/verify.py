@@ -193,11 +193,20 @@ def _measure(
     prints = [[0.0] * 6 for _ in range(n)]
     for t in range(steps):
         step.ledger.reset()
+        ref_loss, ref_grads, ref_problem = None, None, None
+        if reference is not None:  # first: it changes no state, so the step sees what it saw
+            try:
+                ref_loss, ref_grads = reference.value_and_grad(batches)
+            except Exception as e:  # only this rank's: the reference issues no collective
+                ref_problem = f"the unsharded reference raised at step {t}: {_said(e)}"
+                reference = None
         try:
             out, grads = step(sparams, batch)
         except Exception as e:  # a step that fails alike on every rank leaves them in step
             problems.append(f"{e} [the sharded step raised {type(e).__name__} at step {t}]")
+            problems.extend([ref_problem] if ref_problem else [])
             break
+        problems.extend([ref_problem] if ref_problem else [])
         loss = out[0] if has_aux else out
         record["sent"].append(
             {f"{op}:{','.join(axes)}": b for (op, axes), b in step.ledger.bytes_by_key.items()}
@@ -205,15 +214,9 @@ def _measure(
         record["peak"] = max(record["peak"] or 0, step.stats.peak_gathered_bytes)
         if record["held"] is None:
             record["held"] = [held_bytes(sparams), held_bytes(grads), held_bytes(state)]
-        ref_loss, ref_grads = None, None
-        if reference is not None:
-            try:
-                ref_loss, ref_grads = reference.value_and_grad(batches)
-                _compare(grads, ref_grads, record["grad"], rank, plan, grads=True)
-                _add(prints, ref_grads, 0)
-            except Exception as e:  # only this rank's: the reference issues no collective
-                problems.append(f"the unsharded reference raised at step {t}: {_said(e)}")
-                reference = None
+        if ref_grads is not None:
+            _compare(grads, ref_grads, record["grad"], rank, plan, grads=True)
+            _add(prints, ref_grads, 0)
         try:
             sparams, state = optimizer.update_(grads, state, sparams)
         except Exception as e:

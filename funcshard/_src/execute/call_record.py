@@ -1,0 +1,45 @@
+"""One use of a unit in a step: its phase and what it holds.
+
+``Run`` moves each :class:`CallRecord` through its :class:`CallPhase` s;
+docs/executor.md draws them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from funcshard._src.execute.unit_state import UnitRuntime
+
+__all__ = ["CallPhase", "CallRecord"]
+
+
+class CallPhase(enum.Enum):
+    """Where one use of a unit is in its step; it holds its unit gathered in FORWARD, KEPT and BACKWARD."""
+
+    FORWARD = "forward"  # running its function, unit held
+    KEPT = "kept"  # forward done, unit held until backward (shard_grad_op, no_shard, the root)
+    WAITING = "waiting"  # forward done, unit released (full_shard): re-gathered for backward
+    BACKWARD = "backward"  # its backward began, unit held
+    DONE = "done"  # its gradients went to the reducer, unit released
+
+    @property
+    def holds(self) -> bool:
+        """Whether a call in this phase holds its unit gathered."""
+        return self in (CallPhase.FORWARD, CallPhase.KEPT, CallPhase.BACKWARD)
+
+
+@dataclass(eq=False)
+class CallRecord:
+    """One use of a unit in this forward (the root unit's is index -1)."""
+
+    index: int
+    unit: UnitRuntime
+    phase: CallPhase = CallPhase.FORWARD
+    expects_backward: bool = False  # outputs that require grad were hooked
+    compiled: bool = False  # a compiled call: its gather op copied the leaves out and released
+    # a local-only unit's call: the autograd leaves its function got, whose .grad
+    # autograd fills; reduced by Run.finish. See [Note: local-only calls]
+    leaves: list[torch.Tensor] | None = None

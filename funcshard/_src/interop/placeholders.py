@@ -1,0 +1,206 @@
+"""Placeholders: what a functionalized module holds where its parameters were.
+
+A :class:`Placeholder` has the parameter's shape, dtype, device and
+``requires_grad`` (so ``model.dtype``, ``model.device`` and shape checks work), is an
+``nn.Parameter`` to ``isinstance``, and holds no values: any operation on it raises
+:class:`UnboundParameterError`, which names the parameter, its unit, the code that
+read it and the fix. See [Note: module code outside the call] in ``binding.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from funcshard._src.interop.binding import current_binding
+
+__all__ = ["Placeholder", "UnboundParameterError", "install", "origin", "placeholder_of"]
+
+_HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+class UnboundParameterError(RuntimeError):
+    """Module code read a functionalized module's parameter where ``apply`` does not bind it.
+
+    Example:
+        >>> import funcshard as fs
+        >>> net = nn.Linear(2, 1)
+        >>> params, apply = fs.interop.functionalize(net)
+        >>> try:
+        ...     net(torch.ones(2))
+        ... except fs.interop.UnboundParameterError as e:
+        ...     print(str(e).splitlines()[1])
+        functionalize owns this module's parameters: the module holds placeholders, so that nothing reads values older than the params.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterInfo:
+    """Which parameter a placeholder stands for."""
+
+    module: str  # the functionalized module's class name
+    name: str  # its first dotted name in the module
+    path: str  # its leaf path in the params
+    unit: str | None  # the unit path holding it; None: the root unit
+
+
+class Placeholder(torch.Tensor):
+    """Stands for one parameter of a functionalized module: its metadata, no values.
+
+    Example:
+        >>> p = Placeholder(torch.zeros(2, 3), ParameterInfo("Net", "w", "w", None))
+        >>> p.shape, p.dtype, isinstance(p, nn.Parameter)
+        (torch.Size([2, 3]), torch.float32, True)
+        >>> p
+        Placeholder('w', shape=(2, 3), dtype=torch.float32, unit=None)
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # pyright: ignore[reportAssignmentType]
+    _funcshard_info: ParameterInfo
+    _funcshard_origin: Any  # a weak reference to the value at functionalize, or None
+
+    @staticmethod
+    def __new__(  # pyright: ignore[reportInconsistentConstructor]
+        cls, like: torch.Tensor, info: ParameterInfo, *, requires_grad: bool | None = None
+    ) -> Placeholder:
+        out = torch.Tensor._make_wrapper_subclass(  # pyright: ignore[reportAttributeAccessIssue]
+            cls,
+            like.shape,
+            strides=like.stride(),
+            dtype=like.dtype,
+            device=like.device,
+            requires_grad=like.requires_grad if requires_grad is None else requires_grad,
+        )
+        out._funcshard_info = info
+        out._funcshard_origin = None if like.device.type == "meta" else weakref.ref(like)
+        out._is_param = True  # isinstance(out, nn.Parameter), as nn.Module expects of _parameters
+        return out
+
+    def __init__(
+        self, like: torch.Tensor, info: ParameterInfo, *, requires_grad: bool | None = None
+    ) -> None:
+        super().__init__()  # everything is set by __new__
+
+    def __repr__(self) -> str:  # pyright: ignore[reportIncompatibleMethodOverride]
+        info = self._funcshard_info
+        return (
+            f"Placeholder({info.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"unit={info.unit!r})"
+        )
+
+    @classmethod
+    def __torch_dispatch__(  # pyright: ignore[reportIncompatibleMethodOverride]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        found = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, Placeholder)]
+        raise UnboundParameterError(_message(found[0]._funcshard_info, func))
+
+
+def install(
+    module: nn.Module,
+    groups: Iterable[tuple[tuple[str, ...], ParameterInfo, torch.Tensor]],
+    /,
+) -> None:
+    """Replaces each parameter of ``module`` (every dotted name of it) by a placeholder; mutates ``module``.
+
+    ``groups`` gives every name of one tensor, what it is, and the leaf of the params
+    that holds its value (referred to weakly, for :func:`origin`). Tied names get
+    one placeholder, as they had one parameter.
+    """
+    for names, info, leaf in groups:
+        owner, _, attr = names[0].rpartition(".")
+        parameter = module.get_submodule(owner)._parameters[attr]
+        assert parameter is not None
+        held: Any = Placeholder(leaf, info, requires_grad=parameter.requires_grad)
+        for name in names:  # an nn.Parameter to isinstance (_is_param), not to the type checker
+            owner, _, attr = name.rpartition(".")
+            module.get_submodule(owner)._parameters[attr] = held
+
+
+def placeholder_of(module: nn.Module, /) -> Placeholder | None:
+    """A placeholder among ``module``'s parameters, if it was functionalized.
+
+    Example:
+        >>> placeholder_of(nn.Linear(1, 1)) is None
+        True
+    """
+    return next((p for p in module.parameters() if isinstance(p, Placeholder)), None)
+
+
+def origin(tensor: torch.Tensor, /) -> torch.Tensor | None:
+    """The value a placeholder stood for at functionalize, while the params still hold it.
+
+    ``tensor`` itself where it is not a placeholder; ``None`` where the value is gone
+    (the params :func:`functionalize` returned were dropped) or was ``meta``.
+    """
+    if not isinstance(tensor, Placeholder):
+        return tensor
+    ref = tensor._funcshard_origin
+    return None if ref is None else ref()
+
+
+# -- the message -----------------------------------------------------------------------
+
+
+def _message(info: ParameterInfo, func: Any) -> str:
+    where = f"unit {info.unit!r}" if info.unit is not None else "the root unit"
+    what = f"{info.module}'s parameter {info.name!r} ({where})"
+    site = _reader()
+    by = f", by {_op_name(func)}" + (f" at {site}" if site else "")
+    binding = current_binding()
+    backward = torch._C._current_graph_task_id() != -1  # pyright: ignore[reportAttributeAccessIssue]
+    if binding is not None and binding.unit is not None and binding.unit.path != info.unit:
+        reader = binding.unit.path
+        return (
+            f"{what} was read inside the call of unit {reader!r}{by}.\n"
+            f"A unit's parameters are gathered only for its own call.\n"
+            f"Fix: put both in one unit (a units pattern naming a module that holds "
+            f"{info.unit!r} and {reader!r}), or leave {info.unit!r} out of units so that its "
+            f"parameters are in the root unit, gathered for the whole step"
+        )
+    if binding is not None:
+        return (
+            f"{what} was read by the root module's code, outside the call of {where}{by}.\n"
+            f"A unit's parameters are gathered only while its own module runs.\n"
+            f"Fix: read it inside that module's forward (or a hook on that module), or leave "
+            f"{info.unit!r} out of units so that its parameters are in the root unit"
+        )
+    if backward:
+        return (
+            f"{what} was read in backward, after apply returned{by}.\n"
+            f"Code reran the module outside apply: an activation checkpoint other than "
+            f"torch.utils.checkpoint's, or a hook kept from another call.\n"
+            f"Fix: checkpoint with torch.utils.checkpoint (or functionalize(..., remat=True)), "
+            f"which funcshard reruns with the gathered parameters"
+        )
+    return (
+        f"{what} was read outside apply{by}.\n"
+        f"functionalize owns this module's parameters: the module holds placeholders, so "
+        f"that nothing reads values older than the params.\n"
+        f"Fix: run the module through apply(params, ...), read the params tree, or bind "
+        f"values to the module for a block: `with apply.bound(full_params): ...`"
+    )
+
+
+def _op_name(func: Any) -> str:
+    name = str(func)
+    return name.removesuffix(".default")
+
+
+def _reader() -> str:
+    """``file:line`` of the innermost frame outside torch and funcshard: the code that read it."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith("<") or not os.path.abspath(filename).startswith((_HERE, _TORCH)):
+            return f"{os.path.basename(filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return ""

@@ -1,0 +1,240 @@
+"""A functionalized module's parameters outside apply's calls: placeholders, bindings, re-entry.
+
+See [Note: module code outside the call] in funcshard/_src/interop/binding.py. The
+training equalities are in tests/test_conformance.py; here, every way to reach a
+stale value is refused at its first use with an error naming the parameter, its
+unit and the fix, and the bindings leave nothing behind. A failure names the
+construct.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.checkpoint as checkpoint_utils
+from torch import nn
+
+import funcshard as fs
+from funcshard.interop import UnboundParameterError, functionalize
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.fc(h))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def _functionalized() -> tuple[Net, Any, Any]:
+    net = Net()
+    params, apply = functionalize(net, units=[Block])
+    return net, params, apply
+
+
+@pytest.mark.parametrize(
+    ("use", "op"),
+    [
+        (lambda net: net(torch.ones(2, 4)), "aten.t"),
+        (lambda net: net.state_dict(), "aten.detach"),
+        (lambda net: net.double(), "aten._to_copy"),
+        (lambda net: copy.deepcopy(net), "aten"),
+        (lambda net: net.blocks[1].fc.weight.sum(), "aten.sum"),
+    ],
+    ids=["call", "state_dict", "to", "deepcopy", "read"],
+)
+def test_the_module_outside_apply_raises_naming_the_parameter_and_the_fix(use: Any, op: str):
+    net, _, _ = _functionalized()
+    with pytest.raises(UnboundParameterError) as e:
+        use(net)
+    message = str(e.value)
+    assert re.search(r"Net's parameter '[\w.]+' \((unit 'blocks/\d'|the root unit)\)", message)
+    assert f"by {op}" in message
+    assert "was read outside apply" in message
+    assert "Fix: run the module through apply(params, ...)" in message
+
+
+def test_metadata_of_the_placeholders_still_reads():
+    """shape, dtype, device and requires_grad, as HF's model.dtype / model.device read them."""
+    net, params, _ = _functionalized()
+    weight = net.blocks[0].fc.weight
+    assert isinstance(weight, nn.Parameter)
+    assert weight.shape == params["blocks"][0]["fc"]["weight"].shape
+    assert (weight.dtype, weight.device.type, weight.requires_grad) == (torch.float32, "cpu", True)
+    assert "Placeholder('blocks.0.fc.weight'" in repr(weight)
+
+
+def test_bound_runs_the_module_on_the_leaves_and_leaves_placeholders_after():
+    net, params, apply = _functionalized()
+    x = torch.ones(2, 4)
+    with apply.bound(params) as module:
+        assert module is net
+        out = net(x)
+    torch.testing.assert_close(out, apply(params, x))
+    with pytest.raises(UnboundParameterError):
+        net(x)
+    plan = fs.plan(params, fs.Mesh({"fsdp": 1}), units=apply.units)
+    bound = apply.bound(fs.shard(params, plan))
+    with pytest.raises(ValueError, match="sharded leaf"):
+        bound.__enter__()
+
+
+def test_a_module_functionalized_twice_is_an_error_naming_the_fix():
+    net, _, _ = _functionalized()
+    with pytest.raises(ValueError, match=r"functionalized already .*copy.deepcopy\(model\) first"):
+        functionalize(net)
+
+
+class _Rerun(torch.autograd.Function):
+    """A recompute funcshard does not know: reruns the module in backward (as old Megatron did)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        ctx.module = module
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return module(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            out = ctx.module(x)
+        (dx,) = torch.autograd.grad(out, x, grad)
+        return dx, None
+
+
+class CustomRecompute(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = _Rerun.apply(h, block)
+        return h
+
+
+def test_a_recompute_that_is_not_torch_checkpoint_is_refused_in_backward():
+    params, apply = functionalize(CustomRecompute(), units=[Block])
+    plan = fs.plan(params, fs.Mesh({"fsdp": 1}), units=apply.units)
+    step = fs.value_and_grad(lambda p, x: apply(p, x).square().mean(), plan)
+    with pytest.raises(UnboundParameterError, match=r"was read in backward, after apply returned"):
+        step(fs.shard(params, plan), torch.ones(2, 4))
+
+
+def test_torch_checkpoint_is_restored_after_apply_and_after_an_error():
+    names = ("_checkpoint_without_reentrant_generator", "CheckpointFunction")
+    before = [getattr(checkpoint_utils, n) for n in names]
+    _, params, apply = _functionalized()
+    apply(params, torch.ones(2, 4))
+    with pytest.raises(ValueError, match="structure"):
+        apply({"not": "these params"}, torch.ones(2, 4))
+
+    class Failing(Block):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("inside the unit")
+
+    net = Net()
+    net.blocks[0] = Failing()
+    params, apply = functionalize(net, units=[Block])
+    with pytest.raises(RuntimeError, match="inside the unit"):
+        apply(params, torch.ones(2, 4))
+    assert [getattr(checkpoint_utils, n) for n in names] == before
+    assert "_compiled_call_impl" not in vars(net.blocks[1])
+
+
+class Reentrant(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).detach()  # nothing that requires grad enters the checkpoint
+        for block in self.blocks:
+            h = checkpoint_utils.checkpoint(block, h, use_reentrant=True)
+        return h + self.inp(x)
+
+
+def test_a_reentrant_checkpoint_keeps_its_semantics_without_inputs_that_need_grad():
+    """As torch's reentrant kind: the warning, and no gradient for the parameters inside."""
+    model = Reentrant()
+    reference = copy.deepcopy(model)
+    params, apply = functionalize(model, units=[Block])
+    plan = fs.plan(params, fs.Mesh({"fsdp": 1}), units=apply.units)
+    step = fs.value_and_grad(lambda p, x: apply(p, x).square().mean(), plan)
+    x = torch.ones(2, 4)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _, grads = step(fs.shard(params, plan), x)
+        reference(x).square().mean().backward()
+    assert sum("None of the inputs have requires_grad=True" in str(w.message) for w in seen) == 4
+    full = fs.unshard(grads)
+    assert torch.count_nonzero(full["blocks"][0]["fc"]["weight"]) == 0
+    assert reference.blocks[0].fc.weight.grad is None
+    torch.testing.assert_close(full["inp"]["weight"], reference.inp.weight.grad)
+
+
+def test_broadcast_state_outside_a_distributed_run_does_nothing_and_checks_src():
+    bn = nn.BatchNorm1d(2)
+    _, apply = functionalize(bn)
+    apply.broadcast_state()
+    assert torch.equal(apply.state["running_mean"], torch.zeros(2))
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+class Attentive(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([Attention(), Attention()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_multihead_attentions_fast_path_runs_in_an_evaluation(monkeypatch: pytest.MonkeyPatch):
+    """fs.forward in eval mode takes nn.MultiheadAttention's fused path, equal to the module's."""
+    model = Attentive().eval()
+    reference = copy.deepcopy(model)
+    calls: list[int] = []
+    fused = torch._native_multi_head_attention
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_native_multi_head_attention", counting)
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(x)
+    assert len(calls) == 2  # the reference took the fast path
+    params, apply = functionalize(model, units=[Attention])
+    plan = fs.plan(params, fs.Mesh({"fsdp": 1}), units=apply.units)
+    out = fs.forward(lambda p, x: apply(p, x), plan)(fs.shard(params, plan), x)
+    assert len(calls) == 4
+    torch.testing.assert_close(out, expected)
