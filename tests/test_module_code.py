@@ -77,7 +77,7 @@ def test_the_module_outside_apply_raises_naming_the_parameter_and_the_fix(use: A
 def test_metadata_of_the_placeholders_still_reads():
     """shape, dtype, device and requires_grad, as HF's model.dtype / model.device read them."""
     net, params, _ = _functionalized()
-    weight = net.blocks[0].fc.weight
+    weight = net.get_submodule("blocks.0.fc").weight
     assert isinstance(weight, nn.Parameter)
     assert weight.shape == params["blocks"][0]["fc"]["weight"].shape
     assert (weight.dtype, weight.device.type, weight.requires_grad) == (torch.float32, "cpu", True)
@@ -185,7 +185,7 @@ def test_a_reentrant_checkpoint_keeps_its_semantics_without_inputs_that_need_gra
     assert sum("None of the inputs have requires_grad=True" in str(w.message) for w in seen) == 4
     full = fs.unshard(grads)
     assert torch.count_nonzero(full["blocks"][0]["fc"]["weight"]) == 0
-    assert reference.blocks[0].fc.weight.grad is None
+    assert reference.get_submodule("blocks.0.fc").weight.grad is None
     torch.testing.assert_close(full["inp"]["weight"], reference.inp.weight.grad)
 
 
