@@ -43,8 +43,16 @@ def tests(session: nox.Session) -> None:
     """The test suite (single- and multi-process on CPU gloo); JAX-oracle tests run in `interop`."""
     _install(session, "test")
     session.run(
-        "pytest", *(session.posargs or ["tests", "--ignore=tests/interop", "-m", "not slow"])
+        "pytest",
+        *(session.posargs or ["tests", "--ignore=tests/interop", "-m", "not slow and not matrix"]),
     )
+
+
+@nox.session
+def conformance(session: nox.Session) -> None:
+    """The whole conformance matrix: every row under every variant (CI runs a subset)."""
+    _install(session, "test")
+    session.run("pytest", "tests/test_conformance.py", *session.posargs)
 
 
 @nox.session

@@ -4,7 +4,8 @@ Rows (``tests/conformance/``) are PyTorch's own FSDP test models, Hugging Face
 families, torchvision-shaped vision models and the constructs module code uses
 outside a plain forward (activation checkpoints, hooks, reads across units,
 parametrizations, attention, norms, compiled submodules, buffers). Each runs at
-W=2 under full_shard, shard_grad_op, remat and bf16 mixed precision against the
+W=2 under full_shard, shard_grad_op, remat and bf16 mixed precision (CI: see
+``CI_VARIANTS``; ``nox -s conformance`` runs all) against the
 reference of ``tests/conformance/harness.py``: the replicated module with
 all-reduced gradients in float64 (every parameter and buffer within 1e-10 after
 three steps), FSDP2 itself in bf16. A refused row must raise its funcshard error
@@ -26,8 +27,27 @@ from tests.conformance.harness import run_row
 EXACT = 1e-10  # float64, after three steps
 BF16_RTOL, BF16_ATOL = 2e-2, 1e-3  # against FSDP2: a bf16 ulp of the larger tensors
 
+# What CI runs besides every row under full_shard: the variants that take another path
+# through the binding (a recompute under remat, a cast under bf16, no reshard after forward)
+# on the rows that exercise it. ``nox -s conformance`` runs the whole matrix (marker ``matrix``).
+CI_VARIANTS = {
+    "remat": ("checkpoint/", "hook/full-backward", "hook/backward-pre", "state/", "norm/"),
+    "bf16": ("fsdp/MLP", "dtensor/Transformer-checkpointed", "hf/Llama", "norm/", "param/spectral"),
+    "shard_grad_op": ("checkpoint/non-reentrant", "checkpoint/reentrant", "dtensor/", "hf/GPT2"),
+}
+
+
+def _in_ci(name: str, variant: str) -> bool:
+    return variant == "full_shard" or name.startswith(CI_VARIANTS.get(variant, ()))
+
+
 CASES = [
-    pytest.param(name, variant, id=f"{name}-{variant}")
+    pytest.param(
+        name,
+        variant,
+        id=f"{name}-{variant}",
+        marks=() if _in_ci(name, variant) else pytest.mark.matrix,
+    )
     for name, row in ROWS.items()
     for variant in row.variants
 ]
