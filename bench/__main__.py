@@ -53,9 +53,17 @@ from bench.report import provenance, write_report
 # what --tiny's fork server imports: what every mode does, then what PyTorch's modes do
 TINY_PRELOAD = ["bench.worker", "torch._dynamo", "torch.distributed.fsdp"]
 DEFAULT_MODES = [
-    "funcshard/full_shard", "fsdp2", "funcshard/shard_grad_op", "fsdp2/no_reshard",
-    "funcshard/no_shard", "ddp", "fsdp1", "floor", "single", "funcshard/hybrid_shard",
-]  # fmt: skip
+    "funcshard/full_shard",
+    "fsdp2",
+    "funcshard/shard_grad_op",
+    "fsdp2/no_reshard",
+    "funcshard/no_shard",
+    "ddp",
+    "fsdp1",
+    "floor",
+    "single",
+    "funcshard/hybrid_shard",
+]
 # the deep model measures each unit's fixed cost: the sharded modes against plain torch
 DEFAULT_MODES_DEEP = ["funcshard/full_shard", "fsdp2", "floor", "plain"]
 

@@ -36,8 +36,12 @@ def init_params(args: argparse.Namespace) -> dict[str, Any]:
 
     def block() -> dict[str, Any]:
         ln = {"scale": torch.ones(args.width), "bias": torch.zeros(args.width)}
-        return {"ln": ln, "w1": dense(args.width, 4 * args.width), "b1": torch.zeros(4 * args.width),
-                "w2": dense(4 * args.width, args.width) / math.sqrt(2 * args.layers)}  # fmt: skip
+        return {
+            "ln": ln,
+            "w1": dense(args.width, 4 * args.width),
+            "b1": torch.zeros(4 * args.width),
+            "w2": dense(4 * args.width, args.width) / math.sqrt(2 * args.layers),
+        }
 
     return {
         "embed": 0.1 * torch.randn(args.vocab, args.width, generator=gen),

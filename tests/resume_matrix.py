@@ -33,10 +33,19 @@ def torchrun(
 ) -> subprocess.CompletedProcess[str]:
     """One job of ``resume_train.py`` on two CPU ranks under torchrun (one restart by default)."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "--max-restarts", str(max_restarts), str(ROOT / "tests" / "resume_train.py"),
-        str(directory), str(STEPS), *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(max_restarts),
+        str(ROOT / "tests" / "resume_train.py"),
+        str(directory),
+        str(STEPS),
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     env.pop("FUNCSHARD_RUN", None)
     return subprocess.run(

@@ -46,9 +46,11 @@ def main() -> None:
         sparams, state = opt.update_(grads, state, sparams)
         if (t + 1) % 10 == 0:
             fs.checkpoint.save(
-                directory / f"step{t + 1:04d}", {"params": sparams, "opt": state, "step": t + 1},
-                step=t + 1, keep=2,
-            )  # fmt: skip
+                directory / f"step{t + 1:04d}",
+                {"params": sparams, "opt": state, "step": t + 1},
+                step=t + 1,
+                keep=2,
+            )
         if (t + 1) % 50 == 0:
             fs.unshard(sparams, rank0_only=True)
         if t + 1 in (20, steps):

@@ -22,9 +22,15 @@ import torch
 from tests.resume_matrix import torchrun
 
 PHASES = [
-    ("save:write", 1), ("save:write", -1), ("save:write", 0), ("mid_save", -1),
-    ("save:manifest", 0), ("save:committed", 0), ("save:rotating", 0), ("save:rotating", -1),
-]  # fmt: skip
+    ("save:write", 1),
+    ("save:write", -1),
+    ("save:write", 0),
+    ("mid_save", -1),
+    ("save:manifest", 0),
+    ("save:committed", 0),
+    ("save:rotating", 0),
+    ("save:rotating", -1),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,9 +63,17 @@ def main(argv: list[str] | None = None) -> int:
             directory = root / f"kill{i}"
             start = time.monotonic()
             done = torchrun(
-                directory, "--kill-at", str(step), "--kill-rank", str(victim), "--kill-point", point,
-                "--keep", "2", max_restarts=0,
-            )  # fmt: skip
+                directory,
+                "--kill-at",
+                str(step),
+                "--kill-rank",
+                str(victim),
+                "--kill-point",
+                point,
+                "--keep",
+                "2",
+                max_restarts=0,
+            )
             problem = None if done.returncode != 0 else "the job was not killed"
             listed = sorted(  # staging directories (".<name>.tmp-...") are never checkpoints
                 d.name

@@ -7,17 +7,48 @@ import pytest
 import funcshard as fs
 
 CORE = {
-    "init", "rank", "world_size", "mean_over_ranks", "set_collective_timeout", "Mesh", "P",
+    "init",
+    "rank",
+    "world_size",
+    "mean_over_ranks",
+    "set_collective_timeout",
+    "Mesh",
+    "P",
     "NamedSharding",
-    "plan", "Plan", "shard", "unshard", "materialize", "ShardedTensor", "call", "value_and_grad",
+    "plan",
+    "Plan",
+    "shard",
+    "unshard",
+    "materialize",
+    "ShardedTensor",
+    "call",
+    "value_and_grad",
     "forward",
-    "Step", "StepStats", "MixedPrecision", "BudgetError", "CollectiveError", "DesyncError",
-    "DonatedError", "SpecError", "verify", "VerifyReport", "seed", "MetricLogger",
-}  # fmt: skip
+    "Step",
+    "StepStats",
+    "MixedPrecision",
+    "BudgetError",
+    "CollectiveError",
+    "DesyncError",
+    "DonatedError",
+    "SpecError",
+    "verify",
+    "VerifyReport",
+    "seed",
+    "MetricLogger",
+}
 NAMESPACES = {
-    "tree", "sharding", "cost", "presets", "initializers", "optim", "checkpoint", "interop", "testing",
+    "tree",
+    "sharding",
+    "cost",
+    "presets",
+    "initializers",
+    "optim",
+    "checkpoint",
+    "interop",
+    "testing",
     "data",
-}  # fmt: skip
+}
 
 
 def test_the_root_holds_the_core_and_the_namespaces():

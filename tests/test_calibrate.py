@@ -34,9 +34,17 @@ def test_calibrate_measures_two_ranks_and_writes_json_the_planner_reads(tmp_path
 
 
 def test_describe_takes_the_median_over_ranks_and_bounds_fractions():
-    base = {"peak_flops": 1e10, "block_flops": 2e10, "memory_bandwidth": 1e9,
-            "copy_bandwidth": 1e9, "bandwidth": 1e8, "latency": 1e-4, "overlap": -0.3,
-            "memory_bytes": 2**30, "devices_per_node": 2}  # fmt: skip
+    base = {
+        "peak_flops": 1e10,
+        "block_flops": 2e10,
+        "memory_bandwidth": 1e9,
+        "copy_bandwidth": 1e9,
+        "bandwidth": 1e8,
+        "latency": 1e-4,
+        "overlap": -0.3,
+        "memory_bytes": 2**30,
+        "devices_per_node": 2,
+    }
     hw = describe(
         [base, {**base, "peak_flops": 3e10}, {**base, "peak_flops": 2e10}], QUICK, name="x"
     )

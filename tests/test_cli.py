@@ -139,9 +139,12 @@ def test_a_bare_prefix_is_binary_as_nvidia_smi_and_deepspeed_mean_it(text):
     ("text", "said"),
     [
         ("80GB", "--device-memory 80GB = 80 * 10**9 bytes (decimal) = 74.51 GiB"),
-        ("80G", "--device-memory 80G = 80 * 2**30 bytes (binary, as nvidia-smi means G) = 80.00 GiB"),
+        (
+            "80G",
+            "--device-memory 80G = 80 * 2**30 bytes (binary, as nvidia-smi means G) = 80.00 GiB",
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_output_says_how_a_device_memory_was_read(text, said, capsys):
     assert cli.main(["plan", "--model", "llama-7b", "--mesh", "8", "--device-memory", text]) == 0
     out = capsys.readouterr().out
@@ -149,8 +152,9 @@ def test_the_output_says_how_a_device_memory_was_read(text, said, capsys):
 
 
 @pytest.mark.parametrize(
-    ("name", "mib"), [("a100-40gb", 40960), ("a100-80gb", 81920), ("h100-80gb", 81559), ("h200-141gb", 143771)]
-)  # fmt: skip
+    ("name", "mib"),
+    [("a100-40gb", 40960), ("a100-80gb", 81920), ("h100-80gb", 81559), ("h200-141gb", 143771)],
+)
 def test_hardware_presets_hold_the_memory_the_devices_report(name, mib):
     """Reference: nvidia-smi's memory.total (See [Note: device memory] in hardware.py)."""
     assert get_hardware(name).memory_bytes == mib * 2**20
@@ -159,10 +163,16 @@ def test_hardware_presets_hold_the_memory_the_devices_report(name, mib):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("80", "'80' has no unit: write '80GiB' (80 * 2**30 bytes) or '80GB' (80 * 10**9 bytes), or '80B' for bytes"),
-        ("1.5", "'1.5' has no unit: write '1.5GiB' (1.5 * 2**30 bytes) or '1.5GB' (1.5 * 10**9 bytes)"),
+        (
+            "80",
+            "'80' has no unit: write '80GiB' (80 * 2**30 bytes) or '80GB' (80 * 10**9 bytes), or '80B' for bytes",
+        ),
+        (
+            "1.5",
+            "'1.5' has no unit: write '1.5GiB' (1.5 * 2**30 bytes) or '1.5GB' (1.5 * 10**9 bytes)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_size_without_a_unit_names_the_binary_and_the_decimal_reading(text, message):
     """Another reading of "80" (80 bytes, 80 GiB?) would silently plan for the wrong device."""
     with pytest.raises(ValueError, match=re.escape(message)):

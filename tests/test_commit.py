@@ -159,9 +159,20 @@ def _tree(root: Path) -> dict[str, bytes | str]:
 
 
 HOSTILE_RUNS = [
-    "x/../../victim/*", "*", "../victim", "/", ".hidden", "a b", "é", "a" * 129, "job@x",
-    "job\n", "", "x/" + "a" * 10, ".",
-]  # fmt: skip
+    "x/../../victim/*",
+    "*",
+    "../victim",
+    "/",
+    ".hidden",
+    "a b",
+    "é",
+    "a" * 129,
+    "job@x",
+    "job\n",
+    "",
+    "x/" + "a" * 10,
+    ".",
+]
 
 
 @pytest.mark.parametrize("run", HOSTILE_RUNS)

@@ -141,8 +141,17 @@ def _bench_estimate(strategy: Literal["full_shard", "shard_grad_op"]) -> tuple[f
     measured = json.loads((RESULTS / "results.json").read_text())
     assert measured["meta"]["config"] == cfg.to_json(), "the benchmark's model changed"
     hw = Hardware.from_json(RESULTS / "hardware-this-machine.json")
-    shape = ModelConfig("gpt", cfg.layers, cfg.width, 4 * cfg.width, cfg.heads, cfg.heads,
-                        cfg.width // cfg.heads, cfg.vocab, cfg.seq)  # fmt: skip
+    shape = ModelConfig(
+        "gpt",
+        cfg.layers,
+        cfg.width,
+        4 * cfg.width,
+        cfg.heads,
+        cfg.heads,
+        cfg.width // cfg.heads,
+        cfg.vocab,
+        cfg.seq,
+    )
     cost = fs.cost.CostModel(
         workload=fs.cost.Workload(
             shape, batch_size=cfg.batch, seq_len=cfg.seq, flash_attention=True

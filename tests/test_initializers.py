@@ -65,13 +65,18 @@ def test_pinned_values_never_change():
     key = counter_rng.stream_key(0, "blocks/0/w")
     got = counter_rng.bits(key, np.array([0, 1, 2**40, 2**63 - 1], dtype=np.int64))
     assert [hex(b) for b in got.tolist()] == [
-        "0x2084698b26029984", "0x80ff96e5573cb71b", "0x7d9a4e20bcabbf41", "0x60c45322c3328ecb",
-    ]  # fmt: skip
+        "0x2084698b26029984",
+        "0x80ff96e5573cb71b",
+        "0x7d9a4e20bcabbf41",
+        "0x60c45322c3328ecb",
+    ]
     got = counter_rng.bits(counter_rng.stream_key(M64, "", 7), np.array([0, 5], dtype=np.int64))
     assert [hex(b) for b in got.tolist()] == ["0x1bddea415b89e902", "0xddaf34ffaff152c8"]
     assert counter_rng.uniform(key, torch.arange(3)).tolist() == [
-        0.1270204510419809, 0.503899985305213, 0.565183065237492,
-    ]  # fmt: skip
+        0.1270204510419809,
+        0.503899985305213,
+        0.565183065237492,
+    ]
     normal = inits.normal()(Key(0, "blocks/0/w"), (3,), torch.float64)
     expected = [-1.1405892278073089, 0.009775969148659214, 0.1641235670799715]
     assert torch.allclose(normal, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
@@ -185,10 +190,20 @@ def test_fans_equal_torch(shape):
 
 
 ALL = [
-    inits.zeros, inits.ones, inits.constant(0.5), inits.normal(0.02), inits.uniform(-1.0, 2.0), inits.truncated_normal(),
-    inits.xavier_uniform(), inits.xavier_normal(), inits.kaiming_uniform(), inits.kaiming_normal(mode="fan_out"),
-    inits.lecun_normal(), inits.orthogonal(), inits.elementwise(lambda u, index, shape: u * index),
-]  # fmt: skip
+    inits.zeros,
+    inits.ones,
+    inits.constant(0.5),
+    inits.normal(0.02),
+    inits.uniform(-1.0, 2.0),
+    inits.truncated_normal(),
+    inits.xavier_uniform(),
+    inits.xavier_normal(),
+    inits.kaiming_uniform(),
+    inits.kaiming_normal(mode="fan_out"),
+    inits.lecun_normal(),
+    inits.orthogonal(),
+    inits.elementwise(lambda u, index, shape: u * index),
+]
 RANDOM = [init for init in ALL if init not in (inits.zeros, inits.ones, inits.constant(0.5))]
 
 
@@ -259,10 +274,19 @@ def test_constants_fill_any_dtype_exactly():
 
 def test_initializers_are_immutable_values_with_a_readable_repr():
     assert [repr(i) for i in ALL[:12]] == [
-        "zeros", "ones", "constant(0.5)", "normal(std=0.02)", "uniform(low=-1.0, high=2.0)",
-        "truncated_normal()", "xavier_uniform()", "xavier_normal()", "kaiming_uniform()",
-        "kaiming_normal(mode='fan_out')", "lecun_normal()", "orthogonal()",
-    ]  # fmt: skip
+        "zeros",
+        "ones",
+        "constant(0.5)",
+        "normal(std=0.02)",
+        "uniform(low=-1.0, high=2.0)",
+        "truncated_normal()",
+        "xavier_uniform()",
+        "xavier_normal()",
+        "kaiming_uniform()",
+        "kaiming_normal(mode='fan_out')",
+        "lecun_normal()",
+        "orthogonal()",
+    ]
     assert repr(inits.elementwise(_named_fn)) == "elementwise(_named_fn)"
     assert inits.normal(0.02) == inits.normal(std=0.02)
     assert hash(inits.normal(0.02)) == hash(inits.normal(0.02))

@@ -10,6 +10,7 @@ failure names the module and the import that breaks the order.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,29 +38,142 @@ LAYERS = {
 ORDER = {
     "spec": ["mesh", "partition_spec", "named_sharding", "flat_sharding"],
     "plan": [
-        "rules", "strategy", "precision", "sizes", "units", "model_config", "presets",
-        "activations", "hardware", "step_time", "cost_model", "estimates", "leaf", "explain",
-        "plan", "resolve", "cost", "search", "advice", "auto", "planner",
+        "rules",
+        "strategy",
+        "precision",
+        "sizes",
+        "units",
+        "model_config",
+        "presets",
+        "activations",
+        "hardware",
+        "step_time",
+        "cost_model",
+        "estimates",
+        "leaf",
+        "explain",
+        "plan",
+        "resolve",
+        "cost",
+        "search",
+        "advice",
+        "auto",
+        "planner",
     ],
-    "comm": ["runtime", "channel", "agree", "settle", "lifecycle", "metrics", "ledger", "groups", "algorithm", "arena", "shm", "reduce_scatter", "all_gather", "preflight", "inputs", "collectives"],
+    "comm": [
+        "runtime",
+        "channel",
+        "agree",
+        "settle",
+        "lifecycle",
+        "metrics",
+        "ledger",
+        "groups",
+        "algorithm",
+        "arena",
+        "shm",
+        "reduce_scatter",
+        "all_gather",
+        "preflight",
+        "inputs",
+        "collectives",
+    ],
     "data": ["sampler", "seed"],
     "shard": [
-        "aliasing", "digest", "counter_rng", "fill", "initializers", "fans", "orthogonal", "layout", "flat",
-        "sharded", "shard", "materialize",
+        "aliasing",
+        "digest",
+        "counter_rng",
+        "fill",
+        "initializers",
+        "fans",
+        "orthogonal",
+        "layout",
+        "flat",
+        "sharded",
+        "shard",
+        "materialize",
     ],
-    "execute": ["reference", "memory", "loss", "buffers", "desync", "part", "unit_state", "bucket", "reduce", "call_record", "run", "replay", "compiled", "call", "value_and_grad", "forward"],
-    "optim": ["base", "schedules", "select", "sgd", "adamw", "lion", "clip", "nonfinite", "adafactor", "chain", "ema", "torch_optim"],
-    "checkpoint": ["errors", "chunks", "manifest", "cleanup", "commit", "dcp_io", "rng", "save", "async_save", "load", "export", "dcp_files", "dcp_metadata", "dcp_import", "dcp_export"],
+    "execute": [
+        "reference",
+        "memory",
+        "loss",
+        "buffers",
+        "desync",
+        "part",
+        "unit_state",
+        "bucket",
+        "reduce",
+        "call_record",
+        "run",
+        "replay",
+        "compiled",
+        "call",
+        "value_and_grad",
+        "forward",
+    ],
+    "optim": [
+        "base",
+        "schedules",
+        "select",
+        "sgd",
+        "adamw",
+        "lion",
+        "clip",
+        "nonfinite",
+        "adafactor",
+        "chain",
+        "ema",
+        "torch_optim",
+    ],
+    "checkpoint": [
+        "errors",
+        "chunks",
+        "manifest",
+        "cleanup",
+        "commit",
+        "dcp_io",
+        "rng",
+        "save",
+        "async_save",
+        "load",
+        "export",
+        "dcp_files",
+        "dcp_metadata",
+        "dcp_import",
+        "dcp_export",
+    ],
     "interop": [
-        "host", "module_tree", "module_units", "binding", "placeholders", "module_init",
-        "hf_checkpointing", "safetensors_format", "safetensors_names", "safetensors_io", "hf_export", "recompute",
-        "hooks", "inputs", "remat_state", "unit_outputs", "leaf_check", "module_state",
-        "weights", "unit_call", "apply", "module", "jax", "orbax",
-        "fsdp_names", "fsdp_optim", "fsdp_checkpoint",
+        "host",
+        "module_tree",
+        "module_units",
+        "binding",
+        "placeholders",
+        "module_init",
+        "hf_checkpointing",
+        "safetensors_format",
+        "safetensors_names",
+        "safetensors_io",
+        "hf_export",
+        "recompute",
+        "hooks",
+        "inputs",
+        "remat_state",
+        "unit_outputs",
+        "leaf_check",
+        "module_state",
+        "weights",
+        "unit_call",
+        "apply",
+        "module",
+        "jax",
+        "orbax",
+        "fsdp_names",
+        "fsdp_optim",
+        "fsdp_checkpoint",
     ],
     "verify": ["report", "batches", "reference", "summary", "verify", "worker", "launch"],
     "cli": ["hf_config", "model_source", "deepspeed", "plot", "report"],
-}  # fmt: skip
+}
 DISTRIBUTED_OK = {"comm", "execute", "optim", "checkpoint", "interop", "calibrate"}
 TORCH_FREE = {"spec"}  # pure index math
 
@@ -173,3 +287,20 @@ def test_every_module_stays_under_400_lines():
         if (n := len(p.read_text().splitlines())) > 400
     }
     assert not long, f"split these modules: {long}"
+
+
+def test_no_lines_packed_past_the_formatter():
+    """A size limit is a prompt to split by concept: no formatter pragma (skip, off) packs lines."""
+    root = PACKAGE.parent
+    sources = [*root.glob("*.py"), *root.glob("*.md")]
+    for folder in ("funcshard", "tests", "bench", "examples", "docs"):
+        sources += [*(root / folder).rglob("*.py"), *(root / folder).rglob("*.md")]
+    marker = "# fmt: " + "(skip|off)"  # split, so this file does not match itself
+    packed = [
+        f"{p.relative_to(root)}:{i}"
+        for p in sources
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(marker, line)
+    ]
+    assert sources
+    assert not packed, f"format these lines and split the module by concept instead: {packed}"

@@ -307,8 +307,10 @@ def test_frozen_patterns_mark_leaves_and_subtrees_and_round_trip_through_json():
     params = {"base": {"w": torch.zeros(4, 2), "b": torch.zeros(2)}, "lora": torch.zeros(2, 2)}
     plan = fs.plan(params, fs.Mesh({"fsdp": 2}), frozen=["base"])
     assert [(leaf.path, leaf.frozen) for leaf in plan.leaves] == [
-        ("base/b", True), ("base/w", True), ("lora", False),
-    ]  # fmt: skip
+        ("base/b", True),
+        ("base/w", True),
+        ("lora", False),
+    ]
     again = fs.Plan.from_json(json.dumps(plan.to_json()))
     assert again == plan
     assert again.fingerprint() == plan.fingerprint()
@@ -342,13 +344,25 @@ def test_the_flat_layout_round_trips_explains_itself_and_costs_one_range_per_ran
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"version": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}", r"plan JSON: nested more than 256"),
-        ('{"version": 1, "x": ' + "[" * 300 + "]" * 300 + "}", r"plan JSON: x\[0\]\[0\]\[0\]... is nested"),
-        ('{"version": 1, "memory_budget": NaN}', r"plan JSON: memory_budget is NaN, not a finite number"),
+        (
+            '{"version": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            r"plan JSON: nested more than 256",
+        ),
+        (
+            '{"version": 1, "x": ' + "[" * 300 + "]" * 300 + "}",
+            r"plan JSON: x\[0\]\[0\]\[0\]... is nested",
+        ),
+        (
+            '{"version": 1, "memory_budget": NaN}',
+            r"plan JSON: memory_budget is NaN, not a finite number",
+        ),
         ('{"version": 1, "memory_budget": 1e400}', r"plan JSON: memory_budget is 1e400"),
-        ('{"version": 1, "version": 2}', r"plan JSON: not valid JSON \(the key 'version' appears twice"),
+        (
+            '{"version": 1, "version": 2}',
+            r"plan JSON: not valid JSON \(the key 'version' appears twice",
+        ),
     ],
-)  # fmt: skip
+)
 def test_plan_json_text_is_read_strictly(text, message):
     with pytest.raises(ValueError, match=message):
         Plan.from_json(text)
@@ -379,7 +393,9 @@ def test_leaves_that_do_not_require_grad_among_ones_that_do_are_frozen_or_refuse
         fs.plan(params, fs.Mesh({"fsdp": 2}))
     frozen = fs.plan(params, fs.Mesh({"fsdp": 2}), frozen=["b"])
     assert [(leaf.path, leaf.frozen) for leaf in frozen.leaves] == [
-        ("b", True), ("step", False), ("w", False),
-    ]  # fmt: skip
+        ("b", True),
+        ("step", False),
+        ("w", False),
+    ]
     alike = {"w": torch.zeros(4, 2), "b": torch.zeros(4)}  # a plain tree: nothing requires grad
     assert not any(leaf.frozen for leaf in fs.plan(alike, fs.Mesh({"fsdp": 2})).leaves)

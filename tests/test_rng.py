@@ -140,21 +140,51 @@ def _set(fields: list[Any], index: slice | int, value: Any) -> None:
 
 
 BAD_ROWS: dict[str, tuple[Any, str]] = {
-    "python-gauss-nan": (lambda c, p, n: (_set(p, 625, 1), _set(p, 626, float("nan"))), r"Python's random state: its cached Gaussian is nan"),
-    "python-gauss-inf": (lambda c, p, n: _set(p, 626, float("inf")), r"Python's random state: its cached Gaussian is inf"),
-    "python-mt-zero": (lambda c, p, n: _set(p, slice(0, 624), 0), r"Python's random state: its MT19937 state is all zero"),
-    "python-mt-degenerate": (lambda c, p, n: (_set(p, slice(1, 624), 0), _set(p, 0, 0x7FFF_FFFF)), r"all zero \(degenerate"),
+    "python-gauss-nan": (
+        lambda c, p, n: (_set(p, 625, 1), _set(p, 626, float("nan"))),
+        r"Python's random state: its cached Gaussian is nan",
+    ),
+    "python-gauss-inf": (
+        lambda c, p, n: _set(p, 626, float("inf")),
+        r"Python's random state: its cached Gaussian is inf",
+    ),
+    "python-mt-zero": (
+        lambda c, p, n: _set(p, slice(0, 624), 0),
+        r"Python's random state: its MT19937 state is all zero",
+    ),
+    "python-mt-degenerate": (
+        lambda c, p, n: (_set(p, slice(1, 624), 0), _set(p, 0, 0x7FFF_FFFF)),
+        r"all zero \(degenerate",
+    ),
     "python-position": (lambda c, p, n: _set(p, 624, 625), r"position 625 is not in \[0, 624\]"),
-    "numpy-gauss-nan": (lambda c, p, n: (_set(n, 625, 1), _set(n, 626, float("nan"))), r"numpy's global generator state: its cached Gaussian is nan"),
-    "numpy-mt-zero": (lambda c, p, n: _set(n, slice(0, 624), 0), r"numpy's global generator state: its MT19937 state is all zero"),
-    "torch-normal-nan": (lambda c, p, n: (_set(c, 629, float("nan")), _set(c, 631, 1)), r"torch CPU RNG state: a cached normal sample is not finite"),
-    "torch-float-normal-nan": (lambda c, p, n: _set(c, 632, float("nan")), r"torch CPU RNG state: a cached normal sample is not finite"),
-    "torch-mt-zero": (lambda c, p, n: _set(c, slice(4, 628), 0), r"torch CPU RNG state: its MT19937 state is all zero"),
-    "torch-mt-word": (lambda c, p, n: _set(c, 10, 1 << 40), r"torch CPU RNG state: an MT19937 word is not a 32-bit value"),
+    "numpy-gauss-nan": (
+        lambda c, p, n: (_set(n, 625, 1), _set(n, 626, float("nan"))),
+        r"numpy's global generator state: its cached Gaussian is nan",
+    ),
+    "numpy-mt-zero": (
+        lambda c, p, n: _set(n, slice(0, 624), 0),
+        r"numpy's global generator state: its MT19937 state is all zero",
+    ),
+    "torch-normal-nan": (
+        lambda c, p, n: (_set(c, 629, float("nan")), _set(c, 631, 1)),
+        r"torch CPU RNG state: a cached normal sample is not finite",
+    ),
+    "torch-float-normal-nan": (
+        lambda c, p, n: _set(c, 632, float("nan")),
+        r"torch CPU RNG state: a cached normal sample is not finite",
+    ),
+    "torch-mt-zero": (
+        lambda c, p, n: _set(c, slice(4, 628), 0),
+        r"torch CPU RNG state: its MT19937 state is all zero",
+    ),
+    "torch-mt-word": (
+        lambda c, p, n: _set(c, 10, 1 << 40),
+        r"torch CPU RNG state: an MT19937 word is not a 32-bit value",
+    ),
     "torch-left": (lambda c, p, n: _set(c, 1, 0), r"torch CPU RNG state: seeded=1, left=0"),
     "torch-seeded": (lambda c, p, n: _set(c, 2, 0), r"torch CPU RNG state: seeded=0"),
     "torch-flag": (lambda c, p, n: _set(c, 633, 7), r"a cached-normal flag is neither 0 nor 1"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_ROWS))

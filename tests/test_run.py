@@ -234,17 +234,34 @@ def test_backward_regathers_each_unit_and_prefetches_the_one_before(pools):
     events = pools.run(2, _trace_one_step)[0]
     b = [f"blocks/{i}" for i in range(3)]
     forward = [
-        ("start", "<root>"), ("finish", "<root>"), ("start", b[0]),
-        ("finish", b[0]), ("start", b[1]), ("free", b[0]),
-        ("finish", b[1]), ("start", b[2]), ("free", b[1]),
-        ("finish", b[2]), ("free", b[2]),
-    ]  # fmt: skip
+        ("start", "<root>"),
+        ("finish", "<root>"),
+        ("start", b[0]),
+        ("finish", b[0]),
+        ("start", b[1]),
+        ("free", b[0]),
+        ("finish", b[1]),
+        ("start", b[2]),
+        ("free", b[1]),
+        ("finish", b[2]),
+        ("free", b[2]),
+    ]
     backward = [  # a unit is freed before its gradients are packed for the reduce-scatter
-        ("start", b[2]), ("finish", b[2]), ("start", b[1]), ("free", b[2]), ("reduce", b[2]),
-        ("finish", b[1]), ("start", b[0]), ("free", b[1]), ("reduce", b[1]),
-        ("finish", b[0]), ("free", b[0]), ("reduce", b[0]),
-        ("free", "<root>"), ("reduce", "<root>"),
-    ]  # fmt: skip
+        ("start", b[2]),
+        ("finish", b[2]),
+        ("start", b[1]),
+        ("free", b[2]),
+        ("reduce", b[2]),
+        ("finish", b[1]),
+        ("start", b[0]),
+        ("free", b[1]),
+        ("reduce", b[1]),
+        ("finish", b[0]),
+        ("free", b[0]),
+        ("reduce", b[0]),
+        ("free", "<root>"),
+        ("reduce", "<root>"),
+    ]
     assert events == forward + backward
 
 

@@ -16,9 +16,12 @@ from tests.strategies import meshes
 def cases(draw: st.DrawFn) -> dict:
     mesh = draw(meshes(max_axes=3))
     names = list(mesh.axis_names)
-    axes = draw(st.one_of(st.none(), st.permutations(names).flatmap(
-        lambda p: st.integers(0, len(p)).map(lambda k: p[:k])
-    )))  # fmt: skip
+    axes = draw(
+        st.one_of(
+            st.none(),
+            st.permutations(names).flatmap(lambda p: st.integers(0, len(p)).map(lambda k: p[:k])),
+        )
+    )
     return {
         "n": draw(st.integers(0, 40)),
         "mesh": mesh,

@@ -32,16 +32,39 @@ def _count(config) -> int:
 @pytest.mark.parametrize(
     ("config", "units"),
     [
-        (lambda: transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=100), ["model/layers/*"]),
-        (lambda: transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=50,
-                                            num_local_experts=4, num_experts_per_tok=2), ["model/layers/*"]),
-        (lambda: transformers.T5Config(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, vocab_size=40),
-         ["encoder/block/*", "decoder/block/*"]),
+        (
+            lambda: transformers.LlamaConfig(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=100,
+            ),
+            ["model/layers/*"],
+        ),
+        (
+            lambda: transformers.MixtralConfig(
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=50,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+            ),
+            ["model/layers/*"],
+        ),
+        (
+            lambda: transformers.T5Config(
+                d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, vocab_size=40
+            ),
+            ["encoder/block/*", "decoder/block/*"],
+        ),
     ],
     ids=["llama", "mixtral", "t5"],
-)  # fmt: skip
+)
 def test_a_config_is_planned_with_one_unit_per_decoder_layer(config, units, tmp_path, capsys):
     config = config()
     config.save_pretrained(tmp_path)
@@ -57,8 +80,14 @@ def test_a_config_is_planned_with_one_unit_per_decoder_layer(config, units, tmp_
 
 
 def test_the_folder_deepspeed_and_units_work(tmp_path, capsys):
-    config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=30)  # fmt: skip
+    config = transformers.Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=30,
+    )
     config.save_pretrained(tmp_path)
     out = tmp_path / "plan.json"
     argv = ["plan", "--hf-config", str(tmp_path), "--mesh", "2", "--deepspeed", "--json", str(out)]
@@ -95,8 +124,13 @@ def test_remote_code_is_never_run(tmp_path, capsys):
 
 
 def test_auto_map_on_a_built_in_model_type_is_ignored(tmp_path, capsys):
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, vocab_size=30).to_dict()  # fmt: skip
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        vocab_size=30,
+    ).to_dict()
     config["auto_map"] = {"AutoModelForCausalLM": "evil.Model"}
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert cli.main(["plan", "--hf-config", str(tmp_path), "--mesh", "2"]) == 0
@@ -113,8 +147,14 @@ def test_an_unreadable_config_is_named(tmp_path, capsys):
 
 
 def _llama(**changes) -> dict:
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=30).to_dict()  # fmt: skip
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=30,
+    ).to_dict()
     config.update(changes)
     return config
 
@@ -134,11 +174,19 @@ def test_code_fields_are_removed_at_every_depth():
         "model_type": "llava",
         "auto_map": evil,
         "trust_remote_code": True,
-        "text_config": {"model_type": "llama", "auto_map": evil, "attn_implementation": "kernels-community/flash-attn"},
-        "vision_config": {"model_type": "clip_vision_model", "layers": [{"auto_map": evil}], "_attn_implementation": "x/y"},
+        "text_config": {
+            "model_type": "llama",
+            "auto_map": evil,
+            "attn_implementation": "kernels-community/flash-attn",
+        },
+        "vision_config": {
+            "model_type": "clip_vision_model",
+            "layers": [{"auto_map": evil}],
+            "_attn_implementation": "x/y",
+        },
         "quantization_config": {"quant_method": "bitsandbytes"},
         "custom_pipelines": {"p": {"impl": "evil.P"}},
-    }  # fmt: skip
+    }
     clean, notes = sanitize(config, where="c.json", known=transformers.CONFIG_MAPPING)
     text = json.dumps(clean)
     for key in (
@@ -191,18 +239,33 @@ def test_a_sub_config_of_a_model_type_transformers_lacks_is_refused(tmp_path, ca
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"hidden_size": 10**12}, r"hidden_size is 1000000000000; it must be an integer in \[1, 1048576\]"),
+        (
+            {"hidden_size": 10**12},
+            r"hidden_size is 1000000000000; it must be an integer in \[1, 1048576\]",
+        ),
         ({"hidden_size": -4}, r"hidden_size is -4; it must be an integer"),
-        ({"num_attention_heads": 0}, r"num_attention_heads is 0; it must be an integer in \[1, 65536\]"),
+        (
+            {"num_attention_heads": 0},
+            r"num_attention_heads is 0; it must be an integer in \[1, 65536\]",
+        ),
         ({"hidden_size": 32.5}, r"hidden_size is 32.5; it must be an integer"),
         ({"hidden_size": True}, r"hidden_size is True; it must be an integer"),
         ({"vocab_size": "30"}, r"vocab_size is 30; it must be an integer"),
-        ({"num_key_value_heads": 3}, r"num_attention_heads = 4 is not a multiple of num_key_value_heads = 3"),
+        (
+            {"num_key_value_heads": 3},
+            r"num_attention_heads = 4 is not a multiple of num_key_value_heads = 3",
+        ),
         ({"num_hidden_layers": 10**9}, r"num_hidden_layers is 1000000000"),
-        ({"text_config": {"model_type": "llama", "hidden_size": 0}}, r"text_config.hidden_size is 0"),
-        ({"hidden_size": 33, "head_dim": None}, r"hidden_size = 33 is not a multiple of num_attention_heads = 4"),
+        (
+            {"text_config": {"model_type": "llama", "hidden_size": 0}},
+            r"text_config.hidden_size is 0",
+        ),
+        (
+            {"hidden_size": 33, "head_dim": None},
+            r"hidden_size = 33 is not a multiple of num_attention_heads = 4",
+        ),
     ],
-)  # fmt: skip
+)
 def test_dims_are_checked_before_transformers_sees_them(tmp_path, capsys, changes, message):
     code, out = _plan(tmp_path, _llama(**changes), capsys)
     assert code == 2, out
@@ -213,13 +276,28 @@ def test_dims_are_checked_before_transformers_sees_them(tmp_path, capsys, change
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"model_type": "llama", "hidden_size": NaN}', r"config.json: hidden_size is NaN, not a finite number"),
-        ('{"model_type": "llama", "rope_theta": 1e400}', r"config.json: rope_theta is 1e400, not a finite number"),
-        ('{"model_type": "llama", "x": ' + "[" * 5000 + "]" * 5000 + "}", r"config.json: nested more than 64"),
-        ('{"model_type": "llama", "x": ' + "[" * 70 + "]" * 70 + "}", r"config.json: x\[0\]\[0\]\[0\]... is nested more than 64"),
-        ('{"model_type": "llama", "model_type": "t5"}', r"config.json: not valid JSON \(the key 'model_type' appears twice"),
+        (
+            '{"model_type": "llama", "hidden_size": NaN}',
+            r"config.json: hidden_size is NaN, not a finite number",
+        ),
+        (
+            '{"model_type": "llama", "rope_theta": 1e400}',
+            r"config.json: rope_theta is 1e400, not a finite number",
+        ),
+        (
+            '{"model_type": "llama", "x": ' + "[" * 5000 + "]" * 5000 + "}",
+            r"config.json: nested more than 64",
+        ),
+        (
+            '{"model_type": "llama", "x": ' + "[" * 70 + "]" * 70 + "}",
+            r"config.json: x\[0\]\[0\]\[0\]... is nested more than 64",
+        ),
+        (
+            '{"model_type": "llama", "model_type": "t5"}',
+            r"config.json: not valid JSON \(the key 'model_type' appears twice",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_malformed_config_file_is_named_with_the_field(tmp_path, capsys, text, message):
     (tmp_path / "config.json").write_text(text)
     assert cli.main(["plan", "--hf-config", str(tmp_path), "--mesh", "2"]) == 2

@@ -156,9 +156,12 @@ def _measure(rank: int, s: Settings, store_path: str) -> dict[str, float]:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     store = dist.FileStore(store_path, s.world_size)  # pyright: ignore[reportPrivateImportUsage]
     dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=s.world_size,
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=s.world_size,
         timeout=datetime.timedelta(seconds=600),
-    )  # fmt: skip
+    )
     try:
         return _measure_all(s, device)
     finally:

@@ -32,10 +32,16 @@ from funcshard._src.untrusted import field_name, read_json
 MAX_CONFIG_BYTES = 16 << 20
 REMOTE_CODE = ("auto_map", "trust_remote_code", "custom_pipelines")
 IMPLEMENTATIONS = (
-    "attn_implementation", "_attn_implementation", "_attn_implementation_internal",
-    "_attn_implementation_autoset", "experts_implementation", "_experts_implementation",
-    "_experts_implementation_internal", "use_kernels", "kernel_config",
-)  # fmt: skip
+    "attn_implementation",
+    "_attn_implementation",
+    "_attn_implementation_internal",
+    "_attn_implementation_autoset",
+    "experts_implementation",
+    "_experts_implementation",
+    "_experts_implementation_internal",
+    "use_kernels",
+    "kernel_config",
+)
 QUANTIZATION = ("quantization_config",)
 _WIDTH = (1, 1 << 20)
 _HEADS = (1, 1 << 16)
@@ -43,31 +49,68 @@ _LAYERS = (0, 1 << 16)
 _EXPERTS = (0, 1 << 16)
 DIMS: Mapping[str, tuple[int, int]] = {
     **dict.fromkeys(
-        ("hidden_size", "n_embd", "d_model", "intermediate_size", "ffn_dim", "d_ff", "n_inner",
-         "encoder_ffn_dim", "decoder_ffn_dim", "head_dim", "d_kv", "kv_channels",
-         "moe_intermediate_size", "shared_expert_intermediate_size", "embedding_size",
-         "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"),
+        (
+            "hidden_size",
+            "n_embd",
+            "d_model",
+            "intermediate_size",
+            "ffn_dim",
+            "d_ff",
+            "n_inner",
+            "encoder_ffn_dim",
+            "decoder_ffn_dim",
+            "head_dim",
+            "d_kv",
+            "kv_channels",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "embedding_size",
+            "kv_lora_rank",
+            "q_lora_rank",
+            "qk_rope_head_dim",
+            "qk_nope_head_dim",
+            "v_head_dim",
+        ),
         _WIDTH,
     ),
     **dict.fromkeys(
-        ("num_attention_heads", "n_head", "num_heads", "num_key_value_heads",
-         "encoder_attention_heads", "decoder_attention_heads", "n_head_kv",
-         "multi_query_group_num"),
+        (
+            "num_attention_heads",
+            "n_head",
+            "num_heads",
+            "num_key_value_heads",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+            "n_head_kv",
+            "multi_query_group_num",
+        ),
         _HEADS,
     ),
     **dict.fromkeys(
-        ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers",
-         "decoder_layers"),
+        (
+            "num_hidden_layers",
+            "n_layer",
+            "num_layers",
+            "num_decoder_layers",
+            "encoder_layers",
+            "decoder_layers",
+        ),
         _LAYERS,
     ),
     **dict.fromkeys(
-        ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok",
-         "n_shared_experts", "moe_topk"),
+        (
+            "num_local_experts",
+            "num_experts",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "n_shared_experts",
+            "moe_topk",
+        ),
         _EXPERTS,
     ),
     "vocab_size": (1, 1 << 26),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx"), (1, 1 << 30)),
-}  # fmt: skip
+}
 
 
 def read_config(path: Path, /) -> dict[str, Any]:
@@ -153,11 +196,14 @@ def _clean(
     out: dict[str, Any] = {}
     for key, value in node.items():
         kind = (
-            "code" if key in REMOTE_CODE
-            else "implementation" if key in IMPLEMENTATIONS
-            else "quantization" if key in QUANTIZATION
+            "code"
+            if key in REMOTE_CODE
+            else "implementation"
+            if key in IMPLEMENTATIONS
+            else "quantization"
+            if key in QUANTIZATION
             else None
-        )  # fmt: skip
+        )
         if kind is not None:
             removed.setdefault(kind, []).append((key, place, value))
             continue

@@ -243,9 +243,13 @@ def _probe(group: Any) -> Arena | None:
         return None
     shared_marks = platform.machine().lower() in _ORDERED_MACHINES
     return Arena(
-        group, me, w, [int(row[1]) for row in rows], marks=[0] * w,
+        group,
+        me,
+        w,
+        [int(row[1]) for row in rows],
+        marks=[0] * w,
         pages=pages if shared_marks else [],
-    )  # fmt: skip
+    )
 
 
 def _timeout() -> Timeout:

@@ -126,9 +126,12 @@ def all_gather(
     def call() -> Any:  # nccl: the backend's own, exactly as before
         if gloo:
             return _ag.start(
-                chosen, flat, target.view(size, -1), group,
+                chosen,
+                flat,
+                target.view(size, -1),
+                group,
                 fallback_to=_ag.fallback(requested, size, nbytes),
-            )  # fmt: skip
+            )
         return _all_gather_single(target.view(-1), flat, group=group, async_op=True)
 
     pending = _issue("all_gather", tag, axes, bound, group, flat, call)
@@ -329,9 +332,14 @@ def gather_to_rank0(
     rows = None if out is None else list(out.unbind(0))
     group = dist.distributed_c10d._get_default_group()
     pending = _issue(
-        "gather to rank 0", tag, bound.mesh.axis_names, bound, group, flat,
+        "gather to rank 0",
+        tag,
+        bound.mesh.axis_names,
+        bound,
+        group,
+        flat,
         lambda: dist.gather(flat, rows, dst=0, async_op=True),
-    )  # fmt: skip
+    )
     pending.wait()
     if ledger is not None:
         ledger.record(

@@ -47,12 +47,16 @@ from funcshard._src.comm import shm
 from funcshard._src.comm.algorithm import Timeout, check_known, from_env, wait_work
 from funcshard._src.comm.channel import reduce_scatter_single
 
-Algorithm = Literal[
-    "auto", "native", "all_reduce", "all_to_all", "ring", "ring_pipelined", "shm"
-]  # fmt: skip
+Algorithm = Literal["auto", "native", "all_reduce", "all_to_all", "ring", "ring_pipelined", "shm"]
 ALGORITHMS: tuple[Algorithm, ...] = (
-    "auto", "native", "all_reduce", "all_to_all", "ring", "ring_pipelined", "shm",
-)  # fmt: skip
+    "auto",
+    "native",
+    "all_reduce",
+    "all_to_all",
+    "ring",
+    "ring_pipelined",
+    "shm",
+)
 ALGORITHM_ENV = "FUNCSHARD_REDUCE_SCATTER"
 # "auto" on gloo (bench/reduce_scatter.py on a loaded 2-core machine, median of 9 rounds): at
 # W = 2 the ring took 0.4-0.7x the time of all_reduce from 4 MiB to 64 MiB in every run, 1.0x

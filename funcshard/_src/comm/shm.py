@@ -60,14 +60,24 @@ from funcshard._src.comm.arena import (
     arena,
     enabled,
     existing,
-)  # fmt: skip
+)
 from funcshard._src.comm.channel import all_gather_single
 from funcshard._src.comm.runtime import CollectiveError
 
 __all__ = [
-    "ENV", "MIN_BYTES", "Arena", "Exchange", "all_gather", "all_gather_pieces", "all_reduce",
-    "arena", "enabled", "existing", "input_rows", "reduce_scatter",
-]  # fmt: skip
+    "ENV",
+    "MIN_BYTES",
+    "Arena",
+    "Exchange",
+    "all_gather",
+    "all_gather_pieces",
+    "all_reduce",
+    "arena",
+    "enabled",
+    "existing",
+    "input_rows",
+    "reduce_scatter",
+]
 
 
 class Exchange:
@@ -191,9 +201,14 @@ def reduce_scatter(a: Arena, rows: torch.Tensor, out: torch.Tensor, /) -> Exchan
         _sum_in_order(terms, out)
 
     return Exchange(
-        a, parts, finish, "shared-memory reduce-scatter",
-        size=rows.shape[1] * rows.element_size(), layout=int(whole), in_place=whole,
-    )  # fmt: skip
+        a,
+        parts,
+        finish,
+        "shared-memory reduce-scatter",
+        size=rows.shape[1] * rows.element_size(),
+        layout=int(whole),
+        in_place=whole,
+    )
 
 
 def input_rows(a: Arena, w: int, n: int, dtype: torch.dtype, /) -> torch.Tensor:

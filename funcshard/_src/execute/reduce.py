@@ -317,9 +317,13 @@ class Reducer:
             packed.div_(self.world_size)
         if unit.group_size == 1 and replica:  # no_shard: start the all-reduce now, overlapped
             stage = collectives.all_reduce(
-                packed.view(-1), unit.bound, replica, ledger=unit.ledger, tag=unit.name,
+                packed.view(-1),
+                unit.bound,
+                replica,
+                ledger=unit.ledger,
+                tag=unit.name,
                 out=None if packed is rows else rows.view(-1),
-            )  # fmt: skip
+            )
             then: tuple[str, ...] = ()
             staging = None  # reduced in place: it becomes the gradient
         else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter

@@ -231,9 +231,14 @@ class UnitRuntime:
         if not part.by_leaf:
             algorithm = _ag.leaf_algorithm() if part.layout.flat and self.leafwise else None
             pending = collectives.all_gather(
-                local, self.bound, self.axes, out=part.full, ledger=self.ledger, tag=self.name,
+                local,
+                self.bound,
+                self.axes,
+                out=part.full,
+                ledger=self.ledger,
+                tag=self.name,
                 algorithm=algorithm,
-            )  # fmt: skip
+            )
             return [pending]
         pieces = [
             (slot.offset, view.view(self.group_size, slot.numel))

@@ -86,9 +86,13 @@ def load_safetensors(
                 [4., 5.]])
     """
     return load_safetensors_for_rank(
-        files, plan, _rank_of(plan), names=names, ignore_unexpected=ignore_unexpected,
+        files,
+        plan,
+        _rank_of(plan),
+        names=names,
+        ignore_unexpected=ignore_unexpected,
         device=device,
-    )  # fmt: skip
+    )
 
 
 def load_safetensors_for_rank(

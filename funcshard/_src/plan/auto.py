@@ -193,9 +193,10 @@ def plan_within(spec: Spec, strategy: Requested, budget: int, cost: CostModel | 
     if not found.fits:
         least = min(range(len(options)), key=lambda k: uniform[k][1].memory)
         raise BudgetError(
-            missing(spec, options[least], raw_budget, uniform[least][1].memory,
-                    per_option[least], model)
-        )  # fmt: skip
+            missing(
+                spec, options[least], raw_budget, uniform[least][1].memory, per_option[least], model
+            )
+        )
     names = [c.name for c in per_option[0]]
     why = reasons(options, per_option, ctx, choice)
     fixed_fits = [f"{s} {u.describe()}" for s, u in uniform if u.fits]

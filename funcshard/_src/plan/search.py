@@ -235,9 +235,12 @@ def assign(
 
 
 def reasons(
-    options: Sequence[Strategy], per_option: Sequence[Sequence[UnitCost]], ctx: Context,
-    choice: Sequence[int], /,
-) -> list[str]:  # fmt: skip
+    options: Sequence[Strategy],
+    per_option: Sequence[Sequence[UnitCost]],
+    ctx: Context,
+    choice: Sequence[int],
+    /,
+) -> list[str]:
     """Per unit, why its strategy: what each other strategy for it alone would give."""
     search = Search(per_option, ctx)
     now = search.start(choice)
@@ -252,9 +255,10 @@ def reasons(
             s = search.moved(i, b)
             best = best and s.rank() >= now.rank()
             others.append(
-                f"{option} exceeds {format_bytes(ctx.budget)}" if not s.fits
+                f"{option} exceeds {format_bytes(ctx.budget)}"
+                if not s.fits
                 else f"{option} {s.describe()}"
-            )  # fmt: skip
+            )
         head = f"the {goal} that fits" if best else "the best found by the bounded search"
         out.append(f"{head} ({now.describe()}); " + "; ".join(others))
     return out

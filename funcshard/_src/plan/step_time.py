@@ -57,8 +57,11 @@ class StepTime:
     def to_json(self) -> dict[str, float]:
         """Every field, the step, TFLOP/s per device and MFU, as JSON output shows them."""
         out = {f.name: float(getattr(self, f.name)) for f in fields(self)}
-        return out | {"step_s": self.step_s, "tflops_per_device": self.tflops_per_device,
-                      "mfu": self.mfu}  # fmt: skip
+        return out | {
+            "step_s": self.step_s,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+        }
 
 
 def flops_per_token(n_params: int, workload: Workload, /, *, executed: bool = True) -> float:

@@ -366,8 +366,24 @@ def _refuse(op: str) -> Callable[..., Any]:
 
 
 for _op in (
-    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__matmul__", "__rmatmul__",
-    "__truediv__", "__rtruediv__", "__pow__", "__neg__", "__getitem__", "__float__", "__int__",
-    "__lt__", "__le__", "__gt__", "__ge__",
-):  # fmt: skip
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__matmul__",
+    "__rmatmul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__pow__",
+    "__neg__",
+    "__getitem__",
+    "__float__",
+    "__int__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+):
     setattr(ShardedTensor, _op, _refuse(_op))

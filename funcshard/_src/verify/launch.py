@@ -55,9 +55,21 @@ def command(script: str, args: Sequence[str], /, *, nproc: int) -> list[str]:
         ['-m', 'torch.distributed.run', '--standalone', '--nnodes', '1', '--nproc-per-node', '2']
     """
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-        "--nproc-per-node", str(nproc), "--local-addr", "127.0.0.1", "-m", WORKER, script, *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--local-addr",
+        "127.0.0.1",
+        "-m",
+        WORKER,
+        script,
+        *args,
+    ]
 
 
 def launch(script: str, args: Sequence[str], /, *, nproc: int) -> int:

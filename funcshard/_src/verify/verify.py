@@ -132,9 +132,17 @@ def verify(
     model = cost or CostModel(optimizer="sgd", mixed_precision=mixed_precision, prefetch=prefetch)
     bound = groups.bind(plan.mesh)
     records = _measure(
-        loss_fn, params, plan, batch, steps, optimizer or sgd(lr=DEFAULT_LR),
-        mixed_precision=mp, prefetch=prefetch, has_aux=has_aux, rank=bound.rank,
-    )  # fmt: skip
+        loss_fn,
+        params,
+        plan,
+        batch,
+        steps,
+        optimizer or sgd(lr=DEFAULT_LR),
+        mixed_precision=mp,
+        prefetch=prefetch,
+        has_aux=has_aux,
+        rank=bound.rank,
+    )
     try:
         everyone = agree.all_gather_json(records, "fs.verify: every rank's measurements")
     except (CollectiveError, DesyncError) as e:  # out of step after a failure on some ranks only
@@ -169,9 +177,15 @@ def _measure(
     """This rank's record for :func:`summarize`; collective (shard, the batches, the steps)."""
     n = len(plan.leaves)
     record: dict[str, Any] = {
-        "problems": [], "losses": [], "grad": [None] * n, "param": [None] * n,
-        "fingerprint": [None] * n, "held": None, "sent": [], "peak": None,
-    }  # fmt: skip
+        "problems": [],
+        "losses": [],
+        "grad": [None] * n,
+        "param": [None] * n,
+        "fingerprint": [None] * n,
+        "held": None,
+        "sent": [],
+        "peak": None,
+    }
     problems: list[str] = record["problems"]
     try:
         sparams = shard(params, plan)  # the ranks agree that they passed equal params

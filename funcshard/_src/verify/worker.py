@@ -28,8 +28,15 @@ STATUS_ENV = "FUNCSHARD_VERIFY_STATUS"
 CONFIG_FN = "verify_config"
 POSITIONAL = ("loss_fn", "params", "plan", "batch")
 OPTIONS = (
-    "steps", "optimizer", "mixed_precision", "prefetch", "has_aux", "cost", "rtol", "atol",
-)  # fmt: skip
+    "steps",
+    "optimizer",
+    "mixed_precision",
+    "prefetch",
+    "has_aux",
+    "cost",
+    "rtol",
+    "atol",
+)
 EXAMPLE = (
     "def verify_config():\n"
     "    return {'loss_fn': loss_fn, 'params': params, 'plan': plan, 'batch': batch}"
