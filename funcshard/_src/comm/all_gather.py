@@ -42,8 +42,9 @@ from typing import Any, Literal, cast
 import torch
 import torch.distributed as dist
 
+from funcshard._src.comm import algorithm as _algorithm
 from funcshard._src.comm import shm
-from funcshard._src.comm.algorithm import Timeout, check_known, from_env, wait_work
+from funcshard._src.comm.algorithm import Timeout, from_env, wait_work
 from funcshard._src.comm.channel import all_gather_single
 
 Algorithm = Literal["auto", "native", "ring", "ring_overlapped", "shm"]
@@ -56,6 +57,14 @@ ALGORITHM_ENV = "FUNCSHARD_ALL_GATHER"
 # (4 ranks on 2 cores, three runs of 5 rounds) both rings took 0.64-0.79x at 4 MiB and
 # 0.29-0.48x at 12 MiB, too few runs on an oversubscribed machine to rely on: auto keeps native.
 RING_MIN_BYTES = 16 << 20  # of the whole output
+CHOICES = _algorithm.Choices(
+    "all-gather",
+    ALGORITHMS,
+    ring="ring_overlapped",
+    socket="native",
+    ring_min_bytes=RING_MIN_BYTES,
+    shm_fallback="ring_overlapped",  # writes its output in place, as "shm" does
+)
 
 
 def resolve(algorithm: Algorithm, backend: str, world_size: int, nbytes: int, /) -> Algorithm:
@@ -86,14 +95,9 @@ def resolve(algorithm: Algorithm, backend: str, world_size: int, nbytes: int, /)
         >>> resolve("auto", "gloo", 2, 64 << 20) == ("shm" if shm.enabled() else "ring_overlapped")
         True
     """
-    check_known(algorithm, ALGORITHMS, "all-gather")
-    if backend != "gloo":
-        return "native"
-    if algorithm != "auto":
-        return algorithm
-    if shm.enabled() and nbytes >= shm.MIN_BYTES:
-        return "shm"
-    return fallback("auto", world_size, nbytes)
+    shared = shm.enabled() and nbytes >= shm.MIN_BYTES
+    chosen = _algorithm.resolve(CHOICES, algorithm, backend, world_size, nbytes, shared)
+    return cast("Algorithm", chosen)
 
 
 def fallback(algorithm: Algorithm, world_size: int, nbytes: int, /) -> Algorithm:
@@ -108,11 +112,7 @@ def fallback(algorithm: Algorithm, world_size: int, nbytes: int, /) -> Algorithm
         >>> fallback("auto", 2, 64 << 20), fallback("auto", 2, 1024), fallback("shm", 2, 1024)
         ('ring_overlapped', 'native', 'ring_overlapped')
     """
-    if algorithm == "shm":
-        return "ring_overlapped"
-    if algorithm != "auto":
-        return algorithm
-    return "ring_overlapped" if world_size == 2 and nbytes >= RING_MIN_BYTES else "native"
+    return cast("Algorithm", _algorithm.fallback(CHOICES, algorithm, world_size, nbytes))
 
 
 def default_algorithm() -> Algorithm:

@@ -43,8 +43,9 @@ from typing import Any, Literal, cast
 import torch
 import torch.distributed as dist
 
+from funcshard._src.comm import algorithm as _algorithm
 from funcshard._src.comm import shm
-from funcshard._src.comm.algorithm import Timeout, check_known, from_env, wait_work
+from funcshard._src.comm.algorithm import Timeout, from_env, wait_work
 from funcshard._src.comm.channel import reduce_scatter_single
 
 Algorithm = Literal["auto", "native", "all_reduce", "all_to_all", "ring", "ring_pipelined", "shm"]
@@ -63,6 +64,9 @@ ALGORITHM_ENV = "FUNCSHARD_REDUCE_SCATTER"
 # at 1 MiB and 2-5x as long at 64 KiB and below (one more round trip). At W = 4 (4 ranks on 2
 # cores) runs disagreed (0.6-1.1x), so auto keeps all_reduce there.
 RING_MIN_BYTES = 4 << 20
+CHOICES = _algorithm.Choices(
+    "reduce-scatter", ALGORITHMS, ring="ring", socket="all_reduce", ring_min_bytes=RING_MIN_BYTES
+)
 PIECE_BYTES = 1 << 20  # ring_pipelined: the size of one piece of a row
 
 
@@ -94,14 +98,9 @@ def resolve(algorithm: Algorithm, backend: str, world_size: int, nbytes: int, /)
         >>> resolve("auto", "gloo", 2, 64 << 20) == ("shm" if shm.enabled() else "ring")
         True
     """
-    check_known(algorithm, ALGORITHMS, "reduce-scatter")
-    if backend != "gloo":
-        return "native"
-    if algorithm != "auto":
-        return algorithm
-    if shm.enabled() and nbytes >= shm.MIN_BYTES:
-        return "shm"
-    return fallback("auto", world_size, nbytes)
+    shared = shm.enabled() and nbytes >= shm.MIN_BYTES
+    chosen = _algorithm.resolve(CHOICES, algorithm, backend, world_size, nbytes, shared)
+    return cast("Algorithm", chosen)
 
 
 def fallback(algorithm: Algorithm, world_size: int, nbytes: int, /) -> Algorithm:
@@ -115,9 +114,7 @@ def fallback(algorithm: Algorithm, world_size: int, nbytes: int, /) -> Algorithm
         >>> fallback("shm", 2, 64 << 20), fallback("auto", 2, 1024), fallback("all_to_all", 4, 8)
         ('ring', 'all_reduce', 'all_to_all')
     """
-    if algorithm not in ("auto", "shm"):
-        return algorithm
-    return "ring" if world_size == 2 and nbytes >= RING_MIN_BYTES else "all_reduce"
+    return cast("Algorithm", _algorithm.fallback(CHOICES, algorithm, world_size, nbytes))
 
 
 def default_algorithm() -> Algorithm:
