@@ -43,6 +43,8 @@ ORDER = {
         "precision",
         "sizes",
         "units",
+        "leaf",
+        "plan",
         "model_config",
         "presets",
         "activations",
@@ -50,9 +52,7 @@ ORDER = {
         "step_time",
         "cost_model",
         "estimates",
-        "leaf",
         "explain",
-        "plan",
         "resolve",
         "cost",
         "search",
@@ -304,3 +304,24 @@ def test_no_lines_packed_past_the_formatter():
     ]
     assert sources
     assert not packed, f"format these lines and split the module by concept instead: {packed}"
+
+
+def test_a_step_loads_nothing_that_describes_a_plan():
+    """[Note: the plan is data]: the executor's imports reach no cost, step time, hardware or explanation."""
+    describing = {"cost", "cost_model", "estimates", "explain", "step_time", "hardware", "auto"}
+    describing |= {"search", "advice", "planner", "presets", "activations", "model_config"}
+    reached: dict[str, str] = {}
+    todo = [("funcshard._src.execute.value_and_grad", "")]
+    while todo:
+        name, by = todo.pop()
+        path = SRC.parent.joinpath(*name.split(".")[1:])
+        path = path.with_suffix(".py") if path.with_suffix(".py").exists() else path / "__init__.py"
+        if name in reached or not path.exists():
+            continue
+        reached[name] = by
+        todo += [(n, name) for n, typing_only in _imports(path) if n.startswith("funcshard.")]
+    assert "funcshard._src.plan.plan" in reached
+    loaded = {
+        n: by for n, by in reached.items() if n.split(".")[-1] in describing and ".plan." in n
+    }
+    assert not loaded, f"the executor loads what describes a plan (module: its importer): {loaded}"

@@ -3,42 +3,17 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Protocol
+from typing import cast
 
 from funcshard._src.dtypes import dtype_name
 from funcshard._src.plan.estimates import Estimate
-from funcshard._src.plan.leaf import LeafPlan
+from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.sizes import format_bytes, shape_text, table
 from funcshard._src.plan.strategy import shard_axes
-from funcshard._src.plan.units import Unit
-from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.named_sharding import NamedSharding
 
 
-class Explained(Protocol):
-    """What :func:`explain` reads of a plan (the plan module builds on this one)."""
-
-    @property
-    def mesh(self) -> Mesh: ...
-    @property
-    def leaves(self) -> Sequence[LeafPlan]: ...
-    @property
-    def units(self) -> Sequence[Unit]: ...
-    @property
-    def strategy(self) -> str: ...
-    @property
-    def notes(self) -> Sequence[str]: ...
-    @property
-    def reasons(self) -> Sequence[tuple[str, str]]: ...
-    @property
-    def memory_budget(self) -> int | None: ...
-    @property
-    def estimate(self) -> Estimate | None: ...
-    def fingerprint(self) -> str: ...
-
-
-def explain(plan: Explained, /) -> str:
+def explain(plan: Plan, /) -> str:
     """Renders ``plan``: header, per-leaf table, per-unit table with reasons, per-rank costs, notes."""
     mesh = plan.mesh
     leaf_rows: list[list[str]] = []
@@ -105,9 +80,9 @@ def explain(plan: Explained, /) -> str:
     return "\n".join(lines)
 
 
-def costs(plan: Explained, /) -> list[str]:
+def costs(plan: Plan, /) -> list[str]:
     """The per-rank section of :func:`explain`: memory by category, communication, time, assumptions."""
-    est = plan.estimate
+    est = cast(Estimate | None, plan.estimate)  # the plan holds it as data
     if est is None:
         return [
             "Per rank: not estimated (fs.cost.estimate(plan) gives memory, communication and time)"
@@ -148,3 +123,25 @@ def costs(plan: Explained, /) -> list[str]:
         ]
     lines += ["", "Assumptions:"] + [f"- {a}" for a in est.assumptions]
     return lines
+
+
+def _explain(self: Plan) -> str:
+    """A readable report: per leaf its spec and shard; per unit its strategy and why; per rank memory and communication.
+
+    The per-rank section is the plan's :attr:`estimate`; a plan read back with
+    :meth:`from_json` has none until ``fs.cost.estimate`` gives it one.
+
+    Example:
+        >>> import torch
+        >>> from funcshard._src.plan.planner import plan
+        >>> from funcshard._src.spec.mesh import Mesh
+        >>> params = {"w": torch.zeros(8, 4), "b": torch.zeros(4)}
+        >>> print(plan(params, Mesh({"fsdp": 2})).explain())  # doctest: +ELLIPSIS
+        Plan on Mesh({'fsdp': 2}) (2 ranks), strategy full_shard
+        ...
+    """
+    return explain(self)
+
+
+_explain.__name__ = _explain.__qualname__ = "explain"
+Plan.explain = _explain  # a method added from above: See [Note: the plan is data]

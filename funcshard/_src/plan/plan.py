@@ -4,6 +4,13 @@ A plan is immutable and holds no tensors, only shapes and dtypes, so a plan for
 a model far larger than this machine costs nothing to build. It round-trips
 through JSON and has a fingerprint that is equal on every rank that built it
 from the same inputs.
+
+[Note: the plan is data]
+A plan is what the executor runs: specs, units, strategies. It imports nothing of
+cost, step time, hardware or explanation, so a step loads only the modules it
+runs (``tests/test_layering.py`` follows the executor's imports to check it). What
+describes a plan is added from above: ``explain.py`` adds :meth:`Plan.explain`,
+and the plan's ``cost`` and ``estimate`` are filled in by the planner.
 """
 
 from __future__ import annotations
@@ -13,15 +20,12 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from funcshard._src import tree
 from funcshard._src.dtypes import dtype_name, dtype_of
-from funcshard._src.plan import explain as _explain
-from funcshard._src.plan.cost_model import CostModel
-from funcshard._src.plan.estimates import Estimate
 from funcshard._src.plan.leaf import LeafPlan as LeafPlan
 from funcshard._src.plan.strategy import Strategy, check_strategy
 from funcshard._src.plan.units import LAYOUTS, Unit
@@ -47,9 +51,9 @@ class Plan:
         strategy: the strategy requested for the plan (``"auto"``: chosen per unit).
         notes: remarks made while planning (rules that matched no leaf, ...).
         reasons: per unit, why it has its strategy (``(unit name, reason)``).
-        cost: the cost model the plan was made with.
+        cost: the :class:`~funcshard.cost.CostModel` the plan was made with.
         memory_budget: the bytes per rank the plan was asked to fit, if any.
-        estimate: what the plan costs each rank under ``cost`` (AdamW in the stored
+        estimate: an :class:`~funcshard.cost.Estimate`: what the plan costs each rank under ``cost`` (AdamW in the stored
             dtypes by default), as :func:`funcshard.plan` computed it; :meth:`explain`
             reports it. Not part of the plan's identity (equality, JSON, fingerprint).
     """
@@ -61,9 +65,11 @@ class Plan:
     strategy: Requested
     notes: tuple[str, ...] = ()
     reasons: tuple[tuple[str, str], ...] = ()
-    cost: CostModel | None = None
+    # a CostModel and an Estimate (cost_model.py, estimates.py), typed here as what the plan
+    # itself never reads: See [Note: the plan is data]
+    cost: object | None = None
     memory_budget: int | None = None
-    estimate: Estimate | None = field(default=None, compare=False, repr=False)
+    estimate: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def specs(self) -> Any:
@@ -152,20 +158,9 @@ class Plan:
         except KeyError:
             raise KeyError(f"no unit {name!r}; units are {[u.name for u in self.units]}") from None
 
-    def explain(self) -> str:
-        """A readable report: per leaf its spec and shard; per unit its strategy and why; per rank memory and communication.
+    if TYPE_CHECKING:  # added by explain.py: See [Note: the plan is data]
 
-        The per-rank section is the plan's :attr:`estimate`; a plan read back with
-        :meth:`from_json` has none until ``fs.cost.estimate`` gives it one.
-
-        Example:
-            >>> from funcshard._src.plan.planner import plan
-            >>> params = {"w": torch.zeros(8, 4), "b": torch.zeros(4)}
-            >>> print(plan(params, Mesh({"fsdp": 2})).explain())  # doctest: +ELLIPSIS
-            Plan on Mesh({'fsdp': 2}) (2 ranks), strategy full_shard
-            ...
-        """
-        return _explain.explain(self)
+        def explain(self) -> str: ...
 
     def to_json(self) -> dict[str, Any]:
         """The plan as JSON-ready data; :meth:`from_json` inverts it."""

@@ -16,6 +16,9 @@ import torch
 
 from funcshard._src import tree
 from funcshard._src.plan import auto
+from funcshard._src.plan import (
+    explain as explain,  # adds Plan.explain: See [Note: the plan is data]
+)
 from funcshard._src.plan.cost import estimate
 from funcshard._src.plan.cost_model import CostModel
 from funcshard._src.plan.plan import Default, Plan, Requested
@@ -153,7 +156,7 @@ def plan(
     else:
         made = build(spec, strategy, cost=cost)
     _check_requires_grad(leaves, made)
-    return dataclasses.replace(made, estimate=estimate(made, made.cost or CostModel()))
+    return dataclasses.replace(made, estimate=estimate(made, cost))
 
 
 def _check_requires_grad(leaves: list[torch.Tensor], made: Plan) -> None:
