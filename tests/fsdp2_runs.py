@@ -311,6 +311,20 @@ def save_outcome(directory: str) -> str:
     return "saved"
 
 
+def save_in_either_key_order(directory: str) -> str:
+    """A ``from_torch`` Adam state whose tensors rank 1 lists in the other order (as another
+    PYTHONHASHSEED listed them when they came from a set): the ranks must still save alike."""
+    import torch.distributed as dist
+
+    params = {"w": torch.ones(4, 3)}
+    sparams = fs.shard(params, fs.plan(params, fs.Mesh({"fsdp": dist.get_world_size()})))
+    state = fs.optim.from_torch(torch.optim.Adam, lr=0.1).init(sparams)
+    if dist.get_rank() == 1:
+        state = state._replace(tensors=dict(reversed(state.tensors.items())))
+    fs.checkpoint.save_dcp(f"{directory}/c", sparams, opt_state=state)
+    return "saved"
+
+
 def load_on_another_mesh(saved: str) -> dict[str, torch.Tensor]:
     """Model A's checkpoint loaded at W=4 on a {dp: 2, fsdp: 2} mesh, hybrid_shard, with a
     dim-1 rule: chunk boxes that cut FSDP2's across; returns the full tensors."""

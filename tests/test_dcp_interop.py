@@ -265,6 +265,35 @@ def test_per_parameter_steps_that_differ_are_refused(tmp_path):
         _loaded(path, fs.optim.adamw(lr=0.1))
 
 
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        ([3.0] * 7 + [2.5], r"step differ: 7 of 8 are 3, but step of 3/bias: 2.5; "),
+        ([float("nan")] * 8, r"step of 0/bias is nan, where torch keeps a finite number"),
+        ([True] * 8, r"step of 0/bias is a torch.bool, where torch keeps a real number"),
+    ],
+    ids=["one-differs-after-six", "all-nan", "all-bool"],
+)
+def test_per_parameter_steps_are_finite_numbers_and_the_odd_one_is_named(tmp_path, steps, message):
+    """The odd step is named wherever it is; NaN (never equal to itself) and bool steps are
+    refused with messages of their own, not as steps that differ or a count of 1."""
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(4))).double()
+    optimizer: dict[str, torch.Tensor] = {}
+    for (name, p), step in zip(model.named_parameters(), steps):
+        optimizer |= {f"state.{name}.{k}": torch.zeros_like(p) for k in ("exp_avg", "exp_avg_sq")}
+        optimizer[f"state.{name}.step"] = torch.tensor(step)
+    path = _dcp_save({"model": model.state_dict(), "optimizer": optimizer}, tmp_path / "c")
+    params, apply = fs.interop.functionalize(model)
+    sp = fs.shard(params, fs.plan(params, fs.Mesh({"fsdp": 1})))
+    with pytest.raises(CheckpointMismatchError, match=message):
+        fs.checkpoint.load_dcp(path, sp, apply=apply, optimizer=fs.optim.adamw(lr=0.1))
+
+
+def test_the_ranks_save_optimizer_state_in_one_order(pools, tmp_path):
+    """State names are sorted before they are saved: a set's order differs per process."""
+    assert pools.run(2, fsdp2_runs.save_in_either_key_order, str(tmp_path)) == ["saved"] * 2
+
+
 def test_optimizers_torch_has_no_names_for_are_refused():
     params = {"w": torch.ones(2)}
     sp = fs.shard(params, fs.plan(params, fs.Mesh({"x": 1})))

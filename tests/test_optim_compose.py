@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -283,6 +286,54 @@ def test_composite_state_checkpoints_reshard_and_resume_bit_exactly(tmp_path: Pa
     for a, b in zip(fs.tree.leaves(fs.unshard(resumed)), fs.tree.leaves(straight)):
         assert torch.equal(a, b)
     assert int(state[1]["adam"].count) == 4
+
+
+@pytest.mark.parametrize("save", ["save", "save_dcp"])
+def test_from_torch_sgd_state_resumes_bit_exactly(tmp_path: Path, save: str):
+    """torch's SGD keeps no step, so a DCP load leaves count 0: the loaded momentum_buffer
+    must still reach torch (with dampening a fresh first update differs from a loaded one)."""
+    params = _tree()
+    plan = fs.plan(params, fs.Mesh({"x": 1}), units=["blocks/*"])
+    opt = fs.optim.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9, dampening=0.5)
+    sp = fs.shard(params, plan)
+    state = opt.init(sp)
+    for step in range(2):
+        sp, state = opt.update_(fs.shard(_grads(params, step), plan), state, sp)
+    fresh = fs.shard(params, plan)
+    if save == "save":
+        fs.checkpoint.save(tmp_path / "c", {"params": sp, "opt": state})
+        loaded = fs.checkpoint.load(tmp_path / "c", like={"params": fresh, "opt": opt.init(fresh)})
+        back, resumed = loaded["params"], loaded["opt"]
+    else:
+        fs.checkpoint.save_dcp(tmp_path / "c", sp, opt_state=state)
+        back, resumed = fs.checkpoint.load_dcp(tmp_path / "c", fresh, optimizer=opt)
+    for step in range(2, 4):
+        sp, state = opt.update_(fs.shard(_grads(params, step), plan), state, sp)
+        back, resumed = opt.update_(fs.shard(_grads(params, step), plan), resumed, back)
+    for a, b in zip(fs.tree.leaves(fs.unshard(back)), fs.tree.leaves(fs.unshard(sp))):
+        assert torch.equal(a, b)
+
+
+def test_from_torch_state_names_do_not_depend_on_the_hash_seed():
+    """Every process draws its own PYTHONHASHSEED; a frozenset of state names listed Adam's
+    moments in one order under seed 0 and the other under seed 1, and the ranks' saves differed."""
+    code = (
+        "import torch, funcshard as fs; p = {'w': torch.ones(2)}; "
+        "sp = fs.shard(p, fs.plan(p, fs.Mesh({'x': 1}))); "
+        "s = fs.optim.from_torch(torch.optim.Adam, lr=0.1, amsgrad=True).init(sp); "
+        "print(list(s.tensors), list(s.scalars))"
+    )
+    listed = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in (0, 1)
+    }
+    assert listed == {"['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq'] ['step']\n"}
 
 
 def _composite_run(directory: str, layout: Any, resume: bool) -> Any:

@@ -66,7 +66,8 @@ def load_dcp(
             ``fs.optim.adamw`` from ``torch.optim.AdamW`` or ``Adam`` (``exp_avg``,
             ``exp_avg_sq``, ``step``), ``fs.optim.sgd`` from ``SGD``
             (``momentum_buffer``; torch keeps no step, so ``count`` is 0),
-            ``fs.optim.from_torch(...)`` from its optimizer, also inside ``chain``.
+            ``fs.optim.from_torch(...)`` from its optimizer, also inside ``chain`` (what
+            loads reaches torch on the next update, with or without a ``step``).
         prefix: where the model's entries are: ``""`` (``dcp.save(get_model_state_dict(m))``,
             torchtitan), ``"model."`` (``dcp.save({"model": ..., "optimizer": ...})``),
             or ``{"model": ..., "optimizer": ...}`` for both; default: found from the keys.
@@ -136,6 +137,9 @@ def load_dcp(
         return index.digest, (out, buffers)
 
     loaded, buffers = agreed("fs.checkpoint.load_dcp", directory, body)
+    for s in slots:  # loaded values reach torch on the next update (from_torch's SGD: count 0)
+        for flag in s.started:
+            flag.fill_(True)
     if buffers:
         assert isinstance(apply, Apply)
         if any(t.device.type == "meta" for t in names.buffers.values()):
@@ -209,7 +213,7 @@ def save_dcp(
                 )
             key = f"{OPTIMIZER}.state.{names.first(leaf_path)}."
             values = {**per, **s.scalars}
-            entries += [Entry((key + k,), v, nest=OPTIMIZER) for k, v in values.items()]
+            entries += [Entry((key + k,), values[k], nest=OPTIMIZER) for k in sorted(values)]
     return write_dcp(path, entries, what="fs.checkpoint.save_dcp")
 
 
@@ -300,31 +304,52 @@ def _set_scalars(
     for s, name, i in scalars:
         value = read[i]
         assert value is not None, "resolve checked the shape: 0-d"
-        if value.is_complex():
+        label = requests[i].label
+        if value.dtype == torch.bool or value.is_complex():
             raise CheckpointMismatchError(
-                f"{directory}: {requests[i].label} is a complex number, where torch keeps a real"
+                f"{directory}: {label} is a {value.dtype}, where torch keeps a real number (a "
+                f"float or an integer); the checkpoint is damaged or not torch's"
             )
-        values.setdefault((id(s), name), []).append((requests[i].label, value))
+        if not bool(torch.isfinite(value)):
+            raise CheckpointMismatchError(
+                f"{directory}: {label} is {float(value):g}, where torch keeps a finite number; "
+                f"the checkpoint is damaged or its run diverged"
+            )
+        values.setdefault((id(s), name), []).append((label, value))
     for s in slots:
         for name, sinks in s.sinks.items():
             found = values.get((id(s), name), [])
             if not found:
                 continue
-            distinct = {float(v) for _, v in found}
-            if len(distinct) > 1:
-                listing = ", ".join(f"{label}: {float(v):g}" for label, v in found[:6])
-                raise CheckpointMismatchError(
-                    f"{directory}: the parameters' {name} differ ({listing}); funcshard's "
-                    f"optimizer keeps one for all of them"
-                )
-            value = found[0][1]
+            _check_one_value(directory, name, found)
+            label, value = found[0]
             for sink in sinks:
                 converted = value.to(sink.dtype)
                 count = not sink.dtype.is_floating_point
                 if float(converted) != float(value) or (count and float(value) < 0):
                     raise CheckpointMismatchError(
-                        f"{directory}: {found[0][0]} is {float(value):g}, which funcshard's "
+                        f"{directory}: {label} is {float(value):g}, which funcshard's "
                         f"optimizer cannot keep as a {sink.dtype}"
                         + (" count of updates" if count else "")
                     )
                 sink.copy_(converted)
+
+
+def _check_one_value(directory: Path, name: str, found: list[tuple[str, torch.Tensor]]) -> None:
+    """Every parameter's ``name`` is one value; else the message names those that differ from
+    the most common one."""
+    tally: dict[float, int] = {}
+    for _, v in found:
+        tally[float(v)] = tally.get(float(v), 0) + 1
+    if len(tally) == 1:
+        return
+    common = max(tally, key=lambda x: (tally[x], -x))  # the smaller of equally common ones
+    odd = [(label, float(v)) for label, v in found if float(v) != common]
+    listing = ", ".join(f"{label}: {v:g}" for label, v in odd[:6])
+    more = f" and {len(odd) - 6} more" if len(odd) > 6 else ""
+    raise CheckpointMismatchError(
+        f"{directory}: the parameters' {name} differ: {tally[common]} of {len(found)} are "
+        f"{common:g}, but {listing}{more}; funcshard's optimizer keeps one for all of them "
+        f"(a parameter without a gradient in some updates lags): give them one {name} in torch "
+        f"before saving"
+    )

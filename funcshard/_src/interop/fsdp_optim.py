@@ -34,11 +34,16 @@ class TorchSlots:
     tensors: Mapping[str, Any]  # torch's state name -> a tree like the params (None: no state)
     scalars: Mapping[str, torch.Tensor]  # torch's state name -> its 0-d value, as torch keeps it
     sinks: Mapping[str, tuple[torch.Tensor, ...]]  # where a loaded 0-d value goes
+    started: tuple[torch.Tensor, ...] = ()  # 0-d flags a load sets: the state holds values
 
     def leaves(self) -> dict[str, dict[str, ShardedTensor]]:
-        """Per leaf path with state: torch's state name -> its sharded tensor."""
+        """Per leaf path with state: torch's state name -> its sharded tensor, names sorted.
+
+        Sorted, not in the state's order: every rank must save the same entries in the
+        same order, and a state built from a set differs per process (PYTHONHASHSEED).
+        """
         out: dict[str, dict[str, ShardedTensor]] = {}
-        for name, slot in self.tensors.items():
+        for name, slot in sorted(self.tensors.items()):
             paths, values, _ = tree.flatten_with_paths(slot)
             for path, value in zip(paths, values):
                 if isinstance(value, ShardedTensor):
@@ -89,8 +94,10 @@ def _visit(node: Any, where: str, owner: str | None, found: list[TorchSlots]) ->
         tensors = {} if node.momentum is None else {"momentum_buffer": node.momentum}
         found.append(TorchSlots(where, tensors, {}, {}))  # torch's SGD keeps no step
     elif isinstance(node, TorchOptimState):
-        sinks = {k: (v, node.count) if k == "step" else (v,) for k, v in node.scalars.items()}
-        found.append(TorchSlots(where, dict(node.tensors), dict(node.scalars), sinks))
+        scalars = dict(sorted(node.scalars.items()))
+        sinks = {k: (v, node.count) if k == "step" else (v,) for k, v in scalars.items()}
+        tensors = dict(sorted(node.tensors.items()))
+        found.append(TorchSlots(where, tensors, scalars, sinks, (node.started,)))
     elif isinstance(node, ShardedTensor):
         raise ValueError(
             f"{where or '<root>'}: a {owner or 'optimizer state'} holds per-parameter state that "

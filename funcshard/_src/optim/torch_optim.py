@@ -23,11 +23,15 @@ _NOT_ELEMENTWISE = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
 @tree.register_namedtuple  # checkpoints name it in their tree structure
 class TorchOptimState(NamedTuple):
     """``count`` updates; ``tensors[key]``: a per-element state, sharded like the params;
-    ``scalars[key]``: a 0-d state (``step``), the same for every param and on every rank."""
+    ``scalars[key]``: a 0-d state (``step``), the same for every param and on every rank;
+    ``started``: a 0-d bool, true once the state holds values (an update ran, or
+    ``load_dcp`` filled it), which then reach torch; until then torch makes its own.
+    Keys are in sorted order, so every rank flattens and saves the state alike."""
 
     count: torch.Tensor
     tensors: dict[str, Any]
     scalars: dict[str, torch.Tensor]
+    started: torch.Tensor
 
 
 def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **options: Any) -> Optimizer:
@@ -93,11 +97,12 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **options: Any) 
     def init(sparams: Any, /) -> TorchOptimState:
         tensors = {key: zeros_like_tree(sparams) for key in tensor_keys}
         scalars = {key: torch.zeros((), dtype=dtype) for key, dtype in scalar_keys.items()}
-        return TorchOptimState(torch.zeros((), dtype=torch.int64), tensors, scalars)
+        count = torch.zeros((), dtype=torch.int64)
+        return TorchOptimState(count, tensors, scalars, torch.zeros((), dtype=torch.bool))
 
     def update_(grads: Any, state: TorchOptimState, sparams: Any, /) -> tuple[Any, TorchOptimState]:
         count = int(state.count)
-        keys = sorted(tensor_keys)
+        keys = list(tensor_keys)
         flats = floating_flats(
             sparams,
             grads,
@@ -106,12 +111,17 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **options: Any) 
         )
         params, g, per_key = flats[0], flats[1], dict(zip(keys, flats[2:]))
         if not params:  # a mask that leaves no leaf here
-            state.count.add_(1)
+            _advance_(state)
             return sparams, state
         optimizer = make(params, count)
+        # state that holds values reaches torch, whatever the count (torch's SGD keeps no
+        # step: a loaded momentum_buffer comes with count 0); a fresh one does not, as
+        # torch's first update differs from one on zeros (SGD's dampening, Adagrad's
+        # initial_accumulator_value, Rprop's step_size)
+        started = bool(state.started)
         for i, (p, grad) in enumerate(zip(params, g)):
             p.grad = grad.clone() if grad.data_ptr() == p.data_ptr() else grad  # grads = params
-            if count:  # resume the state; on the first update torch makes its own
+            if started:
                 mine: dict[str, Any] = {k: per_key[k][i] for k in keys}
                 mine.update({k: state.scalars[k].clone() for k in scalar_keys})
                 optimizer.state[p] = mine
@@ -131,16 +141,23 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **options: Any) 
                     f"optimizer"
                 )
             state.scalars[k].copy_(optimizer.state[params[0]][k])
-        state.count.add_(1)
+        _advance_(state)
         return sparams, state
 
     return Optimizer(init, update_)
 
 
+def _advance_(state: TorchOptimState) -> None:
+    """Counts one update and marks the state started; mutates ``state``."""
+    state.count.add_(1)
+    state.started.fill_(True)
+
+
 def _probe(
     optimizer_class: type[torch.optim.Optimizer], options: dict[str, Any]
-) -> tuple[frozenset[str], dict[str, torch.dtype]]:
-    """The keys of the optimizer's per-element and 0-d state, from one step on a scratch tensor."""
+) -> tuple[tuple[str, ...], dict[str, torch.dtype]]:
+    """The keys of the optimizer's per-element and 0-d state, from one step on a scratch tensor,
+    each sorted: a set's order would differ between ranks (PYTHONHASHSEED)."""
     scratch = torch.zeros(2)
     scratch.grad = torch.zeros(2)
     try:
@@ -161,4 +178,4 @@ def _probe(
                 f"{type(value).__name__}, which funcshard cannot shard; write it as an fs.optim "
                 f"optimizer"
             )
-    return frozenset(tensors), scalars
+    return tuple(sorted(tensors)), dict(sorted(scalars.items()))
