@@ -37,6 +37,7 @@ from funcshard._src.comm.runtime import world_size as world_size
 from funcshard._src.data.seed import seed as seed
 from funcshard._src.execute.call import call as call
 from funcshard._src.execute.forward import forward as forward
+from funcshard._src.execute.guard import ParameterWriteError as ParameterWriteError
 from funcshard._src.execute.value_and_grad import Step as Step
 from funcshard._src.execute.value_and_grad import StepStats as StepStats
 from funcshard._src.execute.value_and_grad import value_and_grad as value_and_grad
@@ -71,6 +72,7 @@ __all__ = [
     "MixedPrecision",
     "NamedSharding",
     "P",
+    "ParameterWriteError",
     "Plan",
     "ShardedTensor",
     "SpecError",

@@ -31,6 +31,7 @@ CORE = {
     "CollectiveError",
     "DesyncError",
     "DonatedError",
+    "ParameterWriteError",
     "SpecError",
     "verify",
     "VerifyReport",

@@ -31,7 +31,15 @@ BF16_RTOL, BF16_ATOL = 2e-2, 1e-3  # against FSDP2: a bf16 ulp of the larger ten
 # through the binding (a recompute under remat, a cast under bf16, no reshard after forward)
 # on the rows that exercise it. ``nox -s conformance`` runs the whole matrix (marker ``matrix``).
 CI_VARIANTS = {
-    "remat": ("checkpoint/", "hook/full-backward", "hook/backward-pre", "state/", "norm/"),
+    "remat": (
+        "checkpoint/",
+        "hook/full-backward",
+        "hook/backward-pre",
+        "state/",
+        "norm/",
+        "share/",
+        "write/clamp",
+    ),
     "bf16": ("fsdp/MLP", "dtensor/Transformer-checkpointed", "hf/Llama", "norm/", "param/spectral"),
     "shard_grad_op": ("checkpoint/non-reentrant", "checkpoint/reentrant", "dtensor/", "hf/GPT2"),
 }

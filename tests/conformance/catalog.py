@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-from tests.conformance import constructs, fsdp_models, hf_models, module_zoo, vision
+from tests.conformance import constructs, fsdp_models, hf_models, module_zoo, ownership, vision
 from tests.conformance.rows import ROWS, Row
 
-__all__ = ["ROWS", "Row", "constructs", "fsdp_models", "hf_models", "module_zoo", "table", "vision"]
+__all__ = [
+    "ROWS",
+    "Row",
+    "constructs",
+    "fsdp_models",
+    "hf_models",
+    "module_zoo",
+    "ownership",
+    "table",
+    "vision",
+]
 
 FP64 = ("full_shard", "shard_grad_op", "remat")
 
@@ -15,9 +25,7 @@ def table() -> list[str]:
     lines = []
     for name, row in ROWS.items():
         if row.refused is not None:
-            fp64 = bf16 = (
-                "refused at the first step: `UnboundParameterError` naming the parameter, its unit, the reader and the fix"
-            )
+            fp64 = bf16 = row.refusal
         else:
             ran = [v for v in FP64 if v in row.variants]
             fp64 = "equal" if ran == list(FP64) else "equal (" + ", ".join(ran) + ")"

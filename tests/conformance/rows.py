@@ -30,6 +30,11 @@ class Row:
     loss: Callable[[Any, tuple[Any, ...], dict[str, Any]], torch.Tensor]  # (output, args, kwargs)
     construct: str  # what the row exercises, for the table
     refused: str | None = None  # a regex of funcshard's error, where it refuses the row
+    # how the table describes the refusal: when it comes and what the error names
+    refusal: str = (
+        "refused at the first step: `UnboundParameterError` naming the parameter, its unit, "
+        "the reader and the fix"
+    )
     # a regex of torch's error where the model fails in bf16 under FSDP2 too (and must alike)
     bf16_error: str | None = None
     variants: tuple[str, ...] = ("full_shard", "shard_grad_op", "remat", "bf16")

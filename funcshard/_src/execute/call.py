@@ -11,6 +11,7 @@ import torch.utils.checkpoint
 from funcshard._src import tree
 from funcshard._src.execute.call_record import CallRecord
 from funcshard._src.execute.compiled import compiled_call
+from funcshard._src.execute.guard import owned, watch
 from funcshard._src.execute.replay import replay
 from funcshard._src.execute.run import Run, current_run, step_run
 from funcshard._src.execute.unit_state import UnitRuntime
@@ -70,7 +71,11 @@ def call(fn: Callable[..., _R], unit: Any, /, *args: Any, remat: bool = False, *
     full_tree = tree.unflatten(
         treedef, [full[runtime.position[leaf.slot.index]] for leaf in leaves]
     )
+    # See [Note: what a call may do to its parameters] in guard.py
+    guard = watch(runtime.name, runtime.slots, full)
     out = _run_fn(run, record, fn, full_tree, args, kwargs, remat=remat)
+    guard.check()
+    out = owned(out, full)
     run.exit_call(record, out)
     return out
 
@@ -95,7 +100,7 @@ def _replay(
     full_tree = tree.unflatten(
         treedef, [full[runtime.position[leaf.slot.index]] for leaf in leaves]
     )
-    return _run_fn(run, runtime, fn, full_tree, args, kwargs, remat=remat)
+    return owned(_run_fn(run, runtime, fn, full_tree, args, kwargs, remat=remat), full)
 
 
 def _run_fn(

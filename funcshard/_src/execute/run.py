@@ -45,6 +45,7 @@ from funcshard._src.execute.desync import (
     check_reduction,
     check_unreached,
 )
+from funcshard._src.execute.guard import Watch, check_dense, watch
 from funcshard._src.execute.reduce import Reducer
 from funcshard._src.execute.unit_state import UnitRuntime, UnitState
 from funcshard._src.shard.sharded import ShardedTensor
@@ -124,6 +125,7 @@ class Run:
         self._token: Any = None
         self.forward_done = False
         self._root_grads: list[torch.Tensor | None] | None = None  # see gathered_grads
+        self._root_guard: Watch | None = None  # See [Note: what a call may do to its parameters]
 
     # -- forward -----------------------------------------------------------------
 
@@ -147,6 +149,7 @@ class Run:
             for slot, leaf in zip(root_unit.slots, outs):
                 root_leaves[slot.index] = leaf
                 self.root_leaf_ids.add(id(leaf))
+            self._root_guard = watch(root_unit.name, root_unit.slots, outs)
         self._prefetch_forward(0)
         self._token = _CURRENT.set(self)
         _STEP_RUN[0] = self
@@ -214,7 +217,13 @@ class Run:
                 register_multi_grad_hook(tensors, lambda _: self.pre_backward(record), mode="any")
 
     def end_forward(self) -> list[str]:
-        """Leaves the forward context; frees units prefetched but never called. Returns the call order."""
+        """Leaves the forward context; frees units prefetched but never called. Returns the call order.
+
+        Raises:
+            ParameterWriteError: forward wrote or hooked a root-unit leaf.
+        """
+        if self._root_guard is not None:
+            self._root_guard.check()
         if self._token is not None:
             _CURRENT.reset(self._token)
             self._token = None
@@ -259,6 +268,7 @@ class Run:
         :meth:`finish`; the root stays gathered until then, as it is held for the
         whole step anyway.
         """
+        check_dense(record.unit.name, record.unit.slots, grads)
         if record is not self.root:
             self.post_backward(record, grads)
         elif self._root_grads is None:

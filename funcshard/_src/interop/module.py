@@ -27,6 +27,7 @@ from funcshard._src import tree
 from funcshard._src.interop import placeholders
 from funcshard._src.interop.apply import Apply, Leaf, Params
 from funcshard._src.interop.hf_checkpointing import cache_off, resolve_remat
+from funcshard._src.interop.module_checks import refuse_unownable
 from funcshard._src.interop.module_tree import alias_groups, module_tree
 from funcshard._src.interop.module_units import UnitPattern, resolve_units, unit_patterns
 
@@ -115,6 +116,7 @@ def functionalize(
             f"functionalize returned, or functionalize a copy made before it "
             f"(copy.deepcopy(model) first)"
         )
+    refuse_unownable(module)
     groups = alias_groups(module)
     trainable = [g for g in groups if g.kind != "buffer"]
     carried = [g for g in groups if g.kind == "buffer"]

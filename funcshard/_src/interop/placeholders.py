@@ -96,6 +96,16 @@ class Placeholder(torch.Tensor):
             f"unit={info.unit!r})"
         )
 
+    def register_hook(self, hook: Any) -> Any:  # pyright: ignore[reportIncompatibleMethodOverride]
+        """Refused: a hook on a functionalized module's parameter would never run."""
+        raise UnboundParameterError(_hook_message(self._funcshard_info, "register_hook"))
+
+    def register_post_accumulate_grad_hook(self, hook: Any) -> Any:  # pyright: ignore[reportIncompatibleMethodOverride]
+        """Refused: a hook on a functionalized module's parameter would never run."""
+        raise UnboundParameterError(
+            _hook_message(self._funcshard_info, "register_post_accumulate_grad_hook")
+        )
+
     @classmethod
     def __torch_dispatch__(  # pyright: ignore[reportIncompatibleMethodOverride]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -116,13 +126,37 @@ def install(
     one placeholder, as they had one parameter.
     """
     for names, info, leaf in groups:
-        owner, _, attr = names[0].rpartition(".")
-        parameter = module.get_submodule(owner)._parameters[attr]
-        assert parameter is not None
-        held: Any = Placeholder(leaf, info, requires_grad=parameter.requires_grad)
+        originals: dict[int, torch.Tensor] = {}
+        for name in names:
+            owner, _, attr = name.rpartition(".")
+            parameter = module.get_submodule(owner)._parameters[attr]
+            assert parameter is not None
+            originals.setdefault(id(parameter), parameter)
+        first, *others = originals.values()
+        held: Any = _in_place_of(first, Placeholder(leaf, info, requires_grad=first.requires_grad))
+        for other in others:  # tied names of distinct Parameter objects: each stands for the leaf
+            _in_place_of(other, Placeholder(leaf, info, requires_grad=other.requires_grad))
         for name in names:  # an nn.Parameter to isinstance (_is_param), not to the type checker
             owner, _, attr = name.rpartition(".")
             module.get_submodule(owner)._parameters[attr] = held
+
+
+def _in_place_of(parameter: torch.Tensor, placeholder: Placeholder) -> torch.Tensor:
+    """``placeholder``'s contents in the ``parameter`` object itself, where torch can swap them.
+
+    Code may hold the parameter outside the module (a list, a ``functools.partial``,
+    a closure, an optimizer made before functionalize): swapped, every such reference
+    reads the placeholder and raises, where a new object in the module's
+    ``_parameters`` would leave them the stale initial values. The params leaf views
+    the parameter's storage, which the swap leaves alone. Where torch refuses (a
+    weak reference to the parameter, or autograd holding it), the placeholder only
+    replaces it in the module. Returns the object that now is the placeholder.
+    """
+    try:
+        torch.utils.swap_tensors(parameter, placeholder)
+    except RuntimeError:
+        return placeholder
+    return parameter
 
 
 def placeholder_of(module: nn.Module, /) -> Placeholder | None:
@@ -157,6 +191,19 @@ def _message(info: ParameterInfo, func: Any) -> str:
     by = f", by {_op_name(func)}" + (f" at {site}" if site else "")
     binding = current_binding()
     backward = torch._C._current_graph_task_id() != -1  # pyright: ignore[reportAttributeAccessIssue]
+    own_call = binding is not None and (
+        binding.unit.path == info.unit if binding.unit is not None else info.unit is None
+    )
+    if own_call:  # apply binds the module's names here: the read went around them
+        return (
+            f"{what} was read through a reference kept outside the module's parameters{by}.\n"
+            f"apply binds the module's attributes; a list, dict, functools.partial, closure "
+            f"or optimizer that holds the parameter object itself is not rebound.\n"
+            f"Fix: read the parameter as its module's attribute (self.lin.weight) inside "
+            f"forward, register it on the module that uses it (nn.Parameter, or tie it by "
+            f"assigning it as that module's attribute), and make optimizers over the params "
+            f"tree (fs.optim), not over model.parameters()"
+        )
     if binding is not None and binding.unit is not None and binding.unit.path != info.unit:
         reader = binding.unit.path
         return (
@@ -187,6 +234,18 @@ def _message(info: ParameterInfo, func: Any) -> str:
         f"that nothing reads values older than the params.\n"
         f"Fix: run the module through apply(params, ...), read the params tree, or bind "
         f"values to the module for a block: `with apply.bound(full_params): ...`"
+    )
+
+
+def _hook_message(info: ParameterInfo, method: str) -> str:
+    where = f"unit {info.unit!r}" if info.unit is not None else "the root unit"
+    return (
+        f"{info.module}'s parameter {info.name!r} ({where}) got a hook ({method}) after "
+        f"functionalize.\n"
+        f"apply computes with the params' leaves, never with this parameter, so the hook "
+        f"would never run.\n"
+        f"Fix: transform the gradients the step returns (fs.tree.map over grads), or "
+        f"register a full backward hook on the module"
     )
 
 

@@ -1,0 +1,69 @@
+"""What ``functionalize`` refuses up front: parameters it could not own, named with the fix.
+
+See [Note: module code outside the call] in ``binding.py``: functionalize owns every
+read of a module's parameters. Three kinds of parameter it could not own, where
+training would otherwise go silently wrong or fail deep inside torch later:
+
+- an uninitialized parameter of a lazy module (``nn.LazyLinear``): no shape to plan;
+- a parameter with a tensor hook (``register_hook``,
+  ``register_post_accumulate_grad_hook``): apply never differentiates the parameter
+  itself, so the hook would never run;
+- a sparse embedding (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``): its
+  sparse gradient cannot be reduce-scattered with the unit's dense ones.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.parameter import UninitializedParameter
+
+__all__ = ["refuse_unownable"]
+
+
+def refuse_unownable(module: nn.Module, /) -> None:
+    """Raises for the first parameter of ``module`` that functionalize could not own.
+
+    Raises:
+        ValueError: the parameter (by its dotted name), what is wrong and the fix.
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> _ = net.weight.register_hook(lambda g: 2 * g)
+        >>> refuse_unownable(net)
+        Traceback (most recent call last):
+        ...
+        ValueError: functionalize: Linear's parameter 'weight' has a tensor hook (register_hook); ...
+    """
+    kind = type(module).__name__
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if isinstance(p, UninitializedParameter):
+            raise ValueError(
+                f"functionalize: {kind}'s parameter {name!r} is uninitialized (a lazy module, "
+                f"such as nn.LazyLinear); it has no shape to plan. Fix: run one forward of the "
+                f"module on an example batch before functionalize, or use the module's "
+                f"non-lazy class"
+            )
+        hooks = [
+            method
+            for method, table in (
+                ("register_hook", p._backward_hooks),
+                ("register_post_accumulate_grad_hook", p._post_accumulate_grad_hooks),
+            )
+            if table
+        ]
+        if hooks:
+            raise ValueError(
+                f"functionalize: {kind}'s parameter {name!r} has a tensor hook "
+                f"({', '.join(hooks)}); apply computes with the params' leaves, never with the "
+                f"parameter, so the hook would not run. Fix: remove it (handle.remove()) and "
+                f"transform the gradients the step returns (fs.tree.map over grads), or "
+                f"register a full backward hook on the module"
+            )
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            raise ValueError(
+                f"functionalize: {kind}'s submodule {name or '<the module>'!r} "
+                f"({type(sub).__name__}) has sparse=True; its sparse gradient cannot be "
+                f"reduce-scattered with the unit's dense ones. Fix: construct it with "
+                f"sparse=False"
+            )
