@@ -238,3 +238,64 @@ def test_multihead_attentions_fast_path_runs_in_an_evaluation(monkeypatch: pytes
     out = fs.forward(lambda p, x: apply(p, x), plan)(fs.shard(params, plan), x)
     assert len(calls) == 4
     torch.testing.assert_close(out, expected)
+
+
+def test_references_kept_outside_the_module_read_the_placeholder():
+    """A list, a partial and an optimizer made before functionalize hold the placeholder now."""
+    import functools
+
+    net = nn.Linear(3, 2)
+    kept, linear = [net.weight], functools.partial(nn.functional.linear, weight=net.weight)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, weight_decay=0.1)
+    before = net.weight.detach().clone()
+    params, _ = functionalize(net)
+    assert torch.equal(params["weight"], before)  # the leaf keeps the values
+    with pytest.raises(UnboundParameterError, match="read outside apply"):
+        kept[0] + 1
+    with pytest.raises(UnboundParameterError, match=r"Linear's parameter 'weight'"):
+        linear(torch.ones(3))
+    assert opt.param_groups[0]["params"][0] is net.weight  # the optimizer's is the placeholder
+
+
+def test_a_hook_on_a_placeholder_is_refused_naming_the_parameter():
+    net = nn.Linear(3, 2)
+    functionalize(net)
+    with pytest.raises(UnboundParameterError, match=r"'weight' .* got a hook \(register_hook\)"):
+        net.weight.register_hook(lambda g: g)
+    with pytest.raises(UnboundParameterError, match="register_post_accumulate_grad_hook"):
+        net.bias.register_post_accumulate_grad_hook(lambda p: None)
+
+
+@pytest.mark.parametrize(
+    ("build", "said"),
+    [
+        (
+            lambda: nn.Embedding(4, 2, sparse=True),
+            r"submodule '<the module>' \(Embedding\) has sparse=True",
+        ),
+        (lambda: nn.EmbeddingBag(4, 2, sparse=True), r"\(EmbeddingBag\) has sparse=True"),
+    ],
+)
+def test_what_functionalize_cannot_own_is_refused_before_any_step(build: Any, said: str):
+    with pytest.raises(ValueError, match=said):
+        functionalize(build())
+
+
+def test_a_parameter_written_in_forward_is_refused_in_a_one_rank_step():
+    """Also where the write would persist (one rank): the same program refuses at every W."""
+
+    class Clips(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                self.lin.weight.clamp_(-0.1, 0.1)
+            return self.lin(x)
+
+    params, apply = functionalize(nn.Sequential(Clips()), units=[Clips])
+    plan = fs.plan(params, fs.Mesh({"fsdp": 1}), units=apply.units)
+    step = fs.value_and_grad(lambda p, x: apply(p, x).sum(), plan)
+    with pytest.raises(fs.ParameterWriteError, match=r"0/lin/bias, 0/lin/weight: they share"):
+        step(fs.shard(params, plan), torch.ones(2))
