@@ -23,6 +23,7 @@ LAYERS = {
     "dtypes": 0,
     "untrusted": 0,
     "spec": 1,
+    "tree_json": 1,
     "plan": 2,
     "comm": 3,
     "data": 4,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from funcshard._src import tree
+from funcshard._src import tree, tree_json
 from funcshard.tree import leaf_paths, register_dataclass
 from tests.strategies import pytrees
 
@@ -95,7 +95,7 @@ def test_dataclass_meta_fields_are_structure():
 def test_structure_json_round_trip(t):
     """treedef -> JSON -> treedef is the identity and rebuilds equal trees."""
     leaves, treedef = tree.flatten(t)
-    back = tree.treedef_from_json(tree.treedef_to_json(treedef))
+    back = tree_json.treedef_from_json(tree_json.treedef_to_json(treedef))
     assert back == treedef
     assert tree.unflatten(back, leaves) == t
 
@@ -103,14 +103,14 @@ def test_structure_json_round_trip(t):
 def test_structure_json_with_dataclasses_and_defaultdict():
     t = {"g": Linear(w=1, b=Tagged(2, "t")), "d": defaultdict(list, {"k": 3}), 4: None}
     leaves, treedef = tree.flatten(t)
-    back = tree.treedef_from_json(tree.treedef_to_json(treedef))
+    back = tree_json.treedef_from_json(tree_json.treedef_to_json(treedef))
     assert tree.unflatten(back, leaves) == t
 
 
 def test_structure_json_round_trips_types_this_process_wrote():
     Local = namedtuple("Local", ["a"])
-    data = tree.treedef_to_json(tree.flatten(Local(1))[1])
-    assert tree.unflatten(tree.treedef_from_json(data), [2]) == Local(2)
+    data = tree_json.treedef_to_json(tree.flatten(Local(1))[1])
+    assert tree.unflatten(tree_json.treedef_from_json(data), [2]) == Local(2)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +128,7 @@ def test_structure_json_never_imports_what_it_names(data):
     with pytest.raises(
         ValueError, match=r"is not known to funcshard, which never imports a module"
     ):
-        tree.treedef_from_json(data)
+        tree_json.treedef_from_json(data)
 
 
 @pytest.mark.parametrize(
@@ -144,7 +144,7 @@ def test_structure_json_never_imports_what_it_names(data):
 )
 def test_malformed_structure_json_is_a_value_error(data):
     with pytest.raises(ValueError, match="malformed tree structure"):
-        tree.treedef_from_json(data)
+        tree_json.treedef_from_json(data)
 
 
 def test_deeply_nested_structure_json_is_a_value_error():
@@ -152,4 +152,4 @@ def test_deeply_nested_structure_json_is_a_value_error():
     for _ in range(100_000):
         data = {"list": [data]}
     with pytest.raises(ValueError, match="nested too deeply"):
-        tree.treedef_from_json(data)
+        tree_json.treedef_from_json(data)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from funcshard._src import tree
+from funcshard._src import tree, tree_json
 from funcshard._src.checkpoint import commit
 from funcshard._src.checkpoint import errors as errors_module
 from funcshard._src.checkpoint.chunks import Region, local_pieces, overlap, regions_of, whole
@@ -176,7 +176,7 @@ def load_full(
     directory = Path(path)
     manifest = read_manifest(directory)
     try:
-        treedef = tree.treedef_from_json(manifest["tree"])
+        treedef = tree_json.treedef_from_json(manifest["tree"])
         skeleton = tree.unflatten(treedef, [0] * treedef.num_leaves)
         structure = tree.flatten_with_paths(skeleton)[0]
     except (ValueError, TypeError) as e:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from funcshard._src import tree
+from funcshard._src import tree, tree_json
 from funcshard._src.checkpoint import commit
 from funcshard._src.checkpoint.chunks import local_pieces
 from funcshard._src.checkpoint.cleanup import remove_saved
@@ -143,7 +143,7 @@ def prepare(
         raise TypeError(f"rng must be True or False, got {rng!r}")
     paths, leaves, treedef = tree.flatten_with_paths(state)
     entries = [leaf_entry(p, leaf) for p, leaf in zip(paths, leaves)]
-    structure = tree.treedef_to_json(treedef)
+    structure = tree_json.treedef_to_json(treedef)
     mine = {
         "target": str(target),
         "layout": agree.digest_of({"leaves": entries, "tree": structure}).hex(),

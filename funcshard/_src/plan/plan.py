@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from funcshard._src import tree
+from funcshard._src import tree, tree_json
 from funcshard._src.dtypes import dtype_name, dtype_of
 from funcshard._src.plan.leaf import LeafPlan as LeafPlan
 from funcshard._src.plan.strategy import Strategy, check_strategy
@@ -168,7 +168,7 @@ class Plan:
             "version": _JSON_VERSION,
             "mesh": self.mesh.to_json(),
             "strategy": self.strategy,
-            "treedef": tree.treedef_to_json(self.treedef),
+            "treedef": tree_json.treedef_to_json(self.treedef),
             "leaves": [
                 {
                     "path": leaf.path,
@@ -287,7 +287,7 @@ def _plan_from_json(d: Mapping[str, Any]) -> Plan:
     mesh = Mesh.from_json(
         [(_str(a[0], "a mesh axis name"), _int(a[1], "a mesh axis size")) for a in raw_mesh]
     )
-    treedef = tree.treedef_from_json(d["treedef"])
+    treedef = tree_json.treedef_from_json(d["treedef"])
     leaves: list[LeafPlan] = []
     for i, x in enumerate(_list(d["leaves"], "leaves")):
         where = f"leaves[{i}]"
