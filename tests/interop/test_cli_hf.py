@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -271,6 +272,63 @@ def test_dims_are_checked_before_transformers_sees_them(tmp_path, capsys, change
     assert code == 2, out
     assert re.search(message, out), out
     assert "Traceback" not in out
+
+
+_XGLM = {"model_type": "xglm", "d_model": 8, "attention_heads": 2, "ffn_dim": 8, "num_layers": 1}
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (  # an alias DIMS does not list: checked under transformers' name
+            {**_XGLM, "attention_heads": 0},
+            r"attention_heads \(transformers' num_attention_heads\) is 0; it must be an integer "
+            r"in \[1, 65536\]",
+        ),
+        (
+            {**_XGLM, "d_model": 10, "attention_heads": 3},
+            r"hidden_size = 10 is not a multiple of num_attention_heads = 3",
+        ),
+        (
+            {"model_type": "distilbert", "dim": 10**12},
+            r"dim \(transformers' hidden_size\) is 1000000000000; it must be an integer in "
+            r"\[1, 1048576\]",
+        ),
+        (  # built 10**9 blocks: hung
+            {"model_type": "mpt", "n_layers": 10**9, "d_model": 8, "n_heads": 2},
+            r"n_layers is 1000000000; it must be an integer in \[0, 1024\]",
+        ),
+        (
+            _llama(num_hidden_layers=1025),
+            r"num_hidden_layers is 1025; it must be an integer in \[0, 1024\]",
+        ),
+    ],
+    ids=["xglm-heads", "xglm-divisible", "distilbert-dim", "mpt-layers", "llama-layers"],
+)
+def test_dims_are_checked_under_every_name_before_a_model_is_built(
+    tmp_path, capsys, monkeypatch, config, message
+):
+    """Models spell dims their own way (``attribute_map``): each is checked as transformers
+    reads it, after the config object is made and before any model is built."""
+
+    def never(*_, **__):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", never)
+    code, out = _plan(tmp_path, config, capsys)
+    assert code == 2, out
+    assert re.search(message, out), out
+
+
+def test_the_most_layers_admitted_plan_in_seconds(tmp_path, capsys):
+    """MAX_LAYERS is what a plan can afford: transformers builds every layer (on meta) and the
+    report walks the modules once per module (pairwise walks took a minute at 1024 layers)."""
+    from funcshard._src.cli.hf_config import MAX_LAYERS
+
+    start = time.perf_counter()
+    code, out = _plan(tmp_path, _llama(num_hidden_layers=MAX_LAYERS), capsys)
+    assert code == 0, out
+    assert time.perf_counter() - start < 30, "10 s expected; pairwise walks took over 60 s"
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,16 @@
   a float) in its range, and divisible where the model needs it (the hidden size by
   the heads when no ``head_dim`` is given; the heads by the key/value heads).
 
+Then, once transformers has made the config object (``from_dict``) and before any
+model is built, :func:`check_built` checks the same dims on that object under
+transformers' canonical names (``num_hidden_layers``, ``hidden_size``, ...), which
+``getattr`` maps through the class's ``attribute_map`` to the model's own field
+(MPT's ``n_layers``, DistilBERT's ``dim``), for every field the file gave under either
+name: no model's spelling of a dim reaches the build unchecked. The layer bound,
+:data:`MAX_LAYERS`, keeps a plan to seconds: transformers builds every layer's modules
+(on meta, about 3 ms each) and funcshard walks them, ~8 s for 1024 layers; the largest
+real models have about 200.
+
 The file itself is read by ``funcshard/_src/untrusted.py`` (strict JSON, at most
 :data:`MAX_CONFIG_BYTES`, nested at most 64 deep). Every refusal is a ``ValueError``
 naming the file and the field (``decoder.num_attention_heads``).
@@ -45,7 +55,8 @@ IMPLEMENTATIONS = (
 QUANTIZATION = ("quantization_config",)
 _WIDTH = (1, 1 << 20)
 _HEADS = (1, 1 << 16)
-_LAYERS = (0, 1 << 16)
+MAX_LAYERS = 1024  # see [Note: untrusted configs]
+_LAYERS = (0, MAX_LAYERS)
 _EXPERTS = (0, 1 << 16)
 DIMS: Mapping[str, tuple[int, int]] = {
     **dict.fromkeys(
@@ -70,6 +81,8 @@ DIMS: Mapping[str, tuple[int, int]] = {
             "qk_rope_head_dim",
             "qk_nope_head_dim",
             "v_head_dim",
+            "hidden_dim",  # DistilBERT's feed-forward width
+            "ffn_hidden_size",  # DBRX's ffn_config
         ),
         _WIDTH,
     ),
@@ -83,6 +96,8 @@ DIMS: Mapping[str, tuple[int, int]] = {
             "decoder_attention_heads",
             "n_head_kv",
             "multi_query_group_num",
+            "n_heads",  # MPT, DBRX, DistilBERT
+            "kv_n_heads",  # MPT's and DBRX's attn_config
         ),
         _HEADS,
     ),
@@ -94,6 +109,8 @@ DIMS: Mapping[str, tuple[int, int]] = {
             "num_decoder_layers",
             "encoder_layers",
             "decoder_layers",
+            "n_layers",  # MPT, DBRX, DistilBERT
+            "num_nextn_predict_layers",
         ),
         _LAYERS,
     ),
@@ -105,6 +122,8 @@ DIMS: Mapping[str, tuple[int, int]] = {
             "num_experts_per_tok",
             "n_shared_experts",
             "moe_topk",
+            "moe_num_experts",  # DBRX's ffn_config
+            "moe_top_k",
         ),
         _EXPERTS,
     ),
@@ -171,6 +190,57 @@ def sanitize(
     return clean, notes
 
 
+def check_built(config: Any, data: Mapping[str, Any], /, *, where: str) -> None:
+    """The dims of ``config``, the object transformers made of ``data``, by their canonical names.
+
+    For every name in :data:`DIMS` that ``data`` gives, itself or as the model's own
+    name for it (``config.attribute_map``: MPT's ``n_layers`` for ``num_hidden_layers``),
+    the value transformers keeps must be in range, at every depth (sub-configs). Call it
+    before any model is built: a dim out of range would build for hours.
+
+    Raises:
+        ValueError: a dim of the wrong type, out of range, or not divisible as needed;
+            the message names the file's field, transformers' name and the range.
+
+    Example:
+        >>> from types import SimpleNamespace as Config
+        >>> mpt = Config(attribute_map={"num_hidden_layers": "n_layers"}, num_hidden_layers=10**9)
+        >>> check_built(mpt, {"n_layers": 10**9}, where="config.json")
+        Traceback (most recent call last):
+        ...
+        ValueError: config.json: n_layers (transformers' num_hidden_layers) is 1000000000; it must be an integer in [0, 1024]
+    """
+    _check_built(config, data, (), where)
+
+
+def _check_built(config: Any, data: Mapping[str, Any], path: tuple[Any, ...], where: str) -> None:
+    own: Mapping[str, str] = getattr(config, "attribute_map", None) or {}
+    given: dict[str, Any] = {}
+    for name in DIMS:
+        raw = own.get(name, name)
+        if raw not in data and name not in data:
+            continue  # transformers' own default
+        value = _attribute(config, name)
+        label = name if raw == name else f"{raw} (transformers' {name})"
+        _check_dim((*path, label), value, where, limits=DIMS[name])
+        given[name] = value
+    if "head_dim" not in given:
+        given["head_dim"] = _attribute(config, "head_dim")
+    _check_divisible(given, path, where)
+    for key, value in data.items():
+        child = getattr(config, key, None) if isinstance(value, dict) else None
+        if child is not None and hasattr(child, "attribute_map"):  # a sub-config
+            _check_built(child, value, (*path, key), where)  # pyright: ignore[reportUnknownArgumentType]
+
+
+def _attribute(config: Any, name: str) -> Any:
+    """``config.name`` as transformers reads it (through ``attribute_map``), or ``None``."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # a property of the model's that cannot say: the build will
+        return None
+
+
 def _named(items: list[tuple[str, str, Any]]) -> list[tuple[str, str]]:
     return [(key, place) for key, place, _ in items]
 
@@ -222,10 +292,12 @@ def _clean(
     return out
 
 
-def _check_dim(path: tuple[Any, ...], value: object, where: str) -> None:
+def _check_dim(
+    path: tuple[Any, ...], value: object, where: str, *, limits: tuple[int, int] | None = None
+) -> None:
     if value is None:
         return  # the model's default
-    low, high = DIMS[path[-1]]
+    low, high = DIMS[path[-1]] if limits is None else limits
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(
             f"{where}: {field_name(path)} is {str(value)[:40]}; it must be an integer in "

@@ -6,8 +6,9 @@ or ``AutoModelForSeq2SeqLM`` for an encoder-decoder) under ``torch.device("meta"
 offline and without allocating, and functionalizes it with ``fs.interop.functionalize``,
 one unit per decoder layer (the model's ``_no_split_modules``). The config is untrusted
 input: see [Note: untrusted configs] in ``hf_config.py`` (strict JSON; every field that
-runs or fetches code removed at every depth; dims checked before transformers sees them;
-a ``model_type`` transformers itself implements).
+runs or fetches code removed at every depth; dims checked before transformers sees them,
+and under its canonical names on the config object before any model is built; a
+``model_type`` transformers itself implements).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.cli.hf_config import read_config, sanitize
+from funcshard._src.cli.hf_config import check_built, read_config, sanitize
 from funcshard._src.interop.module import functionalize
 from funcshard._src.plan.model_config import ModelConfig
 from funcshard._src.plan.presets import Preset, get_preset
@@ -103,10 +104,17 @@ def from_hf_config(
             f"{transformers.__version__} implements, and funcshard never runs a config's own "
             f"code (trust_remote_code); use a config of a built-in model_type"
         )
-    clean, notes = sanitize(data, where=f"--hf-config {path}", known=known)
+    where = f"--hf-config {path}"
+    clean, notes = sanitize(data, where=where, known=known)
     fields = {k: v for k, v in clean.items() if k != "model_type"}
     try:
         config = known[model_type].from_dict(fields)
+    except Exception as e:  # whatever transformers raises of a config it cannot read
+        raise ValueError(
+            f"{where}: transformers cannot build it: {type(e).__name__}: {str(e)[:300]}"
+        ) from None
+    check_built(config, fields, where=where)  # by transformers' names, before any model
+    try:
         auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
         with torch.device("meta"):
             model = auto.from_config(config, trust_remote_code=False)
@@ -124,7 +132,8 @@ def from_hf_config(
         for name, m in model.named_modules()
     ]
     holders = [n for n, k in direct if k and n]
-    outer = [n for n in holders if not any(n.startswith(o + "/") for o in holders)]
+    held = set(holders)  # by ancestor, not by pairs: a 1000-layer model has ~10**4 holders
+    outer = [n for n in holders if not any(a in held for a in _ancestors(n))]
     name = f"{model_type} ({Path(path).name})"
     shapes = _model_config(config)
     notes.append(
@@ -143,6 +152,12 @@ def from_hf_config(
         outer,
         (*notes, f"built by transformers {transformers.__version__} as {type(model).__name__}"),
     )
+
+
+def _ancestors(path: str) -> list[str]:
+    """``"a/b/c"`` -> ``["a", "a/b"]``."""
+    parts = path.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def _units(units: Sequence[str]) -> Sequence[str] | str:
