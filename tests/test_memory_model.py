@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 import funcshard as fs
 from funcshard._src.plan.auto import BudgetError
-from funcshard._src.plan.cost import estimate, unit_cost
+from funcshard._src.plan.cost import estimate
 from funcshard._src.plan.cost_model import CostModel, Reserve, reserve_bytes, usable_budget
+from funcshard._src.plan.unit_cost import unit_cost
 from tests.models import Model
 
 GiB = 2**30

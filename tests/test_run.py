@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard._src.plan.cost import comm_bytes_per_step, param_bytes_per_rank
+from funcshard._src.plan.unit_cost import comm_bytes_per_step, param_bytes_per_rank
 from funcshard._src.shard.sharded import flats_of
 from tests.models import Model
 

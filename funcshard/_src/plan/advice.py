@@ -18,13 +18,13 @@ from typing import NamedTuple
 import torch
 
 from funcshard._src.plan.activations import Workload, activations_of
-from funcshard._src.plan.cost import UnitCost, memory_of, unit_cost
 from funcshard._src.plan.cost_model import CostModel, usable_budget
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
 from funcshard._src.plan.resolve import Spec, build
 from funcshard._src.plan.search import Context, Score, assign, ladder
 from funcshard._src.plan.sizes import format_bytes
 from funcshard._src.plan.strategy import Strategy
+from funcshard._src.plan.unit_cost import UnitCost, memory_of, unit_cost
 from funcshard._src.spec.mesh import Mesh
 
 FACTORS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # growths of the last mesh axis tried

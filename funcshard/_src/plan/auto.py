@@ -27,7 +27,6 @@ from typing import Any
 
 from funcshard._src.plan.activations import activations_of
 from funcshard._src.plan.advice import missing
-from funcshard._src.plan.cost import UnitCost, memory_of, unit_cost
 from funcshard._src.plan.cost_model import CostModel, usable_budget
 from funcshard._src.plan.plan import Plan, Requested
 from funcshard._src.plan.resolve import Spec, build
@@ -35,6 +34,7 @@ from funcshard._src.plan.search import Context, assign, reasons
 from funcshard._src.plan.search import ladder as ladder
 from funcshard._src.plan.sizes import format_bytes
 from funcshard._src.plan.strategy import Strategy
+from funcshard._src.plan.unit_cost import UnitCost, memory_of, unit_cost
 
 
 class BudgetError(ValueError):

@@ -12,10 +12,7 @@ parameters, activations and the step time are estimates; every
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,268 +20,21 @@ import torch
 from funcshard._src import tree
 from funcshard._src.plan.activations import activation_parts
 from funcshard._src.plan.cost_model import (
-    COUNTER_BYTES,
     PASSES,
-    STATE_COPIES,
     CostModel,
     describe_reserve,
     reserve_bytes,
 )
-from funcshard._src.plan.estimates import Estimate, Key, Memory
+from funcshard._src.plan.estimates import Estimate, Key
 from funcshard._src.plan.plan import Plan
-from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision, describe_precision
+from funcshard._src.plan.precision import describe_precision
 from funcshard._src.plan.sizes import parse_bytes
 from funcshard._src.plan.step_time import describe as describe_time
 from funcshard._src.plan.step_time import step_time
-from funcshard._src.plan.strategy import LEAF_GATHERS, Strategy, shard_axes
-from funcshard._src.plan.units import Unit
-
-
-def shard_numel(plan: Plan, unit: Unit, /) -> dict[torch.dtype, int]:
-    """Elements of ``unit``'s flat buffers on one rank, per dtype (padding included)."""
-    out: dict[torch.dtype, int] = {}
-    for (dtype, _), n in _numel_by_part(plan, unit, whole=False).items():
-        out[dtype] = out.get(dtype, 0) + n
-    return out
-
-
-def param_bytes_per_rank(plan: Plan, /) -> int:
-    """Bytes of sharded parameters one rank holds, padding included.
-
-    Example:
-        >>> from funcshard._src.plan.planner import plan as make_plan
-        >>> from funcshard._src.spec.mesh import Mesh
-        >>> param_bytes_per_rank(make_plan({"w": torch.zeros(10, 3)}, Mesh({"fsdp": 4})))
-        36
-    """
-    return sum(
-        n * dtype.itemsize for unit in plan.units for dtype, n in shard_numel(plan, unit).items()
-    )
-
-
-@dataclass(frozen=True)
-class UnitCost:
-    """One unit's bytes on one rank under a cost model (the pieces :func:`estimate` adds up)."""
-
-    name: str
-    strategy: Strategy
-    is_root: bool
-    params: int
-    frozen: int
-    grads: int
-    optimizer: int
-    mixed_precision: int
-    gathered: int  # its leaves whole, in the compute dtype (0 when they alias the shard)
-    unreduced_grads: int  # its gradients whole, in the compute dtype, before reduction
-    deferred_grads: int  # packed full gradients kept across micro-batches ("unsharded")
-    comm: Mapping[Key, int]
-    n_params: int
-    gather_buffer: int = 0  # the all-gather's output, (group_size * shard) in the compute dtype
-    reduce_buffer: int = 0  # the reduce-scatter's input, (group_size * shard) in the reduce dtype
-
-
-def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
-    """The bytes one rank holds and sends for ``unit`` (see :class:`Memory` for each category)."""
-    mp = model.mixed_precision or FULL_PRECISION
-    mesh = plan.mesh
-    axes = shard_axes(unit.strategy, mesh)
-    replica = tuple(a for a in mesh.axis_names if a not in axes)
-    g = math.prod(mesh.axis_size(a) for a in axes)
-    r = math.prod(mesh.axis_size(a) for a in replica)
-    gathers = 2 if unit.strategy == "full_shard" and not unit.is_root else 1
-    copies = STATE_COPIES[model.optimizer]
-    params = frozen = grads = optimizer = master = gathered = unreduced = deferred = 0
-    gather_buffer = reduce_buffer = 0
-    comm: Counter[Key] = Counter()
-    full = _numel_by_part(plan, unit, whole=True)
-    in_place: set[tuple[torch.dtype, bool]] = (
-        _gathers_in_place(plan, unit, axes, leafwise=(model.backend, g) in LEAF_GATHERS)
-        if g > 1
-        else set()
-    )
-    if unit.layout == "flat":  # its storage is the gathered buffer, end padding included
-        full = {key: g * n for key, n in _numel_by_part(plan, unit, whole=False).items()}
-    for (dtype, is_frozen), n in _numel_by_part(plan, unit, whole=False).items():
-        compute, grad = mp.compute_dtype(dtype), mp.gradient_dtype(dtype)
-        trained = dtype.is_floating_point and not is_frozen
-        if is_frozen:
-            frozen += n * dtype.itemsize  # no gradient, no optimizer state
-        elif not dtype.is_floating_point:
-            params += n * dtype.itemsize
-            grads += n * dtype.itemsize  # zeros, as the executor returns
-            optimizer += copies * n * dtype.itemsize
-        elif model.master_weights:
-            params += n * dtype.itemsize
-            grads += n * 4  # the fp32 gradient partition
-            optimizer += copies * n * 4
-            master += n * 4 if dtype.itemsize < 4 else 0
-        else:
-            params += n * dtype.itemsize
-            grads += n * dtype.itemsize  # reduced in ``grad``, returned in the stored dtype
-            optimizer += copies * n * dtype.itemsize
-        if g > 1 or compute != dtype:  # else the full leaves alias the shard
-            gathered += full[(dtype, is_frozen)] * compute.itemsize
-            # See [Note: staging buffers]
-            gather_buffer += 0 if (dtype, is_frozen) in in_place else g * n * compute.itemsize
-        if trained:
-            unreduced += full[(dtype, is_frozen)] * compute.itemsize
-            deferred += g * n * grad.itemsize
-            # no_shard reduces in place: its packed rows are the gradient unless cast
-            reduce_buffer += g * n * grad.itemsize if g > 1 or grad != dtype else 0
-        if g > 1:
-            comm[("all_gather", axes)] += gathers * (g - 1) * n * compute.itemsize
-        if not trained:
-            continue
-        if g > 1:
-            comm[("reduce_scatter", axes)] += (g - 1) * n * grad.itemsize
-        if r > 1:
-            comm[("all_reduce", replica)] += 2 * n * grad.itemsize * (r - 1) // r
-    return UnitCost(
-        unit.name,
-        unit.strategy,
-        unit.is_root,
-        params,
-        frozen,
-        grads,
-        optimizer,
-        master,
-        gathered,
-        unreduced,
-        deferred,
-        comm,
-        sum(full.values()),
-        gather_buffer,
-        reduce_buffer,
-    )
-
-
-# [Note: staging buffers]
-# What the executor allocates for its collectives (execute/unit_state.py, execute/reduce.py):
-# - UnitRuntime.prefetch: per part, an all-gather output of group_size * (shard numel) in the
-#   compute dtype, alive from the gather's start until its leaves are copied out, when the
-#   unit also holds its full leaves: the unit being unpacked holds both. None for a flat
-#   unit's part (its storage is the gathered buffer) or a part gathered in place (one leaf split evenly on dim 0 over exactly the shard axes: its
-#   output is its full storage; on gloo over two ranks, LEAF_GATHERS, every leaf of the
-#   part so split, one collective per leaf) or aliased (no collective, no cast). Buckets
-#   (execute/bucket.py) gather their members packed: their staging is not modelled.
-# - Reducer._reduce_part: per trained part, packed rows of group_size * (shard numel) in the
-#   reduce dtype, alive while its reduction is in flight; MAX_PENDING = 1 reduction at a
-#   time (the older is waited for before the next is packed). no_shard (group_size 1)
-#   reduces the rows in place: they become the gradient, unless it is cast to another dtype.
-# memory_of counts the largest of each, once: Memory.gathered already counts 1 + prefetch
-# units' full leaves, which stand for the units in flight (a prefetched unit holds only its
-# all-gather output until it is acquired).
-
-
-def _gathers_in_place(
-    plan: Plan, unit: Unit, axes: tuple[str, ...], /, *, leafwise: bool
-) -> set[tuple[torch.dtype, bool]]:
-    """The ``(dtype, frozen)`` parts of ``unit`` that the executor gathers into their full storage.
-
-    Every part of a flat unit; a part of one leaf, split evenly on dim 0 over exactly ``axes`` and nowhere else
-    (``funcshard._src.shard.flat.gathers_in_place``): an embedding or a head alone;
-    with ``leafwise`` (``LEAF_GATHERS``), a part whose every leaf is so split
-    (``leaves_gather_in_place``), gathered one leaf at a time.
-    """
-    members: dict[tuple[torch.dtype, bool], list[str]] = {}
-    for path in unit.paths:
-        leaf = plan.leaf(path)
-        members.setdefault((leaf.dtype, leaf.frozen), []).append(path)
-    out: set[tuple[torch.dtype, bool]] = set()
-    for key, paths in members.items():
-        if unit.layout == "flat" or (
-            (len(paths) == 1 or leafwise)
-            and axes
-            and all(_splits_on_dim_0(plan, p, axes) for p in paths)
-        ):
-            out.add(key)
-    return out
-
-
-def _splits_on_dim_0(plan: Plan, path: str, axes: tuple[str, ...], /) -> bool:
-    """Whether leaf ``path`` is split evenly on dim 0 over exactly ``axes`` and nowhere else."""
-    leaf = plan.leaf(path)
-    sharding = leaf.sharding(plan.mesh)
-    dims = sharding.dim_axes(len(leaf.shape))
-    even = all(
-        n * c == size
-        for n, c, size in zip(
-            sharding.num_shards(leaf.shape), sharding.shard_shape(leaf.shape), leaf.shape
-        )
-    )
-    return bool(leaf.shape) and even and tuple(dims[0]) == axes and not any(dims[1:])
-
-
-def _numel_by_part(
-    plan: Plan, unit: Unit, /, *, whole: bool
-) -> dict[tuple[torch.dtype, bool], int]:
-    """Elements of ``unit`` per ``(dtype, frozen)``: on one rank (padded), or whole.
-
-    A flat unit's part is its leaves' elements over the group size, rounded up.
-    """
-    out: dict[tuple[torch.dtype, bool], int] = {}
-    flat = unit.layout == "flat" and not whole
-    for path in unit.paths:
-        leaf = plan.leaf(path)
-        n = (
-            leaf.numel
-            if whole or flat
-            else math.prod(leaf.sharding(plan.mesh).shard_shape(leaf.shape))
-        )
-        out[(leaf.dtype, leaf.frozen)] = out.get((leaf.dtype, leaf.frozen), 0) + n
-    if flat:
-        g = math.prod(plan.mesh.axis_size(a) for a in shard_axes(unit.strategy, plan.mesh))
-        out = {key: -(-n // g) for key, n in out.items()}
-    return out
-
-
-def comm_bytes_per_step(
-    plan: Plan, /, mixed_precision: MixedPrecision | None = None
-) -> Counter[Key]:
-    """Bytes one rank sends in one step (forward and backward of one batch), by ``(op, axes)``.
-
-    Per unit and dtype, with ``B`` its flat buffer's bytes on one rank and ``g`` the
-    size of its shard group: a ``full_shard`` unit is all-gathered twice (forward,
-    and again for backward), the root unit and ``shard_grad_op`` units once; each
-    sends ``(g - 1) * B`` bytes. Floating-point gradients are reduce-scattered
-    once (``(g - 1) * B``), then all-reduced across replica axes of size ``r``
-    (``2 * (r - 1) / r * B``): ``hybrid_shard`` across ``dp``, ``no_shard`` across
-    every axis. Gathers move ``param_dtype`` bytes, reductions ``reduce_dtype`` bytes.
-    """
-    model = CostModel(mixed_precision=mixed_precision)
-    total: Counter[Key] = Counter()
-    for unit in plan.units:
-        total.update(unit_cost(plan, unit, model).comm)
-    return total
-
-
-def memory_of(costs: list[UnitCost], model: CostModel, /) -> Memory:
-    """Adds up unit costs into one rank's :class:`Memory` (activations and logits not included)."""
-    root = sum(c.gathered for c in costs if c.is_root)
-    kept = sum(c.gathered for c in costs if c.strategy == "shard_grad_op" and not c.is_root)
-    others = sorted(
-        (c.gathered for c in costs if c.strategy != "shard_grad_op" and not c.is_root),
-        reverse=True,
-    )
-    alive = sum(others[: 1 + model.prefetch])
-    if model.accumulate == "unsharded":
-        grads_alive = sum(c.deferred_grads for c in costs) + max(
-            (c.unreduced_grads for c in costs), default=0
-        )
-    else:
-        grads_alive = max((c.unreduced_grads for c in costs), default=0)
-    return Memory(
-        staging=max((c.gather_buffer for c in costs), default=0)
-        + max((c.reduce_buffer for c in costs), default=0),
-        buffers=model.buffers,
-        params=sum(c.params for c in costs),
-        grads=sum(c.grads for c in costs),
-        optimizer=sum(c.optimizer for c in costs) + COUNTER_BYTES,
-        mixed_precision=sum(c.mixed_precision for c in costs),
-        gathered=root + kept + alive + grads_alive,
-        activations=0,
-        frozen=sum(c.frozen for c in costs),
-    )
+from funcshard._src.plan.unit_cost import (
+    memory_of,
+    unit_cost,
+)
 
 
 def estimate(

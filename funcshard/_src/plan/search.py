@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from funcshard._src.plan.cost import UnitCost, memory_of
 from funcshard._src.plan.cost_model import PASSES, CostModel
 from funcshard._src.plan.estimates import Key
 from funcshard._src.plan.sizes import format_bytes
 from funcshard._src.plan.step_time import step_time
 from funcshard._src.plan.strategy import Strategy
+from funcshard._src.plan.unit_cost import UnitCost, memory_of
 from funcshard._src.spec.mesh import Mesh
 
 MAX_EVALUATIONS = 20_000  # moves scored per search: bounds a plan with many unlike units
