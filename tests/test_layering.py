@@ -124,6 +124,7 @@ ORDER = {
         "lion",
         "clip",
         "nonfinite",
+        "adafactor_state",
         "adafactor",
         "chain",
         "ema",

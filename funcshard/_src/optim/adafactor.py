@@ -28,6 +28,15 @@ import torch
 
 from funcshard._src import tree
 from funcshard._src.comm import collectives, groups, settle
+from funcshard._src.optim.adafactor_state import (
+    Leaf,
+    factor,
+    factor_numel,
+    leaves_of,
+    moment_sums,
+    update_moments,
+    vector_zeros,
+)
 from funcshard._src.optim.base import (
     LearningRate,
     Optimizer,
@@ -37,9 +46,7 @@ from funcshard._src.optim.base import (
     learning_rate,
     refuse_flat,
 )
-from funcshard._src.shard.flat import FlatLayout, Slot
-from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of, trainable
-from funcshard._src.spec.named_sharding import Index, NamedSharding
+from funcshard._src.shard.sharded import flats_of, trainable
 
 Steps = Generator[torch.Tensor, torch.Tensor, None]  # yields partial sums, receives their totals
 
@@ -146,22 +153,6 @@ def adafactor(
     return Optimizer(rule.init, rule.update_)
 
 
-class _Leaf(NamedTuple):
-    """One trainable floating leaf and its state, as one rank sees them."""
-
-    param: ShardedTensor
-    grad: ShardedTensor
-    row: torch.Tensor | None  # (..., R, 1), full
-    col: torch.Tensor | None  # (..., 1, C), full
-    variance: ShardedTensor | None
-    index: Index  # this rank's slices of the leaf
-    counted: bool  # replica 0: its partial sums count
-
-    @property
-    def factored(self) -> bool:
-        return self.row is not None
-
-
 @dataclass(frozen=True)
 class _Adafactor:
     """The hyperparameters (validated by :func:`adafactor`) and the rule."""
@@ -179,9 +170,9 @@ class _Adafactor:
         refuse_flat(live, "adafactor", "factored moments sum rows and columns of each matrix")
         return AdafactorState(
             torch.zeros((), dtype=torch.int64),
-            tree.tree_map(functools.partial(_factor, dim=-1), live),
-            tree.tree_map(functools.partial(_factor, dim=-2), live),
-            _vector_zeros(live),
+            tree.tree_map(functools.partial(factor, dim=-1), live),
+            tree.tree_map(functools.partial(factor, dim=-2), live),
+            vector_zeros(live),
         )
 
     def update_(
@@ -205,7 +196,7 @@ class _Adafactor:
         :meth:`update_` sums them over the mesh; a test can drive one coroutine per
         simulated rank in lockstep. See [Note: adafactor sums].
         """
-        leaves = _leaves(grads, state, sparams)
+        leaves = leaves_of(grads, state, sparams)
         count = int(state.count)
         step_lr = learning_rate(self.lr, count)
         t = float(count + 1)
@@ -214,18 +205,18 @@ class _Adafactor:
         if leaves:
             device = leaves[0].param.device
             sizes = [
-                1 + (_factor_numel(leaf.param.shape) if leaf.factored else 0) for leaf in leaves
+                1 + (factor_numel(leaf.param.shape) if leaf.factored else 0) for leaf in leaves
             ]
             starts = list(itertools.accumulate(sizes, initial=0))
             with torch.no_grad():
                 partial = torch.zeros(starts[-1], dtype=torch.float64, device=device)
                 for leaf, start, size in zip(leaves, starts, sizes):
-                    _moment_sums(leaf, partial[start : start + size])
+                    moment_sums(leaf, partial[start : start + size])
             total = yield partial  # (sum of 1 + B * (R + C) per leaf,)
             with torch.no_grad():
                 param_sq = total[starts[:-1]].tolist()
                 for leaf, start, size in zip(leaves, starts, sizes):
-                    _update_moments(leaf, total[start + 1 : start + size], one_minus_beta2)
+                    update_moments(leaf, total[start + 1 : start + size], one_minus_beta2)
                 zero = torch.zeros((), dtype=torch.float64, device=device)
                 partial = torch.stack(
                     [
@@ -247,7 +238,7 @@ class _Adafactor:
                     local.add_(update, alpha=-alpha / denom)
         state.count.add_(1)
 
-    def _update(self, leaf: _Leaf, /) -> torch.Tensor:
+    def _update(self, leaf: Leaf, /) -> torch.Tensor:
         """This rank's shard of the update before scaling, in torch's order of operations."""
         grad = leaf.grad.local
         eps1 = self.eps1 if self.eps1 is not None else torch.finfo(leaf.param.dtype).eps
@@ -270,130 +261,3 @@ def _run(steps: Steps, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor], /
             partial = steps.send(sum_over_ranks(partial))
     except StopIteration:
         pass
-
-
-def _moment_sums(leaf: _Leaf, out: torch.Tensor, /) -> None:
-    """Writes this rank's partial sums of ``leaf`` into ``out``: ``|p|^2``, then the row and
-    column sums of ``g * g`` at this shard's index (factored leaves); zeros unless ``counted``."""
-    if not leaf.counted:
-        return
-    out[0] = leaf.param.local.norm(2).double().square()
-    if leaf.factored:
-        shape = leaf.param.shape
-        batch, rows_n, cols_n = math.prod(shape[:-2]), shape[-2], shape[-1]
-        rows = out[1 : 1 + batch * rows_n].view(*shape[:-2], rows_n, 1)
-        cols = out[1 + batch * rows_n :].view(*shape[:-2], 1, cols_n)
-        grad, index = leaf.grad.local, leaf.index
-        # torch.norm(...).square(), as torch computes the means, squared exactly in float64
-        rows[index[:-1]] = torch.norm(grad, dim=-1, keepdim=True).double().square()
-        cols[(*index[:-2], slice(None), index[-1])] = (
-            torch.norm(grad, dim=-2, keepdim=True).double().square()
-        )
-
-
-def _update_moments(leaf: _Leaf, sums: torch.Tensor, one_minus_beta2: float, /) -> None:
-    """Moves the second moments of ``leaf`` towards this step's, from the summed ``sums``; mutates."""
-    if leaf.row is not None and leaf.col is not None:
-        shape = leaf.param.shape
-        split = math.prod(shape[:-2]) * shape[-2]
-        row_mean = sums[:split].view(leaf.row.shape).to(leaf.row.dtype).div_(shape[-1])
-        leaf.row.lerp_(row_mean, one_minus_beta2)
-        col_mean = sums[split:].view(leaf.col.shape).to(leaf.col.dtype).div_(shape[-2])
-        leaf.col.lerp_(col_mean, one_minus_beta2)
-    else:
-        assert leaf.variance is not None
-        grad = leaf.grad.local
-        leaf.variance.local.lerp_(grad * grad, one_minus_beta2)
-
-
-def _leaves(grads: Any, state: AdafactorState, sparams: Any) -> list[_Leaf]:
-    """The trainable floating leaves of ``sparams`` with something to update, with their state."""
-    found: list[_Leaf] = []
-
-    def visit(param: Any, grad: Any, row: Any, col: Any, variance: Any) -> None:
-        if not isinstance(param, ShardedTensor) or not param.dtype.is_floating_point:
-            return
-        factored = param.ndim >= 2
-        expected = (
-            _factor_shape(param.shape, -1) if factored else None,
-            _factor_shape(param.shape, -2) if factored else None,
-        )
-        got = tuple(None if x is None else tuple(x.shape) for x in (row, col))
-        if got != expected or (not factored) != isinstance(variance, ShardedTensor):
-            raise ValueError(
-                f"{param.path}: the Adafactor state does not fit this leaf of shape {param.shape}; "
-                f"build it with this optimizer's init(sparams) for these params"
-            )
-        if math.prod(param.shape) == 0:
-            return  # nothing to update (torch.optim.Adafactor divides by its size)
-        index, counted = _placement(param.slot, param.flat.rank)
-        found.append(_Leaf(param, grad, row, col, variance, index, counted))
-
-    try:
-        tree.tree_map(visit, trainable(sparams), grads, state.row, state.col, state.variance)
-    except ValueError as e:
-        if "Adafactor state" in str(e):
-            raise
-        raise ValueError(
-            f"adafactor: grads or state are not structured like the trainable params ({e}); pass "
-            f"grads from a step of the plan that sharded the params and the state of init(sparams)"
-        ) from None
-    return found
-
-
-@functools.lru_cache(maxsize=4096)
-def _placement(slot: Slot, rank: int) -> tuple[Index, bool]:
-    """``rank``'s slices of ``slot``'s leaf, and whether it holds replica 0 (whose sums count)."""
-    sharding = slot.sharding
-    assert isinstance(sharding, NamedSharding), "init refuses the flat layout"
-    return sharding.local_index(slot.shape, rank), sharding.replica_id(rank) == 0
-
-
-def _factor_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
-    out = list(shape)
-    out[dim] = 1
-    return tuple(out)
-
-
-def _factor_numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape[:-2]) * (shape[-2] + shape[-1])
-
-
-def _factor(param: Any, /, *, dim: int) -> torch.Tensor | None:
-    """Zeros for the row (``dim=-1``) or column (``dim=-2``) factor of a leaf of two or more dims."""
-    if not isinstance(param, ShardedTensor) or not param.dtype.is_floating_point or param.ndim < 2:
-        return None
-    return torch.zeros(_factor_shape(param.shape, dim), dtype=param.dtype, device=param.device)
-
-
-def _vector_zeros(live: Any, /) -> Any:
-    """Zero variances, sharded like the params, for the floating leaves of fewer than two dims.
-
-    They get flat buffers of their own (per unit and dtype), holding only those leaves.
-    """
-    variance: dict[tuple[int, int], ShardedTensor] = {}
-    for flat in flats_of(live):
-        layout = flat.layout
-        if layout.frozen or not layout.dtype.is_floating_point:
-            continue
-        slots: list[Slot] = []
-        offset = 0
-        for slot in layout.slots:
-            if len(slot.shape) < 2:
-                slots.append(
-                    Slot(slot.index, slot.path, slot.shape, slot.sharding, slot.shard_shape, offset)
-                )
-                offset += slot.numel
-        if not slots:
-            continue
-        own = FlatLayout(layout.unit, layout.dtype, layout.mesh, tuple(slots), offset)
-        data = torch.zeros(offset, dtype=layout.dtype, device=flat.data.device)  # (numel,)
-        shard = FlatShard(own, data, flat.rank)
-        for slot in slots:
-            variance[(id(flat), slot.index)] = ShardedTensor(shard, slot)
-    return tree.tree_map(
-        lambda p: (
-            variance.get((id(p.flat), p.slot.index)) if isinstance(p, ShardedTensor) else None
-        ),
-        live,
-    )
