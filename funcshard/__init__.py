@@ -45,10 +45,10 @@ from funcshard._src.plan.auto import BudgetError as BudgetError
 from funcshard._src.plan.plan import Plan as Plan
 from funcshard._src.plan.planner import plan as plan
 from funcshard._src.plan.precision import MixedPrecision as MixedPrecision
+from funcshard._src.shard.flat_shard import DonatedError as DonatedError
 from funcshard._src.shard.materialize import materialize as materialize
 from funcshard._src.shard.shard import shard as shard
 from funcshard._src.shard.shard import unshard as unshard
-from funcshard._src.shard.sharded import DonatedError as DonatedError
 from funcshard._src.shard.sharded import ShardedTensor as ShardedTensor
 from funcshard._src.spec.mesh import Mesh as Mesh
 from funcshard._src.spec.named_sharding import NamedSharding as NamedSharding

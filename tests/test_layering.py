@@ -92,6 +92,7 @@ ORDER = {
         "orthogonal",
         "layout",
         "flat",
+        "flat_shard",
         "sharded",
         "shard",
         "materialize",

@@ -1,7 +1,7 @@
 """Units on a mesh of one rank: no autograd node of their own, gradients held as autograd's tensors.
 
 See [Note: local-only calls] in ``execute/run.py`` and [Note: gradients held as
-leaves] in ``shard/sharded.py``. Every value is compared with the unsharded
+leaves] in ``shard/flat_shard.py``. Every value is compared with the unsharded
 ``torch.func`` reference; the structure (which gradients are held as leaves,
 which graph nodes exist) is checked beside it, so a change that copies again or
 that brings the node back fails here.
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import funcshard as fs
+from funcshard._src.shard.flat_shard import FlatShard, concatenate_leaves
 from funcshard._src.shard.layout import layouts
-from funcshard._src.shard.sharded import FlatShard, concatenate_leaves, flats_of
+from funcshard._src.shard.sharded import flats_of
 from funcshard.testing import assert_trees_close, reference_value_and_grad
 from tests.models import Model
 

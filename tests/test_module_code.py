@@ -251,7 +251,7 @@ def test_references_kept_outside_the_module_read_the_placeholder():
     params, _ = functionalize(net)
     assert torch.equal(params["weight"], before)  # the leaf keeps the values
     with pytest.raises(UnboundParameterError, match="read outside apply"):
-        kept[0] + 1
+        _ = kept[0] + 1
     with pytest.raises(UnboundParameterError, match=r"Linear's parameter 'weight'"):
         linear(torch.ones(3))
     assert opt.param_groups[0]["params"][0] is net.weight  # the optimizer's is the placeholder

@@ -8,7 +8,7 @@ all-reduce across replicas for ``hybrid_shard``; an all-reduce alone for
 to add them to a later micro-batch's (gradient accumulation without
 communication, like FSDP's ``no_sync``). The reduced gradients are keyed by
 the :class:`FlatLayout` of the flat buffer they belong to. Buffers donated by
-the last call (see [Note: donation] in ``shard/sharded.py``) receive this
+the last call (see [Note: donation] in ``shard/flat_shard.py``) receive this
 call's results instead of fresh memory.
 """
 
@@ -30,7 +30,8 @@ from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.part import Part
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
-from funcshard._src.shard.sharded import FlatShard, ShardedTensor, concatenate_leaves
+from funcshard._src.shard.flat_shard import FlatShard, concatenate_leaves
+from funcshard._src.shard.sharded import ShardedTensor
 
 # reductions in flight that hold packed gradients (a staging buffer) when the next unit's
 # gradients are packed: the older ones are waited for first. One reducing while the next
@@ -100,7 +101,7 @@ class Reducer:
     ) -> None:
         self.world_size = world_size
         # one micro-batch: a part that needs no communication keeps its gradients as
-        # autograd made them, see [Note: gradients held as leaves] in shard/sharded.py
+        # autograd made them, see [Note: gradients held as leaves] in shard/flat_shard.py
         self.hold_leaves = hold_leaves
         self.held: dict[FlatLayout, tuple[torch.Tensor, ...]] = {}  # the result of those parts
         self.pool = BufferPool() if pool is None else pool  # see [Note: staging lifetimes]

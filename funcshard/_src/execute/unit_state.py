@@ -63,7 +63,7 @@ from funcshard._src.shard.flat import (
     leaves_gather_in_place,
     unpack_into,
 )
-from funcshard._src.shard.sharded import FlatShard
+from funcshard._src.shard.flat_shard import FlatShard
 
 _T = TypeVar("_T")
 

@@ -29,12 +29,9 @@ from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
 from funcshard._src.shard.flat import FlatLayout
+from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.shard.shard import plan_layouts
-from funcshard._src.shard.sharded import (
-    FlatShard,
-    ShardedTensor,
-    flats_of,
-)
+from funcshard._src.shard.sharded import ShardedTensor, flats_of
 
 Accumulation = Literal["sharded", "unsharded"]
 

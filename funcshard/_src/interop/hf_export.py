@@ -43,7 +43,8 @@ from funcshard._src.interop.safetensors_format import (
 )
 from funcshard._src.interop.safetensors_io import LeafNames
 from funcshard._src.shard.flat import unpack_gathered, whole_chunk
-from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of
+from funcshard._src.shard.flat_shard import FlatShard
+from funcshard._src.shard.sharded import ShardedTensor, flats_of
 
 SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 STAGING = re.compile(r"\.[0-9a-f]{12}\.saving")  # after ".{target name}"

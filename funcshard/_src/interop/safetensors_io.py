@@ -24,8 +24,9 @@ from funcshard._src.interop.safetensors_names import (
 )
 from funcshard._src.plan.plan import Plan
 from funcshard._src.shard.flat import pieces
+from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.shard.shard import plan_layouts
-from funcshard._src.shard.sharded import FlatShard, ShardedTensor
+from funcshard._src.shard.sharded import ShardedTensor
 
 
 class LeafNames(Protocol):

@@ -19,7 +19,8 @@ from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import torch
 
-from funcshard._src.shard.sharded import FlatShard, flats_of, map_flats, trainable
+from funcshard._src.shard.flat_shard import FlatShard
+from funcshard._src.shard.sharded import flats_of, map_flats, trainable
 
 Params: TypeAlias = Any  # a sharded pytree (leaves: ShardedTensor)
 Updates: TypeAlias = Any  # gradients, sharded like the params
@@ -118,7 +119,7 @@ def floating_flats(
 
     Frozen buffers are left out: they have no gradient and no state. With
     ``split_by``, where that tree's flat shard is held as leaves (gradients of a
-    one-rank group, see [Note: gradients held as leaves] in ``shard/sharded.py``),
+    one-rank group, see [Note: gradients held as leaves] in ``shard/flat_shard.py``),
     its leaves come as they are and every other tree's buffer as views of the same
     leaves (made once per buffer): for elementwise updates, which then read no
     concatenated copy.

@@ -22,6 +22,7 @@ from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.rules import matches, pattern_repr
 from funcshard._src.shard import counter_rng
 from funcshard._src.shard.flat import pieces
+from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.shard.initializers import Initializer, Key
 from funcshard._src.shard.shard import (  # pyright: ignore[reportPrivateUsage]
     _device,
@@ -29,7 +30,7 @@ from funcshard._src.shard.shard import (  # pyright: ignore[reportPrivateUsage]
     plan_layouts,
     tree_difference,
 )
-from funcshard._src.shard.sharded import FlatShard, ShardedTensor
+from funcshard._src.shard.sharded import ShardedTensor
 
 
 def materialize(

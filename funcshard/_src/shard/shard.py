@@ -15,7 +15,8 @@ from funcshard._src.plan.plan import LeafPlan, Plan
 from funcshard._src.shard.aliasing import first_shared
 from funcshard._src.shard.digest import tensor_digest
 from funcshard._src.shard.flat import FlatLayout, layouts, pack_local, unpack_gathered, whole_chunk
-from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of
+from funcshard._src.shard.flat_shard import FlatShard
+from funcshard._src.shard.sharded import ShardedTensor, flats_of
 
 
 def shard(
