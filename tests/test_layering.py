@@ -160,6 +160,7 @@ ORDER = {
         "safetensors_format",
         "safetensors_names",
         "safetensors_io",
+        "hf_files",
         "hf_export",
         "recompute",
         "hooks",

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import funcshard as fs
-from funcshard._src.interop import hf_export
+from funcshard._src.interop import hf_files
 from funcshard.interop import functionalize
 from tests.interop.test_safetensors_io import MODELS, VOCAB, llama
 
@@ -158,7 +158,7 @@ def test_a_failed_write_leaves_the_old_checkpoint_and_no_staging(tmp_path, monke
     def full_disk(*_: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(hf_export._Writer, "write", full_disk)
+    monkeypatch.setattr(hf_files.Writer, "write", full_disk)
     with pytest.raises(
         OSError, match=r"save_pretrained to .*out failed on rank 0: OSError: \[Errno 28\] No space"
     ):
@@ -181,19 +181,19 @@ def test_the_next_save_removes_what_a_killed_save_left(tmp_path):
 def _fail_on_rank0(directory: str) -> str:
     params, apply = functionalize(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
     sparams = fs.shard(params, fs.plan(params, fs.Mesh({"fsdp": 2}), units=["0", "1"]))
-    write = hf_export._Writer.write
+    write = hf_files.Writer.write
 
     def full_disk(*_: Any) -> None:
         raise OSError("disk gone")
 
     if fs.rank() == 0:
-        hf_export._Writer.write = full_disk  # pyright: ignore[reportAttributeAccessIssue]
+        hf_files.Writer.write = full_disk  # pyright: ignore[reportAttributeAccessIssue]
     try:
         apply.save_pretrained(sparams, directory)
     except OSError as e:
         return str(e)
     finally:
-        hf_export._Writer.write = write
+        hf_files.Writer.write = write
     return "saved"
 
 

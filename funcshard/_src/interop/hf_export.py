@@ -13,17 +13,13 @@ directory that a killed save to the same ``path`` left behind is removed by the 
 
 from __future__ import annotations
 
-import copy
-import glob
 import math
 import os
 import re
-import shutil
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,12 +28,9 @@ from funcshard._src import tree
 from funcshard._src.comm import agree, collectives, groups, runtime, settle
 from funcshard._src.comm.channel import Kind
 from funcshard._src.dtypes import dtype_name
+from funcshard._src.interop.hf_files import PlannedTensor, Writer, staging_dir
 from funcshard._src.interop.safetensors_format import (
-    INDEX,
     NAMES,
-    SINGLE,
-    header_bytes,
-    index_bytes,
     parse_size,
     shard_files,
 )
@@ -46,29 +39,13 @@ from funcshard._src.shard.flat import unpack_gathered, whole_chunk
 from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.shard.sharded import ShardedTensor, flats_of
 
-SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-STAGING = re.compile(r"\.[0-9a-f]{12}\.saving")  # after ".{target name}"
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    """One tensor to write: its key in the files, stored dtype and shape."""
-
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
 
 @dataclass(frozen=True)
 class _Step:
     """One step of the save: a flat buffer to gather and which of its slots are written, or a
     full tensor every rank holds (``whole``); and the tensors written."""
 
-    written: tuple[_Tensor, ...]
+    written: tuple[PlannedTensor, ...]
     flat: FlatShard | None = None
     slots: tuple[int, ...] = ()  # positions in flat.layout.slots
     whole: torch.Tensor | None = None
@@ -145,7 +122,7 @@ def save_pretrained(
         raise ValueError("save_pretrained: the sharded leaves come from different meshes")
     bound = groups.bind(flats[0].layout.mesh) if flats else None
     target = Path(path)
-    writer: _Writer | None = None
+    writer: Writer | None = None
     with settle.operation("save_pretrained"):
         agree.agree_on(
             Kind.UNSHARD,
@@ -160,7 +137,7 @@ def save_pretrained(
         error = None
         if runtime.rank() == 0:
             try:
-                writer = _Writer(_staging(target), files)
+                writer = Writer(staging_dir(target), files)
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
         error = agree.broadcast_json(error, "save_pretrained: rank 0's staging directory")
@@ -221,10 +198,12 @@ def _steps(
         kept = [
             (i, slot) for i, slot in enumerate(flat.layout.slots) if (id(flat), slot.index) in slots
         ]
-        written = [_Tensor(slots[(id(flat), s.index)], flat.layout.dtype, s.shape) for _, s in kept]
+        written = [
+            PlannedTensor(slots[(id(flat), s.index)], flat.layout.dtype, s.shape) for _, s in kept
+        ]
         steps.append(_Step(tuple(written), flat, tuple(i for i, _ in kept)))
     for key, value in sorted(whole, key=lambda kv: position[kv[0]]):
-        steps.append(_Step((_Tensor(key, value.dtype, tuple(value.shape)),), whole=value))
+        steps.append(_Step((PlannedTensor(key, value.dtype, tuple(value.shape)),), whole=value))
     for t in (t for step in steps for t in step.written):
         if t.dtype not in NAMES:
             raise ValueError(f"{t.key}: {dtype_name(t.dtype)} has no safetensors dtype; cast it")
@@ -232,7 +211,7 @@ def _steps(
 
 
 def _write_steps(
-    steps: Sequence[_Step], bound: groups.BoundMesh | None, writer: _Writer | None
+    steps: Sequence[_Step], bound: groups.BoundMesh | None, writer: Writer | None
 ) -> str | None:
     """Gathers every step in turn (collective) and writes it on rank 0; rank 0's first error.
 
@@ -268,60 +247,6 @@ def _gathered(step: _Step, bound: groups.BoundMesh | None) -> list[torch.Tensor]
     return [full[i] for i in step.slots]
 
 
-class _Writer:
-    """The planned files, written in order as tensors arrive (on rank 0); writes to ``directory``."""
-
-    def __init__(self, directory: Path, files: list[tuple[str, list[_Tensor]]]) -> None:
-        self.directory = directory
-        self._files = files
-        self._file = 0  # the file being written
-        self._next = 0  # its next tensor
-        self._out: IO[bytes] | None = None
-
-    def write(self, tensors: Sequence[_Tensor], values: Sequence[torch.Tensor]) -> None:
-        """Appends ``values`` as ``tensors``, the next ones planned; opens and closes files."""
-        for tensor, value in zip(tensors, values, strict=True):
-            name, planned = self._files[self._file]
-            assert planned[self._next] == tensor, (planned[self._next], tensor)
-            if self._out is None:
-                self._out = open(self.directory / name, "xb")  # noqa: SIM115 (closed when full)
-                self._out.write(header_bytes([(t.key, t.dtype, t.shape) for t in planned]))
-            data = value.detach().to("cpu", tensor.dtype).contiguous().reshape(-1)
-            self._out.write(data.view(torch.uint8).numpy().data)
-            self._next += 1
-            if self._next == len(planned):
-                self._close()
-
-    def finish(
-        self, parameters: int, module: nn.Module, dtype: torch.dtype | None, target: Path
-    ) -> None:
-        """Writes the index and the config, then publishes the directory as ``target``."""
-        assert self._file == len(self._files) or self._files == [(SINGLE, [])], "tensors missing"
-        if self._files == [(SINGLE, [])]:
-            (self.directory / SINGLE).write_bytes(header_bytes([]))
-        _write_config(module, self.directory, dtype)
-        if len(self._files) > 1:
-            weight_map = {t.key: name for name, ts in self._files for t in ts}
-            size = sum(t.nbytes for _, ts in self._files for t in ts)
-            _durable(self.directory / INDEX, index_bytes(weight_map, size, parameters))
-        _publish(self.directory, target, {name for name, _ in self._files})
-
-    def discard(self) -> None:
-        """Closes what is open and removes the staging directory."""
-        if self._out is not None:
-            self._out.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-    def _close(self) -> None:
-        assert self._out is not None
-        self._out.flush()
-        os.fsync(self._out.fileno())
-        self._out.close()
-        self._out = None
-        self._file += 1
-        self._next = 0
-
-
 def _kept_name(names: tuple[str, ...], position: Mapping[str, int], tied: Sequence[str]) -> str:
     """The name a tied tensor is written under: the first not among ``_tied_weights_keys``."""
     present = [n for n in names if n in position] or list(names)
@@ -341,56 +266,3 @@ def _real(key: str, value: Any) -> torch.Tensor:
             f"cannot be written; pass sharded params (fs.shard, a step's result) and real buffers"
         )
     return value
-
-
-def _write_config(module: nn.Module, directory: Path, dtype: torch.dtype | None) -> None:
-    """``config.json`` (and ``generation_config.json``) as Hugging Face's save_pretrained writes them."""
-    config = getattr(module, "config", None)
-    if config is None or not callable(getattr(config, "save_pretrained", None)):
-        return
-    config = copy.deepcopy(config)  # Hugging Face sets these on the model's own config
-    config.architectures = [type(module).__name__]
-    if dtype is not None:
-        setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype_name(dtype))
-    config.save_pretrained(str(directory))
-    generation = getattr(module, "generation_config", None)
-    can_generate = getattr(module, "can_generate", None)
-    if generation is not None and callable(can_generate) and can_generate():
-        generation.save_pretrained(str(directory))
-
-
-def _staging(target: Path) -> Path:
-    if target.exists() and not target.is_dir():
-        raise NotADirectoryError(f"{target} is a file; save_pretrained writes a directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(f".{glob.escape(target.name)}.*.saving"):
-        if STAGING.fullmatch(stale.name[len(target.name) + 1 :]) and stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)  # a save to target that was killed
-    staging = target.parent / f".{target.name}.{uuid.uuid4().hex[:12]}.saving"
-    staging.mkdir()
-    return staging
-
-
-def _publish(staging: Path, target: Path, names: set[str]) -> None:
-    """``staging`` becomes ``target``; see [Note: streaming save] for an existing directory."""
-    if not target.exists():
-        staging.rename(target)
-        return
-    for entry in (INDEX, SINGLE):  # first, so that no index names a file being replaced
-        (target / entry).unlink(missing_ok=True)
-    for file in sorted(staging.iterdir()):
-        if file.name != INDEX:
-            os.replace(file, target / file.name)
-    for stale in target.iterdir():
-        if SHARD_FILE.fullmatch(stale.name) and stale.name not in names:
-            stale.unlink()
-    if (staging / INDEX).exists():
-        os.replace(staging / INDEX, target / INDEX)
-    staging.rmdir()
-
-
-def _durable(path: Path, data: bytes) -> None:
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
