@@ -79,6 +79,7 @@ ORDER = {
         "all_gather",
         "preflight",
         "inputs",
+        "pending",
         "collectives",
     ],
     "data": ["sampler", "seed"],

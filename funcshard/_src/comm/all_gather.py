@@ -32,7 +32,7 @@ flight on the group (another gather, a ring reduce-scatter) a receive issued
 early would take the next rank's message for another operation. Every rank
 issues the same operations in the same order, so they pair up as collectives
 do; a failed or timed-out wait leaves the process out of step
-(``collectives.Pending``).
+(``pending.Pending``).
 """
 
 from __future__ import annotations

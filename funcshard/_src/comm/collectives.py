@@ -15,58 +15,22 @@ every rank agrees on the settings that choose how collectives move their bytes
 
 from __future__ import annotations
 
-import datetime
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from funcshard._src.comm import all_gather as _ag
-from funcshard._src.comm import channel, preflight, runtime, shm
+from funcshard._src.comm import channel, shm
 from funcshard._src.comm import reduce_scatter as _rs
-from funcshard._src.comm.algorithm import wait_work
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
+from funcshard._src.comm.pending import Each, Pending, issue
 from funcshard._src.comm.reduce_scatter import Algorithm
-from funcshard._src.comm.runtime import CollectiveError
 
 _all_gather_single = channel.all_gather_single
 _reduce_scatter_single = channel.reduce_scatter_single
-
-
-@dataclass
-class Pending:
-    """A collective in flight; :meth:`wait` blocks until ``result`` holds the data."""
-
-    result: torch.Tensor
-    work: Any = None  # a torch.distributed Work handle, or None when already done
-    what: str = ""  # "all_gather of unit 'blocks/0' over ('fsdp',) on rank 1", for errors
-    then: Callable[[], None] | None = None  # runs once the work is done (e.g. copy a chunk out)
-    holds_copy: bool = False  # holds a copy of its input until done (shared memory: shm.py)
-
-    def wait(self) -> torch.Tensor:
-        """Blocks until the collective is done and returns its result.
-
-        Raises:
-            CollectiveError: the collective failed or timed out.
-        """
-        if self.work is not None:
-            timeout = runtime.collective_timeout()
-            try:
-                if timeout is None:
-                    self.work.wait()
-                else:
-                    self.work.wait(timeout=datetime.timedelta(seconds=timeout))
-            except Exception as e:
-                channel.mark_out_of_step(f"{self.what} failed")
-                raise _failure(self.what, e, timeout) from e
-            self.work = None
-            if self.then is not None:
-                self.then()
-                self.then = None
-        return self.result
 
 
 def group_size(bound: BoundMesh, axes: tuple[str, ...], /) -> int:
@@ -134,7 +98,7 @@ def all_gather(
             )
         return _all_gather_single(target.view(-1), flat, group=group, async_op=True)
 
-    pending = _issue("all_gather", tag, axes, bound, group, flat, call)
+    pending = issue("all_gather", tag, axes, bound, group, flat, call)
     if ledger is not None:
         # gloo's native and the rings alike: (W - 1) / W of the gathered bytes, see ledger.py
         ledger.record("all_gather", axes, group_size=size, full_bytes=nbytes)
@@ -189,25 +153,13 @@ def all_gather_pieces(
                 each.append(_ag.start(algorithm, piece, rows, group))
             else:
                 each.append(_all_gather_single(rows.view(-1), piece, group=group, async_op=True))
-        return _Each(each)
+        return Each(each)
 
-    pending = _issue("all_gather", tag, axes, bound, group, flat, call)
+    pending = issue("all_gather", tag, axes, bound, group, flat, call)
     if ledger is not None:
         for _, rows in pieces:
             ledger.record("all_gather", axes, group_size=size, full_bytes=rows.numel() * itemsize)
     return pending
-
-
-class _Each:
-    """Several collectives waited for as one, in the order they started."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        for work in self.works:
-            wait_work(work, timeout)
-        return True
 
 
 def reduce_scatter(
@@ -261,7 +213,7 @@ def reduce_scatter(
             )
         return _reduce_scatter_single(target, rows.view(-1), group=group, async_op=True)
 
-    pending = _issue("reduce_scatter", tag, axes, bound, group, rows, call)
+    pending = issue("reduce_scatter", tag, axes, bound, group, rows, call)
     if ledger is not None:
         # every algorithm but gloo's native and all_reduce sends exactly this; those two send
         # twice as much, which the ledger (like the cost model) does not count: see ledger.py
@@ -299,7 +251,7 @@ def all_reduce(
             return shm.all_reduce(arena, buf, out=out)
         return dist.all_reduce(buf, group=group, async_op=True)
 
-    pending = _issue("all_reduce", tag, axes, bound, group, buf, call)
+    pending = issue("all_reduce", tag, axes, bound, group, buf, call)
     pending.holds_copy = isinstance(pending.work, shm.Exchange)
     if out is not None and not pending.holds_copy:
         target = out
@@ -331,7 +283,7 @@ def gather_to_rank0(
     )
     rows = None if out is None else list(out.unbind(0))
     group = dist.distributed_c10d._get_default_group()
-    pending = _issue(
+    pending = issue(
         "gather to rank 0",
         tag,
         bound.mesh.axis_names,
@@ -349,36 +301,3 @@ def gather_to_rank0(
             full_bytes=world * flat.numel() * flat.element_size(),
         )
     return None if out is None else out.view(world, -1)
-
-
-def _issue(
-    op: str,
-    tag: str,
-    axes: tuple[str, ...],
-    bound: BoundMesh,
-    group: dist.ProcessGroup,
-    tensor: torch.Tensor,
-    call: Callable[[], Any],
-) -> Pending:
-    what = (
-        f"{op}{f' of unit {tag!r}' if tag else ''} over mesh axes {list(axes)} on rank {bound.rank}"
-    )
-    channel.ensure_in_step(what)
-    preflight.check(op, tag, group, tensor, what)  # see [Note: transport settings]
-    channel.record_issued(op, tag, tensor.numel(), tensor.dtype)
-    try:
-        work = call()
-    except Exception as e:
-        channel.mark_out_of_step(f"{what} failed")
-        raise _failure(what, e, None) from e
-    return Pending(tensor, work, what)
-
-
-def _failure(what: str, error: Exception, timeout: float | None) -> CollectiveError:
-    timed_out = timeout is not None and "timed out" in str(error).lower()
-    detail = f"the other ranks did not join within {timeout:g} s" if timed_out else str(error)
-    return CollectiveError(
-        f"{what} failed: {detail}. A peer rank died or is running other collectives (ranks out "
-        f"of step); check the other ranks' logs, and FUNCSHARD_DEBUG=1 to compare the "
-        f"collectives.{channel.peer_reports()}"
-    )

@@ -33,7 +33,7 @@ adds, and issues the next step's send and receive. At ``W = 2`` there is one
 step, so the whole transfer runs in the background and ``wait()`` only adds.
 Every rank issues the same point-to-point operations in the same order, so
 they pair up by order as collectives do; a failed or timed-out wait leaves
-the process out of step (``collectives.Pending``).
+the process out of step (``pending.Pending``).
 """
 
 from __future__ import annotations

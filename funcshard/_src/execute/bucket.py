@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from funcshard._src.comm import collectives
-from funcshard._src.comm.collectives import Pending
+from funcshard._src.comm.pending import Pending
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.part import Part
 from funcshard._src.execute.unit_state import UnitRuntime, UnitState

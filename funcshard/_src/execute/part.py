@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from funcshard._src.comm.collectives import Pending
+from funcshard._src.comm.pending import Pending
 from funcshard._src.shard.flat import FlatLayout
 from funcshard._src.spec.flat_sharding import FlatSharding
 

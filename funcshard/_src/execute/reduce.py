@@ -22,9 +22,9 @@ import torch
 
 from funcshard._src import tree
 from funcshard._src.comm import collectives, inputs
-from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
+from funcshard._src.comm.pending import Pending
 from funcshard._src.execute.bucket import Bucket
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.part import Part

@@ -47,9 +47,9 @@ import torch.distributed as dist
 
 from funcshard._src.comm import all_gather as _ag
 from funcshard._src.comm import collectives
-from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
+from funcshard._src.comm.pending import Pending
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.memory import GatheredMemory
 from funcshard._src.execute.part import LeafGathers, Part, SharedGather
