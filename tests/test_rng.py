@@ -182,6 +182,14 @@ BAD_ROWS: dict[str, tuple[Any, str]] = {
         r"torch CPU RNG state: an MT19937 word is not a 32-bit value",
     ),
     "torch-left": (lambda c, p, n: _set(c, 1, 0), r"torch CPU RNG state: seeded=1, left=0"),
+    "torch-past-the-end": (  # the audit's row: torch's next draws read past its 624 words
+        lambda c, p, n: (_set(c, 1, 624), _set(c, 3, 624)),
+        r"left=624, next=624 is no position torch's MT19937 reaches",
+    ),
+    "torch-left-next": (
+        lambda c, p, n: (_set(c, 1, 1), _set(c, 3, 1)),
+        r"left=1, next=1 is no position torch's MT19937 reaches",
+    ),
     "torch-seeded": (lambda c, p, n: _set(c, 2, 0), r"torch CPU RNG state: seeded=0"),
     "torch-flag": (lambda c, p, n: _set(c, 633, 7), r"a cached-normal flag is neither 0 nor 1"),
 }
@@ -200,14 +208,40 @@ def test_states_are_checked_by_value_and_no_generator_changes(case):
     assert all(np.array_equal(a, b) for a, b in zip(after, before[2]))
 
 
-def test_a_cuda_state_must_be_a_philox_seed_and_offset():
+@pytest.mark.parametrize("draws", [0, 1, 623, 624, 625, 10000])
+def test_every_position_torch_reaches_is_accepted(draws):
+    """Reference: torch's own CPU generator after ``draws`` 32-bit draws (``torch.rand``: one each);
+    a failure names a left/next pair torch reaches that the position rule refuses."""
+    from funcshard._src.checkpoint.rng import TORCH_CPU_STATE
+
+    generator = torch.Generator().manual_seed(5)
+    torch.rand(draws, generator=generator)
+    state = generator.get_state()
+    fields = TORCH_CPU_STATE.unpack(state.numpy().tobytes())
+    assert fields[1] + fields[3] == 625 or (fields[1], fields[3]) == (1, 0)
+    expected = torch.rand(3, generator=generator)
+    fs.checkpoint.set_rng_states(state.unsqueeze(0))
+    assert torch.equal(torch.rand(3), expected)
+
+
+def _cuda_row(state: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(_row(cuda=[state])), dtype=torch.uint8).unsqueeze(0)
+
+
+def test_a_cuda_state_must_be_a_philox_seed_and_an_offset_torch_accepts():
+    before = torch.get_rng_state()
     with pytest.raises(CorruptCheckpointError, match=r"CUDA device 0 has 8 bytes, not the 16"):
-        fs.checkpoint.set_rng_states(
-            torch.frombuffer(bytearray(_row(cuda=[bytes(8)])), dtype=torch.uint8).unsqueeze(0)
-        )
-    fs.checkpoint.set_rng_states(
-        torch.frombuffer(bytearray(_row(cuda=[bytes(16)])), dtype=torch.uint8).unsqueeze(0)
-    )
+        fs.checkpoint.set_rng_states(_cuda_row(bytes(8)))
+    seed = (7).to_bytes(8, "little")
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=r"CUDA device 0: its Philox offset 6 is not a multiple of 4, which "
+        r"torch.cuda.set_rng_state refuses",
+    ):
+        fs.checkpoint.set_rng_states(_cuda_row(seed + (6).to_bytes(8, "little")))
+    assert torch.equal(torch.get_rng_state(), before)  # refused before any generator changed
+    fs.checkpoint.set_rng_states(_cuda_row(bytes(16)))
+    fs.checkpoint.set_rng_states(_cuda_row(seed + (8).to_bytes(8, "little")))
 
 
 def test_an_untouched_row_restores_every_generator():

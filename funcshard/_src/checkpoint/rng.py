@@ -15,12 +15,16 @@ A state that every length check passes can still ruin a run: an MT19937 state
 whose 19937 significant bits are all zero draws only zeros forever (``torch.rand``
 returns 0), and a cached Gaussian that is NaN makes the next ``random.gauss`` or
 ``torch.randn`` NaN. So, per generator: torch's CPU state is exactly
-:data:`TORCH_CPU_STATE` (``<QiiQ624Qdddi4xfB3x``, 5056 bytes: seed, ``left`` in
-[1, 624], ``seeded`` 1, ``next`` in [0, 624], 624 MT words below 2**32, the cached
-normal's three doubles and its flag, the cached float normal and its flag), every
-double finite and every flag 0 or 1; Python's and numpy's MT words and position are
-in range and their cached Gaussian finite; no MT19937 state is degenerate; a CUDA
-state is the 16 bytes of a Philox seed and offset. Anything else is a
+:data:`TORCH_CPU_STATE` (``<QiiQ624Qdddi4xfB3x``, 5056 bytes: seed, ``left``,
+``seeded`` 1, ``next``, 624 MT words below 2**32, the cached normal's three doubles and
+its flag, the cached float normal and its flag), every double finite and every flag 0
+or 1, and ``left``/``next`` a position torch's MT19937 can be in: ``left + next == 625``
+(each in [1, 624]; the next draw reads word ``next``), or ``left`` 1 and ``next`` 0 just
+after seeding. Any other pair makes torch read past its 624 words (``left=624,
+next=624``). Python's and numpy's MT words and position are in range and their cached
+Gaussian finite; no MT19937 state is degenerate; a CUDA state is the 16 bytes of a
+Philox seed and offset, the offset a multiple of 4 (``torch.cuda.set_rng_state``
+refuses any other, after the CPU generators would have been set). Anything else is a
 :class:`CorruptCheckpointError` naming the generator and the field, and no generator
 is changed.
 """
@@ -161,6 +165,12 @@ def _parse(row: bytes) -> Callable[[], None]:
                 f"the saved RNG state of CUDA device {device} has {len(state)} bytes, not the "
                 f"{CUDA_STATE_BYTES} of a Philox seed and offset"
             )
+        offset = int.from_bytes(state[8:], "little")
+        if offset % 4:  # torch's CUDAGeneratorImpl::set_philox_offset_per_thread refuses it
+            raise CorruptCheckpointError(
+                f"the saved RNG state of CUDA device {device}: its Philox offset {offset} is not "
+                f"a multiple of 4, which torch.cuda.set_rng_state refuses"
+            )
     return _setter(cpu, py, npy, cuda)
 
 
@@ -183,6 +193,12 @@ def _check_torch_cpu(state: bytes) -> bytes:
     if seeded != 1 or not 1 <= left <= _MT_WORDS or not 0 <= next_ <= _MT_WORDS:
         raise CorruptCheckpointError(
             f"{what}: seeded={seeded}, left={left}, next={next_} is no MT19937 position"
+        )
+    if left + next_ != _MT_WORDS + 1 and (left, next_) != (1, 0):
+        raise CorruptCheckpointError(
+            f"{what}: left={left}, next={next_} is no position torch's MT19937 reaches (left + "
+            f"next is 625, or 1 and 0 just after seeding); torch would read past its "
+            f"{_MT_WORDS} words"
         )
     if any(w >= 1 << 32 for w in words):
         raise CorruptCheckpointError(f"{what}: an MT19937 word is not a 32-bit value")
