@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import pickle
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -162,3 +163,37 @@ def replace_blobs(
     }
     blobs |= {k: v for k, v in new.items() if v is not None}
     write_blobs(directory, rank, blobs, digests=digests)
+
+
+def hash_bomb(fanout: int = 64, depth: int = 6) -> bytes:
+    """A pickle of ``{t: 1}``, ``t`` a tuple of ``fanout`` tuples ... ``depth`` deep, each level
+    one object reused through the memo: a few hundred bytes whose unpickling hashes
+    ``fanout**depth`` tuples (hours at depth 6)."""
+    t: Any = (0,) * fanout
+    for _ in range(depth - 1):
+        t = (t,) * fanout
+    inner = pickle.dumps(t, protocol=2)[2:-1]  # the memo makes each level one object
+    return b"\x80\x02}" + inner + b"K\x01s."  # EMPTY_DICT, t, 1, SETITEM, STOP
+
+
+def with_records(blob: bytes, change: Callable[[str, bytes], tuple[bytes, int]]) -> bytes:
+    """The ``torch.save`` archive ``blob`` with each record's bytes and compression from
+    ``change(name, data)`` (``zipfile.ZIP_STORED`` keeps it as torch writes it)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(blob)) as source, zipfile.ZipFile(out, "w") as target:
+        for name in source.namelist():
+            data, compression = change(name, source.read(name))
+            target.writestr(name, data, compress_type=compression)
+    return out.getvalue()
+
+
+def point_dcp_entry(directory: Path, fqn: str, blob: bytes) -> None:
+    """Appends ``blob`` to the data file of DCP entry ``fqn``'s chunk at offsets 0 and points the
+    chunk's storage there, in the DCP checkpoint at ``directory`` (DCP's files carry no digest)."""
+    metadata = pickle.loads((directory / ".metadata").read_bytes())
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn and not any(k.offset))
+    path = directory / info.relative_path
+    info.offset, info.length = path.stat().st_size, len(blob)
+    with open(path, "ab") as f:
+        f.write(blob)
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))

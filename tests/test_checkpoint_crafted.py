@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+import time
 import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -102,6 +104,71 @@ def test_a_transposed_chunk_that_covers_its_bytes_once_loads_exactly(ckpt):
     tampering.rewrite_chunks(ckpt, 0, {KEY: W.T.contiguous().T})  # strides (1, 4): dense
     assert torch.equal(fs.checkpoint.load_full(ckpt)["params"]["w"], W)
     assert torch.equal(fs.checkpoint.load(ckpt, like=_like())["params"]["w"].local, W)
+
+
+# -- pickles whose unpickling would never end (See [Note: pickles checked before they are unpickled])
+
+
+def _refused_at_once(directory: Path, *parts: str) -> None:
+    start = time.monotonic()
+    _refused(directory, CorruptCheckpointError, *parts, "unfold to more than")
+    assert time.monotonic() - start < 1.0  # both readers; unpickled, hours each
+
+
+def test_a_metadata_hash_bomb_is_refused_at_once(ckpt):
+    """~800 bytes whose 64**6 memo-reused tuples are a dict key (the audit's metadata_hashbomb)."""
+    tampering.replace_file(ckpt, "rank0/.metadata", tampering.hash_bomb())
+    _refused_at_once(ckpt, "rank0/.metadata: a pickle of 402 opcodes")
+
+
+def test_a_chunk_whose_data_pkl_is_a_hash_bomb_is_refused_at_once(ckpt):
+    """The chunk's torch.save archive with its data.pkl replaced; ``torch.load(weights_only=True)``
+    would hash the tuples before any check of the tensor (the audit's chunk_hashbomb)."""
+    bomb = tampering.hash_bomb()
+    blob = tampering.with_records(
+        tampering.saved_blob(W.clone()),
+        lambda name, data: (bomb if name.endswith("data.pkl") else data, zipfile.ZIP_STORED),
+    )
+    tampering.replace_blobs(ckpt, 0, {KEY: (blob, torch.float32, (4, 3))})
+    _refused_at_once(ckpt, "rank0/__0_0.distcp", f"chunk {KEY!r}", "data.pkl'")
+
+
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _cycle() -> list[Any]:
+    value: list[Any] = []
+    value.append(value)
+    return value
+
+
+PICKLES: dict[str, tuple[bytes, str]] = {
+    "nested-150-deep": (pickle.dumps(_nested(150)), "objects nest more than 100 deep"),
+    "a-cycle": (pickle.dumps(_cycle()), "objects contain themselves"),
+    "memo-never-stored": (b"\x80\x02h\x05.", "reads memo entry 5, which it never stored"),
+    "no-mark": (b"\x80\x02t.", "TUPLE finds no mark"),
+    "below-the-mark": (b"\x80\x02K\x01(\x85.", "TUPLE1 reads below the stack's bottom"),
+    "truncated": (b"\x80\x02X\xff\xff", "not a pickle (ValueError: "),
+    # MetadataIndex.__hash__ = None for the whole process: BUILD's slot state sets a class's
+    # attributes, and the allowlist admits the class
+    "class-poisoning": (
+        b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadataIndex\nN}X\x08\x00\x00\x00"
+        b"__hash__Ns\x86b.",
+        "BUILD fills or changes a leaf or a class",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PICKLES))
+def test_a_metadata_pickle_that_check_pickle_refuses(ckpt, kind):
+    data, message = PICKLES[kind]
+    tampering.replace_file(ckpt, "rank0/.metadata", data)
+    _refused(ckpt, CorruptCheckpointError, "rank0/.metadata: ", message)
+    assert MetadataIndex.__hash__ is not None
 
 
 # -- declared sizes that the files do not hold --------------------------------------------

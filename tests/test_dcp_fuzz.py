@@ -21,6 +21,9 @@ import os
 import pickle
 import shutil
 import tempfile
+import time
+import warnings
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,8 +35,8 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 import funcshard as fs
-from funcshard.checkpoint import CheckpointError, UnsafeCheckpointError
-from tests import fsdp2_runs
+from funcshard.checkpoint import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from tests import fsdp2_runs, tampering
 
 MARKER = Path(tempfile.gettempdir()) / f"funcshard-dcp-fuzz-marker-{os.getpid()}"
 NEEDED = ("model.weight", "optimizer.state.weight.exp_avg_sq", "optimizer.state.weight.step")
@@ -361,6 +364,93 @@ def test_payloads_never_run_and_nothing_outside_is_read(saved, work, attack):
     assert not MARKER.exists()
 
 
+def _shares_bytes(work: Path) -> None:
+    """exp_avg_sq's chunks point at exp_avg's bytes (the audit's two_entries_share_bytes)."""
+    metadata = _metadata(work)
+    for key, info in metadata.storage_data.items():
+        if key.fqn == "optimizer.state.weight.exp_avg_sq":
+            source = metadata.storage_data[MetadataIndex(key.fqn[:-3], key.offset)]
+            info.relative_path, info.offset = source.relative_path, source.offset
+            info.length = source.length
+    _write(work, metadata)
+
+
+def _as_chunk(make: Callable[[], Any]) -> Callable[[Path], None]:
+    """model.weight's chunk at (0, 0), a (3, 3) float64 tensor, replaced by ``make()`` (a blob, or
+    a value to ``torch.save``)."""
+
+    def attack(work: Path) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # sparse tensors are beta
+            value = make()
+            blob = value if isinstance(value, bytes) else tampering.saved_blob(value)
+        tampering.point_dcp_entry(work, "model.weight", blob)
+
+    return attack
+
+
+def _records(data_pkl: bytes | None = None) -> bytes:
+    """A (3, 3) chunk's archive with its data.pkl replaced, or else its data record deflated."""
+
+    def change(name: str, data: bytes) -> tuple[bytes, int]:
+        if data_pkl is not None and name.endswith("data.pkl"):
+            return data_pkl, zipfile.ZIP_STORED
+        if data_pkl is None and name.endswith("data/0"):
+            return data + bytes(4 << 20), zipfile.ZIP_DEFLATED  # 4 MiB in 4 KB, inflated by load
+        return data, zipfile.ZIP_STORED
+
+    return tampering.with_records(tampering.saved_blob(_zeros(3, 3)), change)
+
+
+def _zeros(*shape: int, device: str = "cpu") -> torch.Tensor:
+    return torch.zeros(*shape, dtype=torch.float64, device=device)
+
+
+CRAFTED: dict[str, tuple[Callable[[Path], object], str]] = {  # the audit's cases
+    "two-entries-share-bytes": (
+        _shares_bytes,
+        "at (0, 0) share bytes of __0_0.distcp; every chunk",
+    ),
+    "metadata-hash-bomb": (
+        lambda w: (w / ".metadata").write_bytes(tampering.hash_bomb()),
+        ".metadata: a pickle of 402 opcodes whose objects unfold to more than",
+    ),
+    "chunk-hash-bomb": (
+        _as_chunk(lambda: _records(tampering.hash_bomb())),
+        "data.pkl': a pickle of 402 opcodes whose objects unfold to more than",
+    ),
+    "chunk-deflated": (_as_chunk(_records), "data/0' is compressed; torch.save stores its records"),
+    "chunk-parameter": (
+        _as_chunk(lambda: torch.nn.Parameter(_zeros(3, 3))),
+        "(0, 0): a Parameter, not a plain tensor",
+    ),
+    "chunk-sparse": (_as_chunk(lambda: _zeros(3, 3).to_sparse()), "a torch.sparse_coo tensor"),
+    "chunk-meta": (_as_chunk(lambda: _zeros(3, 3, device="meta")), "(0, 0): a tensor on meta"),
+    "chunk-expanded": (
+        _as_chunk(lambda: _zeros(1, 3).expand(3, 3)),
+        "strides (0, 1) over storage of 24 bytes do not cover its 72 bytes once",
+    ),
+    "chunk-view-of-more-storage": (
+        _as_chunk(lambda: _zeros(6, 3)[::2]),
+        "strides (6, 1) over storage of 144 bytes do not cover its 72 bytes once",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CRAFTED))
+def test_crafted_metadata_and_chunks_are_refused_at_once(work, kind):
+    """load_dcp checks metadata and chunks as fs.checkpoint.load does (``check_pickle``,
+    ``load_tensor``, no shared bytes), in well under a second; hash bombs would take hours."""
+    attack, message = CRAFTED[kind]
+    attack(work)
+    start = time.monotonic()
+    error = UnsafeCheckpointError if kind == "two-entries-share-bytes" else CorruptCheckpointError
+    with pytest.raises(error) as info:
+        _load(work)
+    assert time.monotonic() - start < 1.0
+    assert message in str(info.value), info.value
+
+
 def test_the_reference_is_what_fsdp2_saved(saved):
     directory, loaded = saved
     kinds = {k: type(v).__name__ for k, v in _metadata(directory).state_dict_metadata.items()}
@@ -382,6 +472,6 @@ def test_a_rank_that_cannot_read_its_part_fails_the_load_everywhere(saved, work,
     _splice(work / other.relative_path, other.offset, b"\0" * 64)
     rank0, rank1 = pools.run(2, fsdp2_runs.load_small_outcome, str(work))
     assert rank1.startswith("CorruptCheckpointError: ")
-    assert "unreadable" in rank1
+    assert "not a torch.save archive" in rank1  # refused before torch.load reads it
     assert rank0.startswith("CorruptCheckpointError: ")
     assert "loading failed on rank 1" in rank0

@@ -3,7 +3,8 @@
 [Note: reader discipline]
 Checkpoint manifests and metadata, plans, hardware files, Hugging Face configs and
 safetensors headers and indexes are untrusted input: a file may be damaged, or crafted
-by someone who recomputes every digest. Every reader goes through this module:
+by someone who recomputes every digest. Every reader goes through this module, or for
+pickles and ``torch.save`` blobs through ``untrusted_pickle.py``:
 
 - **JSON** (:func:`loads_json`, :func:`read_json`): at most ``max_bytes``, nested at most
   ``max_depth`` deep, no ``NaN``/``Infinity`` literal, no number that overflows to
@@ -13,28 +14,24 @@ by someone who recomputes every digest. Every reader goes through this module:
 - **Paths** (:func:`plain_file`): a name read from a file is relative, has no ``..``,
   and every component below the root is a real directory and the last a regular file:
   no symlink anywhere, so nothing outside the root is read.
-- **Tensors** (:func:`check_torch_blob`, :func:`check_plain_tensor`): before
+- **Pickles and tensors** (``untrusted_pickle.py``: ``check_pickle``, ``load_tensor``):
+  a pickle's opcodes are bounded before it is unpickled (no memo-reuse bomb that hashes
+  for hours; see [Note: pickles checked before they are unpickled]); before
   ``torch.load``, the blob is a zip archive of stored entries whose sizes add up to at
   most the blob (nothing is allocated beyond what the file holds); after it, the result
-  is a plain dense CPU tensor (no subclass or ``Parameter``, not sparse, quantized, meta,
-  conjugated or requiring grad) of the declared dtype and shape, whose storage holds
-  exactly its bytes (strides that cover them once; no ``expand`` over one element).
+  is a plain dense CPU tensor of the declared dtype and shape holding exactly its bytes.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
 import re
 import stat
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import torch
 
 MAX_DEPTH = 64  # no file funcshard reads nests deeper (a manifest's tree: its own depth)
 MAX_JSON_BYTES = 64 << 20
@@ -206,105 +203,6 @@ def plain_file(
             kind = "a regular file" if last else "a directory"
             raise unsafe(f"{root / relative}: {here} is not {kind}")
     return here
-
-
-def check_torch_blob(blob: bytes, /, *, where: str, error: type[Exception] = ValueError) -> None:
-    """Refuses a ``torch.save`` blob whose archive would make ``torch.load`` allocate beyond it.
-
-    ``torch.load`` allocates every record of the archive at the size its central
-    directory declares; a compressed record (a zip bomb) or a declared size beyond the
-    blob would allocate what the file does not hold.
-
-    Raises:
-        error: not a zip archive, a compressed record, or records larger than the blob.
-
-    Example:
-        >>> buffer = io.BytesIO(); torch.save(torch.zeros(3), buffer)
-        >>> check_torch_blob(buffer.getvalue(), where="x")
-        >>> check_torch_blob(b"junk", where="x")
-        Traceback (most recent call last):
-        ...
-        ValueError: x: not a torch.save archive (File is not a zip file)
-    """
-    try:
-        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
-            records = archive.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
-        raise error(f"{where}: not a torch.save archive ({e})") from None
-    total = 0
-    for record in records:
-        if record.compress_type != zipfile.ZIP_STORED or record.file_size != record.compress_size:
-            raise error(
-                f"{where}: record {record.filename[:80]!r} is compressed; torch.save stores its "
-                f"records as they are"
-            )
-        total += record.file_size
-    if total > len(blob):
-        raise error(
-            f"{where}: its records declare {total} bytes, more than the {len(blob)} it holds"
-        )
-
-
-def check_plain_tensor(
-    value: object,
-    /,
-    *,
-    dtype: torch.dtype,
-    shape: tuple[int, ...],
-    where: str,
-    error: type[Exception] = ValueError,
-) -> torch.Tensor:
-    """``value`` if it is a plain dense CPU tensor of ``dtype`` and ``shape`` holding exactly its bytes.
-
-    Raises:
-        error: anything else; the message says what ``value`` is instead.
-
-    Example:
-        >>> check_plain_tensor(torch.zeros(2, 3).T, dtype=torch.float32, shape=(3, 2), where="x").shape
-        torch.Size([3, 2])
-        >>> check_plain_tensor(torch.zeros(1).expand(4), dtype=torch.float32, shape=(4,), where="x")
-        Traceback (most recent call last):
-        ...
-        ValueError: x: a tensor whose strides (0,) over storage of 4 bytes do not cover its 16 bytes once
-    """
-    problem = _tensor_problem(value, dtype, shape)
-    if problem is not None:
-        raise error(f"{where}: {problem}")
-    assert isinstance(value, torch.Tensor)
-    return value
-
-
-def _tensor_problem(value: object, dtype: torch.dtype, shape: tuple[int, ...]) -> str | None:
-    if type(value) is not torch.Tensor:
-        return f"a {type(value).__name__}, not a plain tensor"
-    t = value
-    if t.layout != torch.strided or t.is_quantized or t.is_nested:
-        return f"a {t.layout} tensor{' (quantized)' if t.is_quantized else ''}, not a dense one"
-    if t.device.type != "cpu":
-        return f"a tensor on {t.device}, not a CPU tensor with data"
-    if t.requires_grad or t.grad_fn is not None or t.is_conj() or t.is_neg():
-        return "a tensor that requires grad or carries a view flag; a saved tensor is plain data"
-    if t.dtype != dtype or tuple(t.shape) != shape:
-        return f"a {t.dtype} tensor of shape {tuple(t.shape)}, not {dtype} {shape}"
-    nbytes = math.prod(shape) * dtype.itemsize
-    storage = t.untyped_storage().nbytes()
-    if storage != nbytes or t.storage_offset() != 0 or not _covers_once(shape, t.stride()):
-        return (
-            f"a tensor whose strides {t.stride()} over storage of {storage} bytes do not cover "
-            f"its {nbytes} bytes once"
-        )
-    return None
-
-
-def _covers_once(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """Whether ``strides`` lay ``shape`` out densely: a permutation of the contiguous strides."""
-    dims = sorted((s, n) for n, s in zip(shape, strides) if n != 1)
-    expected = 1
-    for s, n in dims:
-        if s != expected:
-            return False
-        expected *= n
-    return True
 
 
 class _RefusedError(ValueError):

@@ -12,12 +12,15 @@ that would come back as zeros), overlap, or stick out.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from funcshard._src.checkpoint.errors import UnsafeCheckpointError
 from funcshard._src.shard.flat import piece_indices, pieces
 from funcshard._src.shard.sharded import ShardedTensor
 
@@ -149,6 +152,32 @@ def check_tiling(path: str, shape: tuple[int, ...], chunks: list[Chunk], /) -> s
     if len({c.offsets for c in chunks}) != len(chunks) or len(chunks) != cells:
         return f"the chunks of {path} are not one per cell of a grid over {shape}"
     return None
+
+
+def check_own_bytes(spans: Iterable[tuple[str, int, int, str]], /, *, metadata: object) -> None:
+    """Refuses two entries whose byte ranges overlap in one data file: every chunk has bytes of its own.
+
+    Two entries over one blob would let a file declare more than it holds. ``spans`` are
+    ``(file, start, stop, label)``; an empty range holds no byte and shares none.
+
+    Raises:
+        UnsafeCheckpointError: two ranges overlap; the message names ``metadata``, both
+            entries (their ``label``) and the file.
+
+    Example:
+        >>> check_own_bytes([("f", 0, 8, "'a'"), ("f", 8, 9, "'b'"), ("g", 0, 8, "'c'")], metadata="m")
+        >>> check_own_bytes([("f", 0, 8, "'a'"), ("f", 4, 12, "'b'")], metadata="m")
+        Traceback (most recent call last):
+        ...
+        funcshard._src.checkpoint.errors.UnsafeCheckpointError: m: entries 'a' and 'b' share bytes of f; every chunk has bytes of its own, so the checkpoint was crafted
+    """
+    ordered = sorted(span for span in spans if span[2] > span[1])
+    for (name, _, stop, label), (other_name, start, _, other) in itertools.pairwise(ordered):
+        if name == other_name and start < stop:  # sorted by start: an overlap shows in a pair
+            raise UnsafeCheckpointError(
+                f"{metadata}: entries {label} and {other} share bytes of {name}; every chunk has "
+                f"bytes of its own, so the checkpoint was crafted"
+            )
 
 
 def _tiles_as_ranges(shape: tuple[int, ...], chunks: list[Chunk], /) -> bool:

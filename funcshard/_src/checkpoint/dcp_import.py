@@ -11,9 +11,7 @@ them fail alike when one fails, as ``fs.checkpoint.load`` does.
 
 from __future__ import annotations
 
-import io
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +26,7 @@ from funcshard._src.checkpoint.dcp_metadata import (
     DcpIndex,
     StoredChunk,
     StoredTensor,
+    check_read_once,
     stored_tensor,
 )
 from funcshard._src.checkpoint.errors import (
@@ -38,6 +37,7 @@ from funcshard._src.checkpoint.errors import (
 from funcshard._src.comm import agree, settle
 from funcshard._src.dtypes import dtype_name
 from funcshard._src.shard.sharded import ShardedTensor
+from funcshard._src.untrusted_pickle import load_tensor
 
 T = TypeVar("T")
 
@@ -59,7 +59,8 @@ def resolve(
     Raises:
         CheckpointMismatchError: keys the checkpoint lacks, tensors whose shape or dtype
             differ from the target's, and the ``unexpected`` keys, every one listed.
-        CorruptCheckpointError, UnsafeCheckpointError: see :func:`stored_tensor`.
+        CorruptCheckpointError, UnsafeCheckpointError: see :func:`stored_tensor`; two
+            chunks to read share bytes (``check_read_once``).
     """
     missing: list[str] = []
     mismatched: list[str] = []
@@ -99,6 +100,7 @@ def resolve(
         raise CheckpointMismatchError(
             f"{index.directory} does not hold what was asked for: " + " | ".join(problems)
         )
+    check_read_once(index, resolved)
     return resolved
 
 
@@ -219,35 +221,18 @@ class _DataFiles:
         self._open.clear()
 
     def read(self, stored: StoredTensor, chunk: StoredChunk) -> torch.Tensor:
-        """The tensor of one chunk, checked to be what its entry says."""
+        """The tensor of one chunk, checked as funcshard's own chunks are (``load_tensor``)."""
         stream = self._stream(chunk.file)
         stream.seek(chunk.offset)
         blob = stream.read(chunk.length)
-        where = f"{self._index.directory / chunk.file}, entry {stored.key!r} at {chunk.offsets}"
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        except Exception as e:  # whatever a damaged or crafted blob raises
-            raise CorruptCheckpointError(
-                f"{where}: unreadable ({type(e).__name__}: {str(e)[:200]}); the checkpoint is "
-                f"corrupted"
-            ) from None
-        if (
-            not isinstance(tensor, torch.Tensor)
-            or tensor.dtype != stored.dtype
-            or tuple(tensor.shape) != chunk.sizes
-        ):
-            got = (
-                f"a {dtype_name(tensor.dtype)} tensor of shape {tuple(tensor.shape)}"
-                if isinstance(tensor, torch.Tensor)
-                else f"a {type(tensor).__name__}"
-            )
-            raise CorruptCheckpointError(
-                f"{where}: holds {got}, its entry says {dtype_name(stored.dtype)} {chunk.sizes}; "
-                f"the checkpoint is corrupted"
-            )
-        return tensor
+        return load_tensor(
+            blob,
+            dtype=stored.dtype,
+            shape=chunk.sizes,
+            where=f"{self._index.directory / chunk.file}, entry {stored.key!r} at {chunk.offsets}",
+            declared_by="its entry in .metadata",
+            error=CorruptCheckpointError,
+        )
 
     def _stream(self, name: str) -> BinaryIO:
         stream = self._open.get(name)

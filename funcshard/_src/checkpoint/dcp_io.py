@@ -5,16 +5,17 @@ sub-directory: DCP's format, none of DCP's collectives (funcshard coordinates
 the ranks itself, under its timeouts). Reading does not go through DCP's load
 planner, which would ``torch.load(weights_only=False)`` any entry the metadata
 declares as bytes: :func:`read_chunks` unpickles ``.metadata`` with an
-allowlist, checks every entry it will use against the manifest (tensor
-storage only, the dtype and size the manifest says, a byte range inside the
-data file that holds at least the chunk's bytes and overlaps no other chunk's,
-so that what a leaf declares is no more than the files hold), refuses a
-``torch.save`` archive whose records would allocate more than it holds, reads
-each chunk with ``torch.load(weights_only=True)`` from a file reached through no
-symlink, and proves the tensor it gets (a plain dense CPU tensor of the dtype and
-shape the manifest says whose storage holds exactly its bytes; see
-[Note: reader discipline] in ``funcshard/_src/untrusted.py``) before anything
-reads its values (with ``verify``, the SHA-256 of its contents).
+allowlist once its opcodes pass ``check_pickle`` (see [Note: pickles checked before
+they are unpickled] in ``funcshard/_src/untrusted_pickle.py``), checks every entry it
+will use against the manifest (tensor storage only, the dtype and size the manifest
+says, a byte range inside the data file that holds at least the chunk's bytes and
+overlaps no other chunk's, so that what a leaf declares is no more than the files
+hold), and reads each chunk from a file reached through no symlink with
+``load_tensor``, which refuses a ``torch.save`` archive whose records would allocate
+more than it holds or whose pickle is a bomb, loads it with
+``torch.load(weights_only=True)`` and proves the tensor it gets (a plain dense CPU
+tensor of the dtype and shape the manifest says whose storage holds exactly its bytes)
+before anything reads its values (with ``verify``, the SHA-256 of its contents).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import itertools
 import pickle
 import warnings
 from collections.abc import Iterator
@@ -41,11 +41,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from funcshard._src.checkpoint.chunks import Chunk
+from funcshard._src.checkpoint.chunks import Chunk, check_own_bytes
 from funcshard._src.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 from funcshard._src.checkpoint.manifest import file_digest, rank_dir
 from funcshard._src.shard.digest import tensor_digest
-from funcshard._src.untrusted import check_plain_tensor, check_torch_blob, plain_file
+from funcshard._src.untrusted import plain_file
+from funcshard._src.untrusted_pickle import check_pickle, load_tensor
 
 DATA_FILE = "__0_0.distcp"
 METADATA_FILE = ".metadata"
@@ -124,53 +125,29 @@ def read_chunks(
         infos = [
             (item, _storage_of(metadata, item[0], item[1], data_path, expected)) for item in items
         ]
-        _no_overlaps(infos, data_path)
+        check_own_bytes(
+            ((DATA_FILE, i.offset, i.offset + i.length, repr(item[0].key)) for item, i in infos),
+            metadata=data_path.parent / METADATA_FILE,
+        )
         with open(data_path, "rb") as stream:
             for (chunk, dtype, sha256), info in infos:
                 stream.seek(info.offset)
                 blob = stream.read(info.length)
-                where = f"{data_path}, chunk {chunk.key!r}"
-                check_torch_blob(blob, where=where, error=CorruptCheckpointError)
-                try:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-                except Exception as e:
-                    raise CorruptCheckpointError(
-                        f"{where}: unreadable ({type(e).__name__}: {str(e)[:200]}); the checkpoint "
-                        f"is corrupted"
-                    ) from None
-                try:
-                    check_plain_tensor(
-                        tensor,
-                        dtype=dtype,
-                        shape=chunk.sizes,
-                        where=where,
-                        error=CorruptCheckpointError,
-                    )
-                except CorruptCheckpointError as e:
-                    raise CorruptCheckpointError(
-                        f"{e}; the manifest says a plain {dtype} tensor of shape {chunk.sizes}: the "
-                        f"checkpoint is corrupted or was crafted"
-                    ) from None
+                tensor = load_tensor(
+                    blob,
+                    dtype=dtype,
+                    shape=chunk.sizes,
+                    where=f"{data_path}, chunk {chunk.key!r}",
+                    declared_by="the manifest",
+                    error=CorruptCheckpointError,
+                )
                 if verify and tensor_digest(tensor) != sha256:
                     raise CorruptCheckpointError(
-                        f"{where}: its contents differ from what was saved (SHA-256); the "
-                        f"checkpoint is corrupted"
+                        f"{data_path}, chunk {chunk.key!r}: its contents differ from what was "
+                        f"saved (SHA-256); the checkpoint is corrupted"
                     )
                 out[chunk.key] = tensor
     return out
-
-
-def _no_overlaps(infos: list[tuple[Any, _StorageInfo]], path: Path) -> None:
-    """Chunks' byte ranges in one data file are disjoint: the file holds every chunk's bytes once."""
-    spans = sorted((info.offset, info.offset + info.length, item[0].key) for item, info in infos)
-    for (_, stop, key), (start, _, other) in itertools.pairwise(spans):
-        if start < stop:
-            raise UnsafeCheckpointError(
-                f"{path.parent / METADATA_FILE}: entries {key!r} and {other!r} share bytes of "
-                f"{path.name}; every chunk has bytes of its own, so the checkpoint was crafted"
-            )
 
 
 def _read_metadata(root: Path, sub: str, files: dict[str, Any]) -> Metadata:
@@ -188,6 +165,7 @@ def _read_metadata(root: Path, sub: str, files: dict[str, Any]) -> Metadata:
             f"{path}: its contents differ from what was saved (size or SHA-256); the checkpoint "
             f"is corrupted"
         )
+    check_pickle(data, what=str(path), error=CorruptCheckpointError)  # no hash bomb, first
     try:
         metadata = _Unpickler(io.BytesIO(data)).load()
     except UnsafeCheckpointError as e:

@@ -15,7 +15,11 @@ No string from the file reaches a path unless it is one of the names
 ``__<rank>_<n>.distcp``; no file is opened through a symlink (``dcp_files.py``);
 every shape, dtype, chunk and byte range
 is checked against the entry and the data file's size before memory is
-allocated; chunks must tile their tensor exactly (a gap would load as zeros).
+allocated; chunks must tile their tensor exactly (a gap would load as zeros), and
+the chunks one load reads share no byte (:func:`check_read_once`). ``.metadata`` is
+unpickled only once its opcodes pass ``check_pickle`` (no hash bomb; see [Note:
+pickles checked before they are unpickled]), and each chunk is read with
+``load_tensor``, as funcshard's own chunks are.
 Entries stored as bytes are never unpickled: DCP's own loader would
 ``torch.load(weights_only=False)`` them, which runs any code the file names.
 """
@@ -27,7 +31,7 @@ import io
 import math
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +47,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from funcshard._src.checkpoint.chunks import Chunk, check_tiling, chunk_key
+from funcshard._src.checkpoint.chunks import Chunk, check_own_bytes, check_tiling, chunk_key
 from funcshard._src.checkpoint.dcp_files import DATA_FILE, data_files, read_regular
 from funcshard._src.checkpoint.errors import (
     CheckpointError,
@@ -51,6 +55,7 @@ from funcshard._src.checkpoint.errors import (
     NotACheckpointError,
     UnsafeCheckpointError,
 )
+from funcshard._src.untrusted_pickle import check_pickle
 
 METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 1 << 30
@@ -139,6 +144,7 @@ def read_index(directory: str | os.PathLike[str], /) -> DcpIndex:
         )
         raise NotACheckpointError(f"{root}: no {METADATA_FILE}, not a DCP checkpoint ({hint})")
     data = read_regular(path, MAX_METADATA_BYTES)
+    check_pickle(data, what=str(path), error=CorruptCheckpointError)  # no hash bomb, first
     try:
         metadata = _Unpickler(io.BytesIO(data)).load()
     except CheckpointError as e:
@@ -196,6 +202,26 @@ def stored_tensor(index: DcpIndex, key: str, /) -> StoredTensor:
         raise CorruptCheckpointError(f"{where}: {problem}; the checkpoint is corrupted")
     stored = tuple(_chunk(index, where, key, dtype, o, s) for o, s in boxes)
     return StoredTensor(key, shape, dtype, stored)
+
+
+def check_read_once(index: DcpIndex, tensors: Iterable[StoredTensor], /) -> None:
+    """Refuses ``tensors`` (those one load reads) if two of their chunks share bytes of a file.
+
+    As funcshard's own reader (``dcp_io``): every chunk read has bytes of its own, so no
+    entry reads another's (``exp_avg_sq`` pointed at ``exp_avg``'s bytes). A tensor that
+    ``save_dcp`` writes once under several keys (tied weights) is read under one of them.
+
+    Raises:
+        UnsafeCheckpointError: two chunks overlap; the message names both entries.
+    """
+    check_own_bytes(
+        {
+            (c.file, c.offset, c.offset + c.length, f"{t.key!r} at {c.offsets}")
+            for t in tensors
+            for c in t.chunks
+        },
+        metadata=index.directory / METADATA_FILE,
+    )
 
 
 # -- checks ----------------------------------------------------------------------
