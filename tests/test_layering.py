@@ -156,6 +156,7 @@ ORDER = {
         "module_checks",
         "binding",
         "placeholders",
+        "module_layout",
         "module_init",
         "hf_checkpointing",
         "safetensors_format",

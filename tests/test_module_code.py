@@ -299,3 +299,51 @@ def test_a_parameter_written_in_forward_is_refused_in_a_one_rank_step():
     step = fs.value_and_grad(lambda p, x: apply(p, x).sum(), plan)
     with pytest.raises(fs.ParameterWriteError, match=r"0/lin/bias, 0/lin/weight: they share"):
         step(fs.shard(params, plan), torch.ones(2))
+
+
+def test_a_module_changed_after_functionalize_is_refused_at_the_next_apply():
+    """A replaced submodule or parameter, an added one, or requires_grad flipped: named, never run."""
+    changes: dict[str, Any] = {
+        "submodule '0' was replaced": lambda net: net.__setitem__(0, nn.Linear(2, 2)),
+        "parameter '1.weight' was replaced": lambda net: setattr(
+            net[1], "weight", nn.Parameter(torch.ones(1, 2))
+        ),
+        "a parameter was added to '1'": lambda net: net[1].register_parameter(
+            "extra", nn.Parameter(torch.ones(1))
+        ),
+        "'0.weight' had requires_grad set to False": lambda net: net[0].requires_grad_(False),
+    }
+    for said, change in changes.items():
+        net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        params, apply = functionalize(net, units=[nn.Linear])
+        change(net)
+        with pytest.raises(UnboundParameterError, match=re.escape(said)):
+            apply(params, torch.ones(2))
+
+
+def test_a_module_registered_at_two_paths_is_bound_once_and_keeps_its_placeholders():
+    """T5's shape: one module object under two names trains as one, and holds placeholders after."""
+    shared = nn.Linear(2, 2)
+    net = nn.Sequential(shared, nn.Sequential(shared, nn.Tanh()), nn.Linear(2, 1))
+    reference = copy.deepcopy(net)
+    params, apply = functionalize(net)
+    assert torch.equal(apply(params, torch.ones(2)), reference(torch.ones(2)))
+    with pytest.raises(UnboundParameterError):
+        _ = shared.weight + 1  # the object under both names
+    assert set(apply.state_dict(params)) == set(reference.state_dict())
+
+
+def test_gradients_are_read_from_the_grads_tree_not_the_module():
+    net = nn.Linear(2, 2)
+    functionalize(net)
+    with pytest.raises(UnboundParameterError, match=r"clip_by_global_norm"):
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+
+
+def test_a_complex_parameter_is_refused_naming_the_fix():
+    net = nn.Linear(2, 2)
+    net.weight = nn.Parameter(torch.ones(2, 2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"'weight' is complex .*view_as_real"):
+        functionalize(net)
+    with pytest.raises(ValueError, match=r"w: a complex leaf"):
+        fs.plan({"w": torch.ones(2, dtype=torch.complex64, requires_grad=True)}, fs.Mesh({"x": 1}))

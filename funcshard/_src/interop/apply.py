@@ -24,6 +24,7 @@ from funcshard._src.interop.binding import Binding, bound, routed, swapped
 from funcshard._src.interop.hooks import backward_hooks_under
 from funcshard._src.interop.inputs import cast_inputs
 from funcshard._src.interop.leaf_check import Leaf, leaf_values
+from funcshard._src.interop.module_layout import layout_of, redundant_names
 from funcshard._src.interop.module_state import ModuleState
 from funcshard._src.interop.module_units import Units
 from funcshard._src.interop.recompute import intercepted
@@ -85,6 +86,10 @@ class Apply(Weights):
         }  # whose backward hooks re-enter the unit's call; see hooks.py
         self._root_modules = [m for m in module.modules() if id(m) not in inside]
         self._all_modules = list(module.modules())  # a plain reference's; see reference.py
+        # See module_layout.py: the module as functionalize left it, and names bound once
+        self._layout = layout_of(module)
+        self._redundant = redundant_names(module)
+        self._unit_redundant = {u.path: redundant_names(u.module) for u in units.infos}
 
     @property
     def module(self) -> nn.Module:
@@ -159,6 +164,7 @@ class Apply(Weights):
             RuntimeError: ``apply`` called inside a forward of the same module.
         """
         by_path = self._leaf_values(params)
+        self._layout.check()
         if in_plain() and current_run() is None:  # See [Note: plain references]
             return self._plain(by_path, args, kwargs)
         # See [Note: Hugging Face checkpointing]
@@ -167,6 +173,7 @@ class Apply(Weights):
         tensors: dict[str, Any] = dict(self._state.tensors)
         for leaf in self._root_leaves:
             tensors.update(dict.fromkeys(leaf.names, by_path[leaf.path]))
+        _bind_once(tensors, self._redundant)
         routes = tuple(
             (
                 unit.module,
@@ -177,6 +184,7 @@ class Apply(Weights):
                     by_path,
                     remat=self._remat,
                     caches=self._caches,
+                    redundant=self._unit_redundant[unit.path],
                 ),
             )
             for unit in self._units.infos
@@ -217,9 +225,11 @@ class Apply(Weights):
                 f"{sharded[0]}: apply.bound needs full tensors, got a sharded leaf; pass "
                 f"fs.unshard(sparams)"
             )
+        self._layout.check()
         tensors: dict[str, Any] = dict(self._state.tensors)
         for leaf in self._leaves:
             tensors.update(dict.fromkeys(leaf.names, by_path[leaf.path]))
+        _bind_once(tensors, self._redundant)
         try:
             with swapped(self._module, tensors):
                 yield self._module
@@ -237,6 +247,7 @@ class Apply(Weights):
         tensors: dict[str, Any] = {name: t.clone() for name, t in self._state.tensors.items()}
         for leaf in self._leaves:
             tensors.update(dict.fromkeys(leaf.names, by_path[leaf.path]))
+        _bind_once(tensors, self._redundant)
         binding = Binding(self._module, tensors, (), None)
         with bound(binding), intercepted(), backward_hooks_under(binding, self._all_modules):
             return torch.func.functional_call(
@@ -288,3 +299,9 @@ def _root_holder() -> Any:
         return None
     root = run.root.unit
     return lambda: hold(run, root)
+
+
+def _bind_once(tensors: dict[str, Any], redundant: frozenset[str], /) -> None:
+    """Drops the names whose tensor another name of the same module object binds; mutates ``tensors``."""
+    for name in redundant:
+        tensors.pop(name, None)

@@ -1,7 +1,7 @@
 """What ``functionalize`` refuses up front: parameters it could not own, named with the fix.
 
 See [Note: module code outside the call] in ``binding.py``: functionalize owns every
-read of a module's parameters. Three kinds of parameter it could not own, where
+read of a module's parameters. Four kinds of parameter it could not own, where
 training would otherwise go silently wrong or fail deep inside torch later:
 
 - an uninitialized parameter of a lazy module (``nn.LazyLinear``): no shape to plan;
@@ -9,7 +9,8 @@ training would otherwise go silently wrong or fail deep inside torch later:
   ``register_post_accumulate_grad_hook``): apply never differentiates the parameter
   itself, so the hook would never run;
 - a sparse embedding (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``): its
-  sparse gradient cannot be reduce-scattered with the unit's dense ones.
+  sparse gradient cannot be reduce-scattered with the unit's dense ones;
+- a complex parameter that requires grad: funcshard trains real floating leaves.
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ def refuse_unownable(module: nn.Module, /) -> None:
                 f"such as nn.LazyLinear); it has no shape to plan. Fix: run one forward of the "
                 f"module on an example batch before functionalize, or use the module's "
                 f"non-lazy class"
+            )
+        if p.is_complex() and p.requires_grad:
+            raise ValueError(
+                f"functionalize: {kind}'s parameter {name!r} is complex ({p.dtype}); funcshard "
+                f"trains real floating parameters, so its gradient would be dropped. Fix: keep "
+                f"it as real pairs (nn.Parameter(torch.view_as_real(w))) and view them as "
+                f"complex in forward (torch.view_as_complex), or freeze it "
+                f"(requires_grad_(False)) before functionalize"
             )
         hooks = [
             method

@@ -96,6 +96,15 @@ class Placeholder(torch.Tensor):
             f"unit={info.unit!r})"
         )
 
+    @property
+    def grad(self) -> Any:  # pyright: ignore[reportIncompatibleVariableOverride]
+        """Refused: a functionalized module's gradients are the grads tree a step returns."""
+        raise UnboundParameterError(_grad_message(self._funcshard_info))
+
+    @grad.setter
+    def grad(self, value: Any) -> None:  # pyright: ignore[reportIncompatibleVariableOverride]
+        raise UnboundParameterError(_grad_message(self._funcshard_info))
+
     def register_hook(self, hook: Any) -> Any:  # pyright: ignore[reportIncompatibleMethodOverride]
         """Refused: a hook on a functionalized module's parameter would never run."""
         raise UnboundParameterError(_hook_message(self._funcshard_info, "register_hook"))
@@ -234,6 +243,15 @@ def _message(info: ParameterInfo, func: Any) -> str:
         f"that nothing reads values older than the params.\n"
         f"Fix: run the module through apply(params, ...), read the params tree, or bind "
         f"values to the module for a block: `with apply.bound(full_params): ...`"
+    )
+
+
+def _grad_message(info: ParameterInfo) -> str:
+    return (
+        f"{info.module}'s parameter {info.name!r} has no .grad: functionalize owns the module's "
+        f"parameters, and their gradients are the grads tree the step returns.\n"
+        f"Fix: clip with fs.optim.clip_by_global_norm(grads, max_norm), update with an fs.optim "
+        f"optimizer, and drop model.zero_grad() (each step returns new gradients)"
     )
 
 

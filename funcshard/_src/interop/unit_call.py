@@ -40,6 +40,7 @@ def unit_call(
     *,
     remat: bool,
     caches: hf.CacheOff,
+    redundant: frozenset[str] = frozenset(),
 ) -> Callable[..., Any]:
     """The target of ``unit.module``'s calls during one apply: ``fs.call`` of the unit.
 
@@ -51,6 +52,7 @@ def unit_call(
         by_path: apply's leaves by path (the root-unit leaves the unit borrows).
         remat: recompute the unit in backward (``fs.call(..., remat=True)``).
         caches: the Hugging Face cache handling of the module.
+        redundant: names under ``unit.module`` not to bind (``module_layout.redundant_names``).
     """
     subtree = subtree_at(params, unit.path)
     borrowed = {name: by_path[root_path] for name, root_path in unit.borrowed}
@@ -64,6 +66,8 @@ def unit_call(
             tensors.update(dict.fromkeys(unit.own[rel], leaf))
         if kept is not None and running_unit() is None:  # remat's recompute in backward
             tensors.update(recompute_buffers(kept))  # See [Note: remat and buffers]
+        for name in redundant:  # a module object at two paths: bound once, see module_layout.py
+            tensors.pop(name, None)
         binding = current_binding()
         if (
             binding is None

@@ -156,6 +156,7 @@ def plan(
     else:
         made = build(spec, strategy, cost=cost)
     _check_requires_grad(leaves, made)
+    _refuse_complex(leaves, made)
     return dataclasses.replace(made, estimate=estimate(made, cost))
 
 
@@ -183,6 +184,18 @@ def _check_requires_grad(leaves: list[torch.Tensor], made: Plan) -> None:
             f"frozen={off[:2]!r}) (sharded, no gradient, no optimizer state; for an nn.Module, "
             f"frozen=apply.frozen), or give every leaf the same requires_grad"
         )
+
+
+def _refuse_complex(leaves: list[torch.Tensor], made: Plan) -> None:
+    """Refuses a complex leaf that requires grad and is not frozen: only real floating leaves train."""
+    for t, lp in zip(leaves, made.leaves):
+        if t.is_complex() and t.requires_grad and not lp.frozen:
+            raise ValueError(
+                f"{lp.path or '<root>'}: a complex leaf ({t.dtype}); funcshard trains real "
+                f"floating leaves, so its gradient would be dropped. Fix: keep it as real pairs "
+                f"(torch.view_as_real) and view them as complex in the forward "
+                f"(torch.view_as_complex), or freeze it: fs.plan(..., frozen=[{lp.path!r}])"
+            )
 
 
 def _check_budget(budget: int | str | None, strategy: Requested) -> int | None:
