@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as checkpoint_utils
 from torch import nn
 
 from tests.conformance.constructs import WIDTH, Block, Stack
@@ -70,6 +71,34 @@ class Recurrent(Stack):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = self.lstm(self.inp(x))
         return self.head(self.run(h))
+
+
+class CountsInACheckpoint(Block):
+    """Assigns buffers anew inside a checkpointed region: torch's recompute assigns them again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("mean", torch.zeros(WIDTH))
+
+    def inner(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1  # the recompute computes with the count its forward left
+        self.mean = 0.5 * self.mean + 0.5 * h.detach().mean(dim=(0, 1))  # per rank: not used
+        return super().forward(h * (1 + 0.1 * self.calls))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return checkpoint_utils.checkpoint(self.inner, h, use_reentrant=False)
+
+
+class SharedModule(Stack):
+    """One module object at two paths (T5's ``shared`` and ``encoder.embed_tokens`` shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Sequential(self.inp, nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.run(self.extra(x) + self.inp(x)))
 
 
 # -- refused ------------------------------------------------------------------------------
@@ -159,6 +188,17 @@ register(
         "row, as FSDP2 itself reads the freed parameter there and crashes (SIGSEGV)",
         units=(Block, Positions),
         variants=("full_shard", "shard_grad_op", "remat"),
+    ),
+    _row(
+        "share/module-at-two-paths",
+        SharedModule,
+        "one module object registered at two paths in the root",
+    ),
+    _row(
+        "state/assigned-in-a-checkpoint",
+        _blocks(CountsInACheckpoint),
+        "buffers assigned anew inside a torch checkpoint (kept from the recompute too, as torch)",
+        units=(CountsInACheckpoint,),
     ),
     _row(
         "rnn/LSTM",

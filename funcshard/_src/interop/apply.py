@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import torch
@@ -189,7 +189,7 @@ class Apply(Weights):
             )
             for unit in self._units.infos
         )
-        binding = Binding(self._module, tensors, routes, _root_holder())
+        binding = Binding(self._module, tensors, routes, _root_holder(), adopt=self._adopt_changed)
         with self._entered(binding), hf.checkpointing_off(m for _, m in flagged):
             out = torch.func.functional_call(
                 self._module, tensors, args, kwargs, tie_weights=False, strict=False
@@ -253,6 +253,10 @@ class Apply(Weights):
             return torch.func.functional_call(
                 self._module, tensors, args, kwargs, tie_weights=False, strict=False
             )
+
+    def _adopt_changed(self, changed: Mapping[str, Any], /) -> None:
+        """Keeps the buffers a recompute or hook in backward assigned anew (``changed``, by name)."""
+        self._state.adopt({**self._state.tensors, **changed})
 
     @contextlib.contextmanager
     def _entered(self, binding: Binding) -> Iterator[None]:

@@ -76,6 +76,8 @@ class Binding:
     routes: tuple[tuple[nn.Module, Callable[..., Any]], ...]  # each unit's module and its call
     hold: Callable[[], object] | None  # in a step: checks the root unit still holds its leaves
     unit: UnitBinding | None = None
+    # keeps the buffers (by name) that code re-entering this apply assigned anew
+    adopt: Callable[[Mapping[str, torch.Tensor]], None] | None = None
 
     def entering(self, unit: UnitBinding, /) -> Binding:
         """This binding inside ``unit``'s call."""
@@ -118,13 +120,20 @@ def reentered(binding: Binding, /) -> Iterator[None]:
         binding.hold()
     if binding.unit is not None and binding.unit.hold is not None:
         binding.unit.hold()
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(bound(binding))
-        stack.enter_context(routed(binding.routes))
-        stack.enter_context(swapped(binding.module, dict(binding.tensors)))
-        if binding.unit is not None:
-            stack.enter_context(swapped(binding.unit.module, dict(binding.unit.tensors)))
-        yield
+    tensors = dict(binding.tensors)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(bound(binding))
+            stack.enter_context(routed(binding.routes))
+            stack.enter_context(swapped(binding.module, tensors))
+            if binding.unit is not None:
+                stack.enter_context(swapped(binding.unit.module, dict(binding.unit.tensors)))
+            yield
+    finally:  # torch stops a recompute early by raising: what it assigned until then counts
+        if binding.adopt is not None:  # a buffer assigned anew is kept, as torch's own is
+            changed = {k: v for k, v in tensors.items() if v is not binding.tensors.get(k)}
+            if changed:
+                binding.adopt(changed)
 
 
 @contextlib.contextmanager
