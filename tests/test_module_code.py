@@ -347,3 +347,11 @@ def test_a_complex_parameter_is_refused_naming_the_fix():
         functionalize(net)
     with pytest.raises(ValueError, match=r"w: a complex leaf"):
         fs.plan({"w": torch.ones(2, dtype=torch.complex64, requires_grad=True)}, fs.Mesh({"x": 1}))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_a_module_compiled_as_a_whole_is_refused_naming_the_fix():
+    net = nn.Linear(2, 2)
+    net.compile()
+    with pytest.raises(ValueError, match=r"compiled as a whole .* compile its units"):
+        functionalize(net)

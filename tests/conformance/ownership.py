@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils.checkpoint as checkpoint_utils
 from torch import nn
@@ -101,6 +102,25 @@ class SharedModule(Stack):
         return self.head(self.run(self.extra(x) + self.inp(x)))
 
 
+class KeepsAView(Block):
+    """Keeps a view of its weight on an attribute, which the root reads after the unit's call."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.kept = self.fc1.weight.T
+        return super().forward(h)
+
+
+class ReadsKeptViews(Stack):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(KeepsAView() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.head(self.run(self.inp(x)))
+        kept = [b.kept for b in self.blocks if isinstance(b, KeepsAView)]
+        return out + 0.01 * sum(k.square().mean() for k in kept)
+
+
 # -- refused ------------------------------------------------------------------------------
 
 
@@ -137,6 +157,23 @@ class SparseEmbedding(RenormalisedEmbedding):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(16, WIDTH, sparse=True)
+
+
+class SharesWithNumpy(Block):
+    """Hands its weight's memory to numpy in forward (np.asarray of a detached parameter)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        scale = float(np.asarray(self.fc1.weight.detach()).std())
+        return super().forward(h) * (1 + 0.01 * scale)
+
+
+class PenalisesItsInputGradient(Block):
+    """Takes an input gradient inside forward (torch.autograd.grad, create_graph=True)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        inner = h.detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(self.fc1(inner).square().sum(), inner, create_graph=True)
+        return super().forward(h) + 0.01 * g
 
 
 class KeepsAList(Block):
@@ -190,6 +227,14 @@ register(
         variants=("full_shard", "shard_grad_op", "remat"),
     ),
     _row(
+        "share/attribute-views-a-parameter",
+        ReadsKeptViews,
+        "a unit keeps a view of its weight on an attribute; the root reads it (copied); no bf16 "
+        "row, as FSDP2 itself reads the freed parameter there and crashes (SIGSEGV)",
+        units=(KeepsAView,),
+        variants=("full_shard", "shard_grad_op", "remat"),
+    ),
+    _row(
         "share/module-at-two-paths",
         SharedModule,
         "one module object registered at two paths in the root",
@@ -229,6 +274,26 @@ register(
         batch=tokens(16, (4, 3)),
         refused=WRITTEN,
         refusal="refused at the first step: `ParameterWriteError` naming the root's leaves and the fix",
+    ),
+    _row(
+        "write/numpy-shares-memory",
+        _blocks(SharesWithNumpy),
+        "np.asarray(weight.detach()) in a unit's forward (numpy pins the gathered memory)",
+        units=(SharesWithNumpy,),
+        refused="its gathered parameters cannot be freed",
+        refusal="refused at the first step: a `RuntimeError` naming the unit and the fix",
+        variants=("full_shard", "shard_grad_op", "remat"),
+    ),
+    _row(
+        "checkpoint/autograd-grad-in-forward",
+        _blocks(PenalisesItsInputGradient),
+        "torch.autograd.grad inside a unit's forward under remat (the recompute would run in "
+        "forward); without remat it trains equal",
+        units=(PenalisesItsInputGradient,),
+        refused="recomputed during forward",
+        refusal="under remat (the only variant run): refused at the first step, a `RuntimeError` "
+        "naming the unit and the fix",
+        variants=("remat",),
     ),
     _row(
         "alias/plain-list",

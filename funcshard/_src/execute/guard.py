@@ -18,7 +18,8 @@ or worse:
    later step. Refused the same way.
 3. **Return it**, or a view of it (``self.pos[:T]``): once the unit is freed the
    output would read freed memory. Such an output is copied (:func:`owned`),
-   which autograd differentiates as the view itself.
+   which autograd differentiates as the view itself. ``functionalize``'s units copy
+   a view kept on a module attribute the same way (``self.cache = self.w.T``).
 
 And its gradient must be dense: a sparse one (``nn.Embedding(sparse=True)``) cannot
 be packed and reduce-scattered with the unit's others (:func:`check_dense`).
@@ -29,7 +30,7 @@ read a few attributes per leaf, about a microsecond a leaf per call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,7 +38,15 @@ import torch
 
 from funcshard._src import tree
 
-__all__ = ["Named", "ParameterWriteError", "Watch", "check_dense", "owned", "watch"]
+__all__ = [
+    "Named",
+    "ParameterWriteError",
+    "Watch",
+    "check_dense",
+    "in_memory_of",
+    "owned",
+    "watch",
+]
 
 
 class Named(Protocol):
@@ -112,17 +121,32 @@ def owned(out: Any, tensors: Sequence[torch.Tensor], /) -> Any:
         >>> out[0].data_ptr() != w[1:].data_ptr(), torch.equal(out[0], w[1:])
         (True, True)
     """
-    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
+    lies_in = in_memory_of(tensors)
     leaves, treedef = tree.flatten(out)
-    inside = [
-        isinstance(x, torch.Tensor)
-        and x.numel() > 0
-        and any(lo <= x.data_ptr() < hi for lo, hi in spans)
-        for x in leaves
-    ]
+    inside = [lies_in(x) for x in leaves]
     if not any(inside):
         return out
     return tree.unflatten(treedef, [x.clone() if a else x for x, a in zip(leaves, inside)])
+
+
+def in_memory_of(tensors: Sequence[torch.Tensor], /) -> Callable[[object], bool]:
+    """Whether a value is a non-empty tensor whose first element lies in the memory of ``tensors``.
+
+    Example:
+        >>> w = torch.arange(4.0)
+        >>> lies_in = in_memory_of([w])
+        >>> lies_in(w[2:]), lies_in(w.clone()), lies_in("w")
+        (True, False, False)
+    """
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
+
+    def lies_in(x: object) -> bool:
+        if not isinstance(x, torch.Tensor) or x.numel() == 0:
+            return False
+        ptr = x.data_ptr()
+        return any(lo <= ptr < hi for lo, hi in spans)
+
+    return lies_in
 
 
 def check_dense(unit: str, slots: Sequence[Named], grads: Sequence[torch.Tensor | None], /) -> None:

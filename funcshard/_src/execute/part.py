@@ -89,6 +89,25 @@ class Part:
             return self.layout.numel * sharding.group_size  # the end padding included
         return sum(math.prod(s.shape) for s in self.layout.slots)
 
+    def free(self, unit: str, /) -> None:
+        """Gives the gathered storage's bytes back (resized to zero, kept for the next gather); mutates.
+
+        Raises:
+            RuntimeError: code outside torch holds the memory (numpy), naming the unit and the fix.
+        """
+        assert self.full is not None
+        try:
+            self.full.untyped_storage().resize_(0)
+        except RuntimeError as e:
+            if "not resizable" not in str(e):
+                raise
+            raise RuntimeError(
+                f"unit {unit!r}: its gathered parameters cannot be freed, because code outside "
+                f"torch holds their memory: w.detach().numpy() or np.asarray(w) of a parameter "
+                f"in forward shares it with numpy. Fix: copy it out (w.detach().numpy().copy(), "
+                f"w.tolist()) before numpy uses it"
+            ) from None
+
     @property
     def full_bytes(self) -> int:
         """Bytes of this part's gathered storage (none of its own when aliased)."""

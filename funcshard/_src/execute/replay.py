@@ -76,8 +76,11 @@ def hold(run: Run, unit: UnitRuntime, /) -> CallRecord:
     """
     if not run.forward_done:
         raise RuntimeError(
-            f"internal error: unit {unit.name!r} held for a recompute during forward; "
-            f"please report it"
+            f"unit {unit.name!r}: a checkpointed region was recomputed during forward, by a "
+            f"backward that forward itself ran (torch.autograd.grad inside a unit's forward, "
+            f"through remat or a torch checkpoint). funcshard recomputes in the step's backward "
+            f"only. Fix: keep that forward out of remat (functionalize(..., remat=False), no "
+            f"checkpoint around it), or take the inner gradient outside the checkpointed region"
         )
     root = run.root if run.root is not None and run.root.unit is unit else None
     record = root or next(

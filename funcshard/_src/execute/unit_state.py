@@ -312,7 +312,7 @@ class UnitRuntime:
                     dropped.append(part.inflight)
                 part.inflight = None
             if not part.aliased and part.full is not None and part.full.untyped_storage().size():
-                part.full.untyped_storage().resize_(0)
+                part.free(self.name)
                 self.memory.sub(part.full_bytes)
         self._holders = 0
         self.state = UnitState.SHARDED
@@ -374,7 +374,7 @@ class UnitRuntime:
         self._expect(UnitState.GATHERED, "free")
         for part in self.parts:
             if not part.aliased and part.full is not None:
-                part.full.untyped_storage().resize_(0)
+                part.free(self.name)
                 self.memory.sub(part.full_bytes)
         self.memory.log("free", self.name)
         self.state = UnitState.SHARDED

@@ -11,6 +11,9 @@ training would otherwise go silently wrong or fail deep inside torch later:
 - a sparse embedding (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``): its
   sparse gradient cannot be reduce-scattered with the unit's dense ones;
 - a complex parameter that requires grad: funcshard trains real floating leaves.
+
+And a module compiled as a whole (``torch.compile(model)``, ``model.compile()``):
+apply runs its units one call at a time; its units may be compiled.
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ def refuse_unownable(module: nn.Module, /) -> None:
         ValueError: functionalize: Linear's parameter 'weight' has a tensor hook (register_hook); ...
     """
     kind = type(module).__name__
+    if hasattr(module, "_orig_mod") or vars(module).get("_compiled_call_impl") is not None:
+        raise ValueError(
+            f"functionalize: the {kind} is compiled as a whole (torch.compile(model) or "
+            f"model.compile()); apply must run its units one call at a time. Fix: functionalize "
+            f"the plain module and compile its units (block.compile() on each unit's module, "
+            f"as in the conformance row compile/submodule)"
+        )
     for name, p in module.named_parameters(remove_duplicate=False):
         if isinstance(p, UninitializedParameter):
             raise ValueError(

@@ -18,6 +18,7 @@ from torch import nn
 
 from funcshard._src import tree
 from funcshard._src.execute.call import call, running_unit
+from funcshard._src.execute.guard import in_memory_of
 from funcshard._src.execute.replay import hold
 from funcshard._src.execute.run import current_run
 from funcshard._src.interop import hf_checkpointing as hf
@@ -83,6 +84,8 @@ def unit_call(
             out = torch.func.functional_call(
                 unit.module, tensors, args, kwargs, tie_weights=False, strict=False
             )
+        if current_run() is not None:
+            _copy_kept_views(modules, leaves)
         return out, hidden_tensors(out, unit.path)
 
     def target(*args: Any, **kwargs: Any) -> Any:
@@ -102,3 +105,16 @@ def _holder() -> Callable[[], object] | None:
         return None
     run, runtime = running
     return lambda: hold(run, runtime)
+
+
+def _copy_kept_views(modules: Sequence[nn.Module], leaves: Sequence[torch.Tensor], /) -> None:
+    """Copies each tensor a module kept on an attribute in the unit's gathered memory; mutates.
+
+    ``self.cache = self.lin.weight.T`` in a unit's forward would read freed memory once
+    the unit is released; see [Note: what a call may do to its parameters] in guard.py.
+    """
+    lies_in = in_memory_of(leaves)
+    for module in modules:
+        for name, value in vars(module).items():
+            if lies_in(value):
+                vars(module)[name] = value.clone()
