@@ -335,3 +335,21 @@ def test_a_step_loads_nothing_that_describes_a_plan():
         n: by for n, by in reached.items() if n.split(".")[-1] in describing and ".plan." in n
     }
     assert not loaded, f"the executor loads what describes a plan (module: its importer): {loaded}"
+
+
+def test_a_calls_phase_is_assigned_only_in_run():
+    """[Note: a call's phase changes only in Run]: no other module assigns ``.phase``."""
+    assigning = []
+    for path, _, _ in _src_modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                else []
+            )
+            if any(isinstance(t, ast.Attribute) and t.attr == "phase" for t in targets):
+                assigning.append(f"{path.name}:{node.lineno}")
+    assert assigning, "the test finds no assignment at all: it no longer reads the code"
+    assert {a.split(":")[0] for a in assigning} == {"run.py"}, assigning

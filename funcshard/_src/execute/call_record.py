@@ -17,7 +17,13 @@ __all__ = ["CallPhase", "CallRecord"]
 
 
 class CallPhase(enum.Enum):
-    """Where one use of a unit is in its step; it holds its unit gathered in FORWARD, KEPT and BACKWARD."""
+    """Where one use of a unit is in its step; it holds its unit gathered in FORWARD, KEPT and BACKWARD.
+
+    [Note: a call's phase changes only in Run]
+    Every transition of a call (``docs/executor.md`` draws them) is a method of ``Run``
+    (``run.py``), the compiled path's included (``Run.exit_compiled_call``): no other
+    module assigns ``CallRecord.phase``, which ``tests/test_layering.py`` checks.
+    """
 
     FORWARD = "forward"  # running its function, unit held
     KEPT = "kept"  # forward done, unit held until backward (shard_grad_op, no_shard, the root)

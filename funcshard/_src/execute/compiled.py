@@ -108,13 +108,7 @@ def compiled_gather(run: Run, name: str, slots: Sequence[int]) -> list[torch.Ten
         run.pre_backward(record)
     full = [v for p in unit.parts for v in p.views]
     out = [full[unit.position[s]].detach().clone() for s in slots]
-    unit.release()
-    if not run.forward_done:
-        if run.evaluation:
-            record.phase = CallPhase.DONE
-        else:
-            record.phase = CallPhase.WAITING
-            record.expects_backward = True
+    run.exit_compiled_call(record)
     return out
 
 

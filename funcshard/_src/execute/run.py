@@ -216,6 +216,23 @@ class Run:
             else:
                 register_multi_grad_hook(tensors, lambda _: self.pre_backward(record), mode="any")
 
+    def exit_compiled_call(self, record: CallRecord) -> None:
+        """A compiled call's leaves are copied out: releases its unit; in forward, FORWARD -> WAITING.
+
+        The copies are the compiled graph's, so the unit is released at once; in an
+        evaluation the call is DONE. After forward (the backward re-gather of a WAITING
+        call, BACKWARD since :meth:`pre_backward`) the phase stays.
+        See [Note: a call's phase changes only in Run].
+        """
+        record.unit.release()
+        if self.forward_done:
+            return
+        if self.evaluation:
+            record.phase = CallPhase.DONE
+        else:
+            record.phase = CallPhase.WAITING
+            record.expects_backward = True
+
     def end_forward(self) -> list[str]:
         """Leaves the forward context; frees units prefetched but never called. Returns the call order.
 
