@@ -97,6 +97,13 @@ def _bert() -> Any:
     return t.BertForMaskedLM(config)
 
 
+def _bert_checkpointed() -> Any:
+    """BERT with gradient checkpointing: the flag on BertModel, its layers a level down."""
+    model = _bert()  # the newer name of gradient_checkpointing_enable, as for Llama
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    return model
+
+
 def _ids(seed: int) -> Batch:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=gen)
@@ -134,4 +141,11 @@ register(
     _row("hf/GPT2", _gpt2, ("GPT2Block",), _ids, "Conv1D layers, tied head"),
     _row("hf/T5", _t5, ("T5Block",), _seq2seq, "encoder-decoder, relative position bias"),
     _row("hf/BERT", _bert, ("BertLayer",), _ids, "masked LM, tied decoder, pooler unused"),
+    _row(
+        "hf/BERT-gradient-checkpointing",
+        _bert_checkpointed,
+        ("BertLayer",),
+        _ids,
+        "gradient_checkpointing_enable() on a model whose layers sit a level down (encoder.layer)",
+    ),
 )

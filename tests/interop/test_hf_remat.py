@@ -394,3 +394,13 @@ def test_caches_stay_on_outside_a_rematerialized_step():
     assert cache_of(expected) is not None
     assert cache_of(out) is not None
     torch.testing.assert_close(out.loss, expected.loss, **FP32_TOL)
+
+
+def test_a_cache_asked_for_in_a_rematerialized_step_is_refused_naming_the_fix():
+    """use_cache=True under remat would come back empty: refused, as it cannot be served."""
+    params, apply = functionalize(t5(), units=["T5Block"], remat=True)
+    plan = fs.plan(params, fs.Mesh({"fsdp": 1}), units=apply.units)
+    x, y = seq2seq(0)
+    step = fs.value_and_grad(lambda p: apply(p, input_ids=x, labels=y, use_cache=True).loss, plan)
+    with pytest.raises(ValueError, match=r"use_cache=True in a training step with remat.*Fix"):
+        step(fs.shard(params, plan))

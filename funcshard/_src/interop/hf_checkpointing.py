@@ -159,7 +159,12 @@ class CacheOff:
     def top_level(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], /, *, remat: bool
     ) -> dict[str, Any]:
-        """``kwargs`` of the module's forward, with ``use_cache=False`` if the caller set none."""
+        """``kwargs`` of the module's forward, with ``use_cache=False`` if the caller set none.
+
+        Raises:
+            ValueError: the caller asked for a cache (``use_cache=True``) in a step with
+                remat, where each unit runs without one: it would come back empty.
+        """
         if self.signature is None or not _recomputes(remat):
             return kwargs
         try:
@@ -167,6 +172,14 @@ class CacheOff:
         except TypeError:  # let the forward itself report its wrong arguments
             return kwargs
         if "use_cache" in given:
+            if given["use_cache"]:
+                raise ValueError(
+                    "use_cache=True in a training step with remat (functionalize(..., "
+                    "remat=True) or gradient_checkpointing_enable()): each unit recomputes in "
+                    "backward and runs without a cache, as Hugging Face's own checkpointing "
+                    "does, so the cache would come back empty. Fix: pass use_cache=False in "
+                    "training, or functionalize without remat to train with a cache"
+                )
             return kwargs
         return {**kwargs, "use_cache": False}
 
@@ -228,14 +241,18 @@ def _is_checkpointing_layer(m: nn.Module) -> bool:
 
 
 def _layers(path: str, m: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The entries of ``m``'s ``ModuleList`` children: the layers a stack runs."""
+    """The entries of the outermost ``ModuleList``s under ``m``, at any depth: the layers a stack runs.
+
+    A flagged model (``BertModel``) may hold its stack a level down (``encoder.layer``).
+    """
     prefix = f"{path}/" if path else ""
-    return [
-        (f"{prefix}{name}/{i}", layer)
-        for name, child in m.named_children()
-        if isinstance(child, nn.ModuleList)
-        for i, layer in enumerate(child)
-    ]
+    out: list[tuple[str, nn.Module]] = []
+    for name, child in m.named_children():
+        if isinstance(child, nn.ModuleList):
+            out += [(f"{prefix}{name}/{i}", layer) for i, layer in enumerate(child)]
+        else:
+            out += _layers(f"{prefix}{name}", child)
+    return out
 
 
 def _uncovered(
