@@ -239,8 +239,9 @@ class Run:
         Raises:
             ParameterWriteError: forward wrote or hooked a root-unit leaf.
         """
-        if self._root_guard is not None:
-            self._root_guard.check()
+        if self._root_guard is not None:  # then dropped: it holds the root's leaves
+            guard, self._root_guard = self._root_guard, None
+            guard.check()
         if self._token is not None:
             _CURRENT.reset(self._token)
             self._token = None
