@@ -114,7 +114,9 @@ def _copy_kept_views(modules: Sequence[nn.Module], leaves: Sequence[torch.Tensor
     the unit is released; see [Note: what a call may do to its parameters] in guard.py.
     """
     lies_in = in_memory_of(leaves)
+    tensor = torch.Tensor
     for module in modules:
-        for name, value in vars(module).items():
-            if lies_in(value):
-                vars(module)[name] = value.clone()
+        attributes = vars(module)
+        kept = [n for n, v in attributes.items() if isinstance(v, tensor) and lies_in(v)]
+        for name in kept:
+            attributes[name] = attributes[name].clone()
