@@ -11,9 +11,13 @@ pickles and ``torch.save`` blobs through ``untrusted_pickle.py``:
   infinity (``1e400``), no key twice in one object. A failure raises the caller's error
   class naming the file and the field (``leaves[3].shape``), never a bare ``ValueError``
   or ``RecursionError`` from ``json``.
-- **Paths** (:func:`plain_file`): a name read from a file is relative, has no ``..``,
-  and every component below the root is a real directory and the last a regular file:
-  no symlink anywhere, so nothing outside the root is read.
+- **Files** (:func:`open_file`, :func:`open_plain`): opened once, with ``O_NONBLOCK``
+  (a FIFO in a file's place cannot stall the open) and ``O_NOFOLLOW`` where a symlink is
+  refused, and checked to be a regular file on the open descriptor (``fstat``), never
+  re-opened by path: what was checked is what is read, even if the path is swapped. A
+  name read from a file (:func:`open_plain`) is relative, has no ``..``, and is walked
+  one directory descriptor at a time: every component below the root a real directory,
+  the last a regular file, no symlink anywhere, so nothing outside the root is read.
 - **Pickles and tensors** (``untrusted_pickle.py``: ``check_pickle``, ``load_tensor``):
   a pickle's opcodes are bounded before it is unpickled (no memo-reuse bomb that hashes
   for hours; see [Note: pickles checked before they are unpickled]); before
@@ -31,7 +35,7 @@ import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 MAX_DEPTH = 64  # no file funcshard reads nests deeper (a manifest's tree: its own depth)
 MAX_JSON_BYTES = 64 << 20
@@ -134,75 +138,143 @@ def read_json(
         >>> read_json(p)
         {'name': 'x'}
     """
-    p = Path(path)
-    label = what or str(p)
-    flags = os.O_RDONLY | (0 if symlinks else os.O_NOFOLLOW)
-    try:
-        fd = os.open(p, flags)
-    except OSError as e:
-        reason = "a symlink, which is refused" if not symlinks and p.is_symlink() else e.strerror
-        raise error(f"{label}: cannot read it ({reason})") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise error(f"{label}: not a regular file")
-        if info.st_size > max_bytes:
-            raise error(
-                f"{label}: {info.st_size} bytes, more than the {max_bytes} such a file may have"
-            )
+    label = what or str(path)
+    with open_file(path, what=label, symlinks=symlinks, unsafe=error, missing=error) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise error(f"{label}: {size} bytes, more than the {max_bytes} such a file may have")
         raw = f.read(max_bytes + 1)
     return loads_json(raw, what=label, max_bytes=max_bytes, max_depth=max_depth, error=error)
 
 
-def plain_file(
+def open_file(
+    path: str | os.PathLike[str],
+    /,
+    *,
+    what: str | None = None,
+    symlinks: bool = False,
+    unsafe: type[Exception] = ValueError,
+    missing: type[Exception] = ValueError,
+) -> BinaryIO:
+    """``path`` opened once for reading, if it is a regular file (see [Note: reader discipline]).
+
+    Args:
+        path: the file.
+        what: how messages name it (default: the path).
+        symlinks: whether ``path`` itself may be a symlink (a user's own file may be).
+        unsafe: raised for a symlink (when refused) or anything but a regular file.
+        missing: raised when it is missing or unreadable.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "fifo"
+        >>> os.mkfifo(p)  # a FIFO: opened without waiting for a writer, then refused
+        >>> open_file(p, what="x.json")
+        Traceback (most recent call last):
+        ...
+        ValueError: x.json: not a regular file (a fifo); refusing to read it
+    """
+    label = what or str(path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | (0 if symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise missing(f"{label}: missing") from None
+    except OSError as e:
+        if not symlinks and os.path.islink(path):
+            raise unsafe(f"{label}: a symlink; refusing to follow it") from None
+        raise missing(f"{label}: cannot read it ({e.strerror})") from None
+    return _regular(fd, label, unsafe)
+
+
+def open_plain(
     root: Path,
     relative: str,
     /,
     *,
     unsafe: type[Exception] = ValueError,
     missing: type[Exception] = ValueError,
-) -> Path:
-    """``root / relative`` if it is a regular file reached through real directories only.
+) -> BinaryIO:
+    """``root / relative`` opened once, if it is a regular file reached through real directories only.
+
+    Each component is opened relative to the directory before it (``dir_fd``) with
+    ``O_NOFOLLOW``: no symlink is followed, and nothing checked can be swapped before it
+    is read.
 
     Raises:
         unsafe: ``relative`` is absolute or has ``..``, or a component is a symlink
-            or not a directory.
+            or not a directory (the last: not a regular file).
         missing: the file is not there.
 
     Example:
         >>> import tempfile, pathlib
         >>> root = pathlib.Path(tempfile.mkdtemp())
         >>> (root / "a").mkdir(); _ = (root / "a" / "f").write_text("x")
-        >>> plain_file(root, "a/f").name
-        'f'
+        >>> with open_plain(root, "a/f") as f:
+        ...     f.read()
+        b'x'
         >>> (root / "l").symlink_to(root / "a")
-        >>> plain_file(root, "l/f")
+        >>> open_plain(root, "l/f")
         Traceback (most recent call last):
         ...
         ValueError: .../l/f: .../l is a symlink; refusing to follow it (nothing outside ... is read)
     """
     parts = relative.split("/")
+    label = root / relative
     if os.path.isabs(relative) or any(p in ("", ".", "..") for p in parts):
-        raise unsafe(f"{root / relative}: {relative!r} is not a plain relative name; refusing")
+        raise unsafe(f"{label}: {relative!r} is not a plain relative name; refusing")
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise missing(f"{label}: cannot read it ({e.strerror})") from None
     here = root
     for i, part in enumerate(parts):
         here = here / part
-        try:
-            mode = os.lstat(here).st_mode
-        except FileNotFoundError:
-            raise missing(f"{root / relative}: missing") from None
-        except OSError as e:
-            raise missing(f"{root / relative}: cannot read it ({e.strerror})") from None
-        if stat.S_ISLNK(mode):
-            raise unsafe(
-                f"{root / relative}: {here} is a symlink; refusing to follow it (nothing outside "
-                f"{root} is read)"
-            )
         last = i == len(parts) - 1
-        if (last and not stat.S_ISREG(mode)) or (not last and not stat.S_ISDIR(mode)):
-            kind = "a regular file" if last else "a directory"
-            raise unsafe(f"{root / relative}: {here} is not {kind}")
-    return here
+        flags = os.O_RDONLY | os.O_NOFOLLOW | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+        try:
+            sub = os.open(part, flags, dir_fd=fd)
+        except OSError as e:
+            problem = _why_not(part, fd, last, e)
+            os.close(fd)
+            if problem is None:
+                raise missing(f"{label}: missing") from None
+            if problem == "":
+                raise missing(f"{label}: cannot read it ({e.strerror})") from None
+            if "symlink" in problem:
+                problem += f" (nothing outside {root} is read)"
+            raise unsafe(f"{label}: {here} {problem}") from None
+        os.close(fd)
+        fd = sub
+    return _regular(fd, str(label), unsafe, f"{label}: {here} is not a regular file")
+
+
+def _regular(fd: int, label: str, unsafe: type[Exception], message: str | None = None) -> BinaryIO:
+    """The stream of ``fd`` if ``fstat`` finds a regular file; else closes it and raises."""
+    stream = os.fdopen(fd, "rb")
+    mode = os.fstat(stream.fileno()).st_mode
+    if not stat.S_ISREG(mode):
+        stream.close()
+        kind = (
+            "a fifo" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "special"
+        )
+        raise unsafe(message or f"{label}: not a regular file ({kind}); refusing to read it")
+    return stream
+
+
+def _why_not(part: str, fd: int, last: bool, e: OSError) -> str | None:
+    """Why opening ``part`` failed: ``None`` (missing), ``""`` (unreadable) or what it is instead."""
+    if isinstance(e, FileNotFoundError):
+        return None
+    try:
+        mode = os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode
+    except OSError:
+        return ""
+    if stat.S_ISLNK(mode):
+        return "is a symlink; refusing to follow it"
+    if not last and not stat.S_ISDIR(mode):
+        return "is not a directory"
+    return ""
 
 
 class _RefusedError(ValueError):

@@ -1,53 +1,60 @@
-"""Reading pickles and ``torch.save`` blobs that funcshard does not trust: bounded before they run.
+"""Reading pickles that funcshard does not trust: bounded before they are unpickled.
 
 [Note: pickles checked before they are unpickled]
 An allowlist of classes (DCP's ``.metadata`` readers) or ``torch.load(weights_only=True)``
-(chunk blobs) decides what a pickle may build, not how much work building it takes. A
-few hundred bytes can build a tuple of 64 tuples of 64 tuples ... six deep, each level
-reused through the memo (``BINGET``), and make it a dict key: unpickling hashes 64**6
-tuples and never returns. :func:`check_pickle` runs first, over the opcodes alone
-(``pickletools.genops``, nothing is built): it follows which object each opcode makes
-from which, and refuses a pickle whose objects, unfolded as the tree that hashing,
-comparing or copying them walks, hold more than :data:`EXPANSION` times as many nodes as
-the pickle has opcodes (plus :data:`EXPANSION_FLOOR`), nest deeper than
+(chunk blobs, ``untrusted_tensor.py``) decides what a pickle may build, not how much work
+building it takes. A few hundred bytes can build a tuple of 64 tuples of 64 tuples ...
+six deep, each level reused through the memo (``BINGET``), and make it a dict key:
+unpickling hashes 64**6 tuples and never returns. :func:`check_pickle` runs first, over
+the opcodes alone (``pickletools.genops``, nothing is built): it follows which object
+each opcode makes from which, and refuses a pickle whose objects, unfolded as the tree
+that hashing, comparing or copying them walks, hold more than :data:`EXPANSION` times as
+many nodes as the pickle has opcodes (plus :data:`EXPANSION_FLOOR`), nest deeper than
 :data:`MAX_PICKLE_DEPTH`, contain themselves, refer to a memo entry never stored, or
 change a class (``BUILD`` on a global). Real pickles stay far below: DCP's metadata of
 3500 tensors unfolds to 0.9 nodes per opcode and nests 12 deep.
 
-Around ``torch.load`` (:func:`check_torch_blob`, :func:`check_plain_tensor`, both in
-:func:`load_tensor`): the blob is a zip archive of stored records whose sizes add up to
-at most the blob, and whose ``data.pkl`` passes :func:`check_pickle`; the result is a
-plain dense CPU tensor (no subclass or ``Parameter``, not sparse, quantized, meta,
-conjugated or requiring grad) of the declared dtype and shape, whose storage holds
-exactly its bytes (strides that cover them once; no ``expand`` over one element).
+Two more refusals bound the work linear in the file. A dict key or set member must be a
+string (its hash is keyed per process, so a file cannot choose keys that collide) or an
+instance of a class the caller names (DCP's ``MetadataIndex``, which the readers rebuild
+with a keyed hash): integers ``k * (2**61 - 1) + 7``, or tuples of them, all hash alike,
+and a dict of N of them takes N**2 comparisons to build. And a memo index (``PUT``)
+must be below the count of opcodes read so far: the unpickler grows its memo to twice
+the largest index, so ``PUT 2**31`` in an 11-byte file would allocate 32 GiB.
 """
 
 from __future__ import annotations
 
-import io
-import math
 import pickletools
-import warnings
-import zipfile
-
-import torch
+from collections.abc import Collection
 
 EXPANSION = 16  # nodes an object may unfold to, per opcode of its pickle
 EXPANSION_FLOOR = 1 << 16
 MAX_PICKLE_DEPTH = 100  # objects inside objects; DCP's metadata: 12, a tensor's data.pkl: 5
 
 
-def check_pickle(data: bytes, /, *, what: str, error: type[Exception] = ValueError) -> None:
+def check_pickle(
+    data: bytes,
+    /,
+    *,
+    what: str,
+    error: type[Exception] = ValueError,
+    key_classes: Collection[str] = (),
+) -> None:
     """Refuses a pickle whose unpickling would take more than linear work (see the Note above).
 
     Args:
         data: the pickle.
         what: the file (or record) it came from, for messages.
         error: the exception class raised.
+        key_classes: classes (``"module.Name"``) whose instances may be dict keys or set
+            members besides strings; the caller makes their hash one a file cannot steer.
 
     Raises:
         error: not a pickle, or one whose objects unfold to too many nodes, nest too
-            deeply, contain themselves, read a memo entry never stored or change a class.
+            deeply, contain themselves, read a memo entry never stored, store one past
+            the opcodes read, change a class, or key a dict or set by anything else
+            than strings and ``key_classes``.
 
     Example:
         >>> import pickle
@@ -59,9 +66,13 @@ def check_pickle(data: bytes, /, *, what: str, error: type[Exception] = ValueErr
         Traceback (most recent call last):
         ...
         ValueError: x.pkl: a pickle of 271 opcodes whose objects unfold to more than 69872 nodes (a memo reused to build exponentially large objects, which unpickling would hash for hours); the file was crafted
+        >>> check_pickle(pickle.dumps({7: None}), what="x.pkl")
+        Traceback (most recent call last):
+        ...
+        ValueError: x.pkl: it keys a dict or set by a number (real files key them by strings only; keys of one hash would make unpickling quadratic); the file is damaged or was crafted
     """
     try:
-        children, ops = _graph(data)
+        children, ops, bad_key = _graph(data, frozenset(key_classes))
     except _RefusedError as e:
         raise error(f"{what}: {e}; the file is damaged or was crafted") from None
     except Exception as e:  # genops' errors on truncated or unknown opcodes; a stack underflow
@@ -79,139 +90,8 @@ def check_pickle(data: bytes, /, *, what: str, error: type[Exception] = ValueErr
         )
     if problem is not None:
         raise error(f"{what}: a pickle whose objects {problem}; the file was crafted")
-
-
-def check_torch_blob(blob: bytes, /, *, where: str, error: type[Exception] = ValueError) -> None:
-    """Refuses a ``torch.save`` blob that would make ``torch.load`` allocate beyond it or hang.
-
-    ``torch.load`` allocates every record of the archive at the size its central
-    directory declares; a compressed record (a zip bomb) or a declared size beyond the
-    blob would allocate what the file does not hold. Its pickles (``data.pkl``) must
-    pass :func:`check_pickle`.
-
-    Raises:
-        error: not a zip archive, a compressed record, records larger than the blob, or
-            a pickle that :func:`check_pickle` refuses.
-
-    Example:
-        >>> buffer = io.BytesIO(); torch.save(torch.zeros(3), buffer)
-        >>> check_torch_blob(buffer.getvalue(), where="x")
-        >>> check_torch_blob(b"junk", where="x")
-        Traceback (most recent call last):
-        ...
-        ValueError: x: not a torch.save archive (File is not a zip file)
-    """
-    try:
-        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
-            records = archive.infolist()
-            total = 0
-            for record in records:
-                if (
-                    record.compress_type != zipfile.ZIP_STORED
-                    or record.file_size != record.compress_size
-                ):
-                    raise error(
-                        f"{where}: record {record.filename[:80]!r} is compressed; torch.save "
-                        f"stores its records as they are"
-                    )
-                total += record.file_size
-            if total > len(blob):
-                raise error(
-                    f"{where}: its records declare {total} bytes, more than the {len(blob)} it "
-                    f"holds"
-                )
-            # torch finds data.pkl by a case-insensitive name: check every pickle it could read
-            pickles = [(r.filename, archive.read(r)) for r in records if _is_pickle(r.filename)]
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
-        if isinstance(e, error):
-            raise
-        raise error(f"{where}: not a torch.save archive ({e})") from None
-    for name, data in pickles:
-        check_pickle(data, what=f"{where}, record {name[:80]!r}", error=error)
-
-
-def load_tensor(
-    blob: bytes,
-    /,
-    *,
-    dtype: torch.dtype,
-    shape: tuple[int, ...],
-    where: str,
-    declared_by: str,
-    error: type[Exception] = ValueError,
-) -> torch.Tensor:
-    """The tensor of a ``torch.save`` blob, proven to be what ``declared_by`` declares.
-
-    :func:`check_torch_blob` before ``torch.load(weights_only=True)``,
-    :func:`check_plain_tensor` after it: nothing is allocated beyond the blob and the
-    result is a plain dense CPU tensor of ``dtype`` and ``shape`` holding exactly its bytes.
-
-    Args:
-        blob: what ``torch.save`` wrote (or an attacker).
-        dtype, shape: what the blob must hold.
-        where: the file and entry, for messages.
-        declared_by: what declares ``dtype`` and ``shape``, for messages ("the manifest").
-        error: the exception class raised.
-
-    Raises:
-        error: the blob is refused, unreadable, or holds anything else.
-
-    Example:
-        >>> buffer = io.BytesIO(); torch.save(torch.ones(2), buffer)
-        >>> load_tensor(buffer.getvalue(), dtype=torch.float32, shape=(2,), where="x", declared_by="y")
-        tensor([1., 1.])
-        >>> load_tensor(buffer.getvalue(), dtype=torch.float32, shape=(3,), where="x", declared_by="y")
-        Traceback (most recent call last):
-        ...
-        ValueError: x: a torch.float32 tensor of shape (2,), not torch.float32 (3,); y says a plain torch.float32 tensor of shape (3,): the file is corrupted or was crafted
-    """
-    check_torch_blob(blob, where=where, error=error)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            value = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-    except Exception as e:  # whatever a damaged or crafted blob raises
-        raise error(
-            f"{where}: unreadable ({type(e).__name__}: {str(e)[:200]}); the file is corrupted or "
-            f"was crafted"
-        ) from None
-    problem = _tensor_problem(value, dtype, shape)
-    if problem is not None:
-        raise error(
-            f"{where}: {problem}; {declared_by} says a plain {dtype} tensor of shape {shape}: "
-            f"the file is corrupted or was crafted"
-        )
-    assert isinstance(value, torch.Tensor)
-    return value
-
-
-def check_plain_tensor(
-    value: object,
-    /,
-    *,
-    dtype: torch.dtype,
-    shape: tuple[int, ...],
-    where: str,
-    error: type[Exception] = ValueError,
-) -> torch.Tensor:
-    """``value`` if it is a plain dense CPU tensor of ``dtype`` and ``shape`` holding exactly its bytes.
-
-    Raises:
-        error: anything else; the message says what ``value`` is instead.
-
-    Example:
-        >>> check_plain_tensor(torch.zeros(2, 3).T, dtype=torch.float32, shape=(3, 2), where="x").shape
-        torch.Size([3, 2])
-        >>> check_plain_tensor(torch.zeros(1).expand(4), dtype=torch.float32, shape=(4,), where="x")
-        Traceback (most recent call last):
-        ...
-        ValueError: x: a tensor whose strides (0,) over storage of 4 bytes do not cover its 16 bytes once
-    """
-    problem = _tensor_problem(value, dtype, shape)
-    if problem is not None:
-        raise error(f"{where}: {problem}")
-    assert isinstance(value, torch.Tensor)
-    return value
+    if bad_key is not None:  # after the checks above, whose messages say more
+        raise error(f"{what}: {bad_key}; the file is damaged or was crafted")
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -221,17 +101,21 @@ class _RefusedError(Exception):
     pass
 
 
-def _graph(data: bytes) -> tuple[list[list[int]], int]:
-    """Each object the pickle makes (0: every leaf) with the objects it holds, and the opcode count.
+def _graph(data: bytes, key_classes: frozenset[str]) -> tuple[list[list[int]], int, str | None]:
+    """Each object the pickle makes (0: every leaf but strings) with the objects it holds, and the opcode count.
 
     Marks are kept apart from the stack, as the unpickler keeps them: no opcode but those
-    that take a mark's slice reads below the last mark.
+    that take a mark's slice reads below the last mark. Strings get nodes of their own
+    (their values in ``strings``) so that dict keys and class names can be told apart.
     """
     children: list[list[int]] = [[]]
-    classes: set[int] = set()
+    strings: dict[int, str] = {}
+    classes: dict[int, str] = {}  # GLOBAL's node -> "module.Name"
+    instances: dict[int, str] = {}  # node -> its class, for REDUCE, NEWOBJ, OBJ and INST
     stack: list[int] = []
     marks: list[int] = []
     memo: dict[int, int] = {}
+    bad_key: str | None = None
     ops = 0
     for op, arg, _ in pickletools.genops(data):
         ops += 1
@@ -242,7 +126,12 @@ def _graph(data: bytes) -> tuple[list[list[int]], int]:
             stack.append(memo[arg])
             continue
         if action == _PUSH_LEAF:
-            stack.append(0)
+            if op.name in _STRINGS:
+                children.append([])
+                strings[len(children) - 1] = str(arg)
+                stack.append(len(children) - 1)
+            else:
+                stack.append(0)
             continue
         if action == _MARK:
             marks.append(len(stack))
@@ -265,23 +154,75 @@ def _graph(data: bytes) -> tuple[list[list[int]], int]:
         if action == _MEMOIZE:
             memo[len(memo)] = stack[-1]
         elif action == _PUT:
-            memo[arg] = stack[-1]  # pyright: ignore[reportArgumentType]
+            if not isinstance(arg, int) or arg >= ops:  # the unpickler allocates 2 * arg slots
+                raise _RefusedError(f"it stores memo entry {arg} after only {ops} opcodes")
+            memo[arg] = stack[-1]
         elif action == _DUP:
             stack.append(stack[-1])
         else:
             for _ in range(single):
                 popped.append(stack.pop())
+            if op.name in _KEYED and bad_key is None:
+                bad_key = _bad_key(op.name, popped, strings, instances, key_classes)
             if action == _MUTATE:
                 target = stack[-1]
-                if target == 0 or target in classes:
+                if target == 0 or target in strings or target in classes:
                     raise _RefusedError(f"{op.name} fills or changes a leaf or a class")
                 children[target] += popped
             elif action == _MAKE:
                 children.append(popped)
-                stack.append(len(children) - 1)
-                if op.name in ("GLOBAL", "STACK_GLOBAL"):
-                    classes.add(len(children) - 1)
-    return children, ops
+                node = len(children) - 1
+                stack.append(node)
+                if op.name in ("GLOBAL", "STACK_GLOBAL", "INST"):
+                    parts = (
+                        str(arg).split(" ")
+                        if op.name != "STACK_GLOBAL"
+                        else [
+                            strings.get(popped[1], "?"),
+                            strings.get(popped[0], "?"),
+                        ]
+                    )
+                    name = ".".join(parts)
+                    if op.name == "INST":
+                        instances[node] = name
+                    else:
+                        classes[node] = name
+                elif op.name in _INSTANCE:
+                    cls = popped[0] if op.name == "OBJ" else popped[-1]
+                    instances[node] = classes.get(cls, "?")
+    return children, ops, bad_key
+
+
+def _bad_key(
+    name: str,
+    popped: list[int],
+    strings: dict[int, str],
+    instances: dict[int, str],
+    key_classes: frozenset[str],
+) -> str | None:
+    """What is wrong with keys (or set members) that are neither strings nor instances of ``key_classes``."""
+    if name == "SETITEM":
+        keys = popped[1:]  # popped: [value, key]
+    elif name in ("SETITEMS", "DICT"):
+        keys = popped[0::2]
+    else:
+        keys = popped
+    for key in keys:
+        if key in strings or instances.get(key) in key_classes:
+            continue
+        kind = (
+            "a number"
+            if key == 0
+            else f"a {instances[key]} object"
+            if key in instances
+            else "a tuple or other object"
+        )
+        allowed = " and ".join(["strings", *sorted(key_classes)])
+        return (
+            f"it keys a dict or set by {kind} (real files key them by {allowed} only; keys of "
+            f"one hash would make unpickling quadratic)"
+        )
+    return None
 
 
 def _unfolded(children: list[list[int]], limit: int) -> str | None:
@@ -317,43 +258,6 @@ def _unfolded(children: list[list[int]], limit: int) -> str | None:
                 if depth[v] > MAX_PICKLE_DEPTH:
                     return f"nest more than {MAX_PICKLE_DEPTH} deep"
     return None
-
-
-def _is_pickle(name: str) -> bool:
-    return name.lower().endswith(".pkl")
-
-
-def _tensor_problem(value: object, dtype: torch.dtype, shape: tuple[int, ...]) -> str | None:
-    if type(value) is not torch.Tensor:
-        return f"a {type(value).__name__}, not a plain tensor"
-    t = value
-    if t.layout != torch.strided or t.is_quantized or t.is_nested:
-        return f"a {t.layout} tensor{' (quantized)' if t.is_quantized else ''}, not a dense one"
-    if t.device.type != "cpu":
-        return f"a tensor on {t.device}, not a CPU tensor with data"
-    if t.requires_grad or t.grad_fn is not None or t.is_conj() or t.is_neg():
-        return "a tensor that requires grad or carries a view flag; a saved tensor is plain data"
-    if t.dtype != dtype or tuple(t.shape) != shape:
-        return f"a {t.dtype} tensor of shape {tuple(t.shape)}, not {dtype} {shape}"
-    nbytes = math.prod(shape) * dtype.itemsize
-    storage = t.untyped_storage().nbytes()
-    if storage != nbytes or t.storage_offset() != 0 or not _covers_once(shape, t.stride()):
-        return (
-            f"a tensor whose strides {t.stride()} over storage of {storage} bytes do not cover "
-            f"its {nbytes} bytes once"
-        )
-    return None
-
-
-def _covers_once(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """Whether ``strides`` lay ``shape`` out densely: a permutation of the contiguous strides."""
-    dims = sorted((s, n) for n, s in zip(shape, strides) if n != 1)
-    expected = 1
-    for s, n in dims:
-        if s != expected:
-            return False
-        expected *= n
-    return True
 
 
 # What each opcode does to the stack, by name: (action, items popped besides a mark slice)
@@ -392,4 +296,7 @@ def _action(op: pickletools.OpcodeInfo) -> tuple[int, int, bool]:
     return _MAKE, single, sliced
 
 
+_STRINGS = {"UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
+_KEYED = {"SETITEM", "SETITEMS", "ADDITEMS", "DICT", "FROZENSET"}  # ops that hash keys
+_INSTANCE = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ"}
 _ACTIONS = {op: _action(op) for op in pickletools.opcodes}  # genops yields these objects

@@ -4,17 +4,45 @@ See [Note: reading DCP files] in ``dcp_metadata.py``. A data file's name must be
 ``__<rank>_<n>.distcp``; every file is opened with ``O_NOFOLLOW`` (and ``O_NONBLOCK``,
 so that a FIFO cannot stall the open) and checked to be a regular file once it is open,
 so that neither a symlink nor a file swapped in between leads outside the checkpoint.
+Both ``.metadata`` readers unpickle DCP's ``MetadataIndex`` as :class:`SafeIndex`, whose
+hash the file cannot steer.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import re
-import stat
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from funcshard._src.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
+from funcshard._src.untrusted import open_file
+
+KEY_CLASSES = ("torch.distributed.checkpoint.metadata.MetadataIndex",)  # see SafeIndex
+_CLASSES: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "TensorProperties",
+            "ChunkStorageMetadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "torch": frozenset({"Size"}),
+    "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
+}
+
 
 DATA_FILE = re.compile(r"__(0|[1-9][0-9]{0,6})_(0|[1-9][0-9]{0,6})\.distcp")
 
@@ -34,24 +62,10 @@ def open_regular(path: Path, /) -> BinaryIO:
         ...     f.read()
         b'data'
     """
-    try:  # O_NONBLOCK: a FIFO put in a file's place must not block the open
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path}: missing; the checkpoint is incomplete") from None
-    except OSError as e:
-        if os.path.islink(path):
-            raise UnsafeCheckpointError(
-                f"{path}: a symlink; a checkpoint's files are regular files, refusing to follow it"
-            ) from None
-        raise CorruptCheckpointError(f"{path}: unreadable ({e})") from None
-    stream = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
-        stream.close()
-        raise UnsafeCheckpointError(f"{path}: not a regular file; refusing to read it")
-    return stream
+    return open_file(path, unsafe=UnsafeCheckpointError, missing=_MissingFileError)
 
 
-def read_regular(path: Path, limit: int, /) -> bytes:
+def read_regular(path: Path, limit: int, /, *, limit_name: str = "the limit") -> bytes:
     """The bytes of ``path``, a regular file of at most ``limit`` bytes (see :func:`open_regular`).
 
     Raises:
@@ -61,7 +75,10 @@ def read_regular(path: Path, limit: int, /) -> bytes:
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size > limit:
-            raise CorruptCheckpointError(f"{path}: {size} bytes, more than {limit}")
+            raise CorruptCheckpointError(
+                f"{path}: {size} bytes, more than {limit_name} of {limit}; no real checkpoint's "
+                f"file is that large, so it is refused before it is read"
+            )
         return f.read(limit + 1)
 
 
@@ -78,3 +95,91 @@ def data_files(root: Path, /) -> tuple[dict[str, int], set[str]]:
             elif item.is_file(follow_symlinks=False):
                 files[item.name] = item.stat(follow_symlinks=False).st_size
     return files, links
+
+
+class SafeIndex(MetadataIndex):
+    """DCP's ``MetadataIndex`` with a hash no file can steer: keyed string hashes only.
+
+    ``MetadataIndex`` hashes ``(fqn, offset)``; integers and tuples of them hash without a
+    key, so a file can hold 200k offsets of one hash and make building ``storage_data``
+    quadratic. This hash is that of strings (keyed per process), and refuses (``TypeError``,
+    which the readers report as corruption) what no index holds: a ``fqn`` that is not a
+    string, offsets that are not at most 64 integers in ``[0, 2**62)``.
+
+    Example:
+        >>> import torch
+        >>> SafeIndex("w", torch.Size([0, 4])) == SafeIndex("w", [0, 4])
+        True
+    """
+
+    def __hash__(self) -> int:
+        fqn, offset = getattr(self, "fqn", None), getattr(self, "offset", None)
+        if type(fqn) is not str or not (offset is None or _is_offset(offset)):
+            raise TypeError("a MetadataIndex whose fqn or offset is malformed")
+        return hash((fqn, repr(tuple(offset)) if offset is not None else ""))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled again (a test's tampering, a copy) it is DCP's own class
+        return (MetadataIndex, (self.fqn, self.offset, self.index))
+
+
+_V = TypeVar("_V")
+
+
+class ChunkMap(Mapping[tuple[str, tuple[int, ...]], _V]):
+    """A mapping keyed by ``(fqn, offsets)`` whose hashes a file cannot steer (see :class:`SafeIndex`).
+
+    Example:
+        >>> m = ChunkMap({("w", (0, 4)): "a"})
+        >>> m[("w", (0, 4))], len(m), ("w", (0, 0)) in m
+        ('a', 1, False)
+    """
+
+    def __init__(self, items: Mapping[tuple[str, tuple[int, ...]], _V] = {}, /) -> None:
+        self._items: dict[tuple[str, str], tuple[tuple[str, tuple[int, ...]], _V]] = {}
+        for key, value in items.items():
+            self.add(key, value)
+
+    def add(self, key: tuple[str, tuple[int, ...]], value: _V, /) -> None:
+        """Adds ``key``; mutates this map (built once, while the index is read)."""
+        self._items[(key[0], repr(key[1]))] = (key, value)
+
+    def __getitem__(self, key: tuple[str, tuple[int, ...]], /) -> _V:
+        return self._items[(key[0], repr(tuple(key[1])))][1]
+
+    def __iter__(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        return (key for key, _ in self._items.values())
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _is_offset(value: object) -> bool:
+    return (
+        isinstance(value, tuple)
+        and len(value) <= 64  # pyright: ignore[reportUnknownArgumentType]
+        and all(type(x) is int and 0 <= x < 1 << 62 for x in value)  # pyright: ignore[reportUnknownVariableType]
+    )
+
+
+class _MissingFileError(CorruptCheckpointError):
+    def __init__(self, message: str) -> None:
+        tail = "; the checkpoint is incomplete" if message.endswith("missing") else ""
+        super().__init__(message + tail)
+
+
+class DcpUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata`` allowing only the classes DCP's metadata is made of."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = vars(torch).get(name) if module == "torch" else None
+        if isinstance(dtype, torch.dtype):  # vars(): a name never reaches torch's lazy imports
+            return dtype
+        if module == MetadataIndex.__module__ and name == "MetadataIndex":
+            return SafeIndex  # a hash the file cannot steer
+        if name in _CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"the DCP metadata refers to {module}.{name}, which DCP's metadata never contains; "
+            f"refusing to load it (the file may carry a malicious payload)"
+        )

@@ -37,7 +37,7 @@ from funcshard._src.checkpoint.errors import (
 from funcshard._src.comm import agree, settle
 from funcshard._src.dtypes import dtype_name
 from funcshard._src.shard.sharded import ShardedTensor
-from funcshard._src.untrusted_pickle import load_tensor
+from funcshard._src.untrusted_tensor import load_tensor
 
 T = TypeVar("T")
 

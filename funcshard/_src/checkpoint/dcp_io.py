@@ -10,12 +10,16 @@ they are unpickled] in ``funcshard/_src/untrusted_pickle.py``), checks every ent
 will use against the manifest (tensor storage only, the dtype and size the manifest
 says, a byte range inside the data file that holds at least the chunk's bytes and
 overlaps no other chunk's, so that what a leaf declares is no more than the files
-hold), and reads each chunk from a file reached through no symlink with
+hold), and reads each chunk from a file opened once, through no symlink (``open_plain``), with
 ``load_tensor``, which refuses a ``torch.save`` archive whose records would allocate
 more than it holds or whose pickle is a bomb, loads it with
 ``torch.load(weights_only=True)`` and proves the tensor it gets (a plain dense CPU
 tensor of the dtype and shape the manifest says whose storage holds exactly its bytes)
 before anything reads its values (with ``verify``, the SHA-256 of its contents).
+
+A rank's ``.metadata`` holds one entry per chunk that rank saved: a 70B model with AdamW
+state has about 2900 tensors, whose metadata takes about 240 bytes each (0.7 MB).
+:data:`MAX_METADATA_BYTES` and :data:`MAX_ENTRIES` leave over 10x that.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import os
 import pickle
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -42,15 +47,20 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from funcshard._src.checkpoint.chunks import Chunk, check_own_bytes
+from funcshard._src.checkpoint.dcp_files import SafeIndex
 from funcshard._src.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 from funcshard._src.checkpoint.manifest import file_digest, rank_dir
 from funcshard._src.shard.digest import tensor_digest
-from funcshard._src.untrusted import plain_file
-from funcshard._src.untrusted_pickle import check_pickle, load_tensor
+from funcshard._src.untrusted import open_plain
+from funcshard._src.untrusted_pickle import check_pickle
+from funcshard._src.untrusted_tensor import load_tensor
 
 DATA_FILE = "__0_0.distcp"
 METADATA_FILE = ".metadata"
 SERIALIZATION_SLACK = 64 << 10  # bytes torch.save adds around a tensor's data, at most
+MAX_METADATA_BYTES = 8 << 20  # one rank's .metadata; a 70B model's with AdamW: 0.7 MB
+MAX_ENTRIES = 1 << 15  # chunks one rank saved; a 70B model's with AdamW: about 2900
+KEY_CLASSES = ("torch.distributed.checkpoint.metadata.MetadataIndex",)  # see SafeIndex
 
 _ALLOWED: dict[str, set[str]] = {
     "torch.distributed.checkpoint.metadata": {
@@ -115,21 +125,26 @@ def read_chunks(
     for writer, items in sorted(by_writer.items()):
         sub = rank_dir(writer)
         metadata = _read_metadata(root, sub, files)
-        data_path = _inside(root, f"{sub}/{DATA_FILE}")
+        data_path = root / sub / DATA_FILE
         expected = files[f"{sub}/{DATA_FILE}"]["size"]
-        if data_path.stat().st_size != expected:
-            raise CorruptCheckpointError(
-                f"{data_path}: {data_path.stat().st_size} bytes, saved {expected}; the file is "
-                f"truncated or was replaced"
+        with _open_inside(root, f"{sub}/{DATA_FILE}") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            if size != expected:
+                raise CorruptCheckpointError(
+                    f"{data_path}: {size} bytes, saved {expected}; the file is truncated or was "
+                    f"replaced"
+                )
+            infos = [
+                (item, _storage_of(metadata, item[0], item[1], data_path, expected))
+                for item in items
+            ]
+            check_own_bytes(
+                (
+                    (DATA_FILE, i.offset, i.offset + i.length, repr(item[0].key))
+                    for item, i in infos
+                ),
+                metadata=data_path.parent / METADATA_FILE,
             )
-        infos = [
-            (item, _storage_of(metadata, item[0], item[1], data_path, expected)) for item in items
-        ]
-        check_own_bytes(
-            ((DATA_FILE, i.offset, i.offset + i.length, repr(item[0].key)) for item, i in infos),
-            metadata=data_path.parent / METADATA_FILE,
-        )
-        with open(data_path, "rb") as stream:
             for (chunk, dtype, sha256), info in infos:
                 stream.seek(info.offset)
                 blob = stream.read(info.length)
@@ -152,20 +167,27 @@ def read_chunks(
 
 def _read_metadata(root: Path, sub: str, files: dict[str, Any]) -> Metadata:
     name = f"{sub}/{METADATA_FILE}"
-    path = _inside(root, name)
+    path = root / name
     expected = files[name]
-    if path.stat().st_size != expected["size"]:
-        raise CorruptCheckpointError(
-            f"{path}: {path.stat().st_size} bytes, saved {expected['size']}; the file is truncated "
-            f"or was replaced"
-        )
-    data = path.read_bytes()
+    with _open_inside(root, name) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != expected["size"]:
+            raise CorruptCheckpointError(
+                f"{path}: {size} bytes, saved {expected['size']}; the file is truncated or was "
+                f"replaced"
+            )
+        if size > MAX_METADATA_BYTES:
+            raise CorruptCheckpointError(
+                f"{path}: {size} bytes, more than MAX_METADATA_BYTES ({MAX_METADATA_BYTES}) that "
+                f"one rank's metadata takes; the checkpoint was crafted"
+            )
+        data = f.read(size + 1)
     if len(data) != expected["size"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
         raise CorruptCheckpointError(
             f"{path}: its contents differ from what was saved (size or SHA-256); the checkpoint "
             f"is corrupted"
         )
-    check_pickle(data, what=str(path), error=CorruptCheckpointError)  # no hash bomb, first
+    check_pickle(data, what=str(path), error=CorruptCheckpointError, key_classes=KEY_CLASSES)
     try:
         metadata = _Unpickler(io.BytesIO(data)).load()
     except UnsafeCheckpointError as e:
@@ -177,6 +199,14 @@ def _read_metadata(root: Path, sub: str, files: dict[str, Any]) -> Metadata:
         ) from None
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+    for field in ("state_dict_metadata", "storage_data"):
+        value = getattr(metadata, field, None)
+        count = len(value) if isinstance(value, dict) else 0  # pyright: ignore[reportUnknownArgumentType]
+        if count > MAX_ENTRIES:
+            raise CorruptCheckpointError(
+                f"{path}: {field} has {count} entries, more than MAX_ENTRIES ({MAX_ENTRIES}) "
+                f"chunks one rank saves; the checkpoint was crafted"
+            )
     return metadata
 
 
@@ -227,7 +257,7 @@ def _storage_of(
 def _lookup(storage: dict[Any, Any], chunk: Chunk) -> Any:
     """``storage``'s entry of ``chunk``; ``None`` if absent or if its keys are malformed objects."""
     try:
-        return storage.get(MetadataIndex(chunk.key, torch.Size([0] * len(chunk.sizes))))
+        return storage.get(SafeIndex(chunk.key, torch.Size([0] * len(chunk.sizes))))
     except (TypeError, ValueError, AttributeError):  # a key without its fields
         return None
 
@@ -248,9 +278,9 @@ def _describes(entry: TensorStorageMetadata, sizes: tuple[int, ...], dtype: torc
         return False
 
 
-def _inside(root: Path, name: str) -> Path:
-    """``root / name`` if it is a regular file reached through no symlink (a checkpoint holds none)."""
-    return plain_file(root, name, unsafe=UnsafeCheckpointError, missing=_MissingError)
+def _open_inside(root: Path, name: str) -> BinaryIO:
+    """``root / name`` opened once, a regular file reached through no symlink (a checkpoint holds none)."""
+    return open_plain(root, name, unsafe=UnsafeCheckpointError, missing=_MissingError)
 
 
 class _MissingError(CorruptCheckpointError):
@@ -260,8 +290,11 @@ class _MissingError(CorruptCheckpointError):
 
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        dtype = vars(torch).get(name) if module == "torch" else None
+        if isinstance(dtype, torch.dtype):  # vars(): a name never reaches torch's lazy imports
+            return dtype
+        if module == MetadataIndex.__module__ and name == "MetadataIndex":
+            return SafeIndex
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
         raise UnsafeCheckpointError(
