@@ -9,7 +9,6 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from funcshard._src import tree
 from funcshard._src.comm import groups
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute.bucket import default_bucket_bytes, make_buckets
@@ -25,13 +24,14 @@ from funcshard._src.execute.loss import split_loss
 from funcshard._src.execute.memory import GatheredMemory
 from funcshard._src.execute.reduce import Reducer
 from funcshard._src.execute.run import Run, current_run
+from funcshard._src.execute.step_params import shards_by_unit
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
 from funcshard._src.shard.flat import FlatLayout
 from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.shard.shard import plan_layouts
-from funcshard._src.shard.sharded import ShardedTensor, flats_of
+from funcshard._src.shard.sharded import flats_of
 
 Accumulation = Literal["sharded", "unsharded"]
 
@@ -260,7 +260,7 @@ class Step:
         if current_run() is not None:
             raise RuntimeError(nested)
         units = self._runtimes()
-        by_unit = self._check(sparams)
+        by_unit = shards_by_unit(sparams, self.plan, self._layouts)
         check_start(
             signature(
                 self.plan,
@@ -280,44 +280,6 @@ class Step:
         donated = {flat.layout: flat.donate() for flat in self._last if not flat.donated}
         self._last = []
         return {layout: data for layout, data in donated.items() if data is not None}
-
-    def _check(self, sparams: Any) -> dict[str, list[FlatShard]]:
-        """``sparams``' flat shards by unit (one per part, in the plan's layout order), if sharded with this plan."""
-        leaves, treedef = tree.flatten(sparams)
-        if treedef != self.plan.treedef:
-            raise ValueError(
-                "the params passed to the step do not have the plan's tree structure; pass the tree "
-                "fs.shard(params, plan) returned (or an optimizer's update of it)"
-            )
-        if not all(isinstance(leaf, ShardedTensor) for leaf in leaves):
-            paths, leaves, _ = tree.flatten_with_paths(sparams)
-            path, leaf = next(
-                (p, x) for p, x in zip(paths, leaves) if not isinstance(x, ShardedTensor)
-            )
-            raise TypeError(
-                f"{path or '<root>'}: the step needs sharded params (from fs.shard), got a "
-                f"{type(leaf).__name__}"
-            )
-        bound = groups.bind(self.plan.mesh)
-        found: dict[FlatLayout, FlatShard] = {}
-        expected = {(lt.unit, lt.dtype, lt.frozen): lt for lt in self._layouts}
-        for flat in dict.fromkeys(leaf.flat for leaf in leaves):  # flats_of, without a flatten
-            layout = expected.get((flat.layout.unit, flat.layout.dtype, flat.layout.frozen))
-            if (
-                layout is None
-                or (flat.layout is not layout and flat.layout != layout)
-                or flat.rank != bound.rank
-            ):
-                raise ValueError(
-                    f"unit {flat.layout.unit!r}: the params were sharded with another plan or rank than "
-                    f"this step's (plan fingerprint {self.plan.fingerprint()}); shard them with this plan"
-                )
-            found[layout] = flat
-        by_unit: dict[str, list[FlatShard]] = {}
-        for layout in self._layouts:  # each unit's parts in the order of its runtime's
-            if layout in found:
-                by_unit.setdefault(layout.unit, []).append(found[layout])
-        return by_unit
 
 
 def value_and_grad(
