@@ -115,6 +115,7 @@ ORDER = {
         "replay",
         "compiled",
         "call",
+        "step_params",
         "value_and_grad",
         "forward",
     ],
