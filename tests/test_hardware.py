@@ -9,6 +9,7 @@ Parallel" (PVLDB 16(12)) for GPT-175B on 128 A100s; this machine's benchmark
 from __future__ import annotations
 
 import json
+import os
 import re
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -103,6 +104,13 @@ def test_json_that_is_not_an_object_of_numbers_is_refused(text, tmp_path):
     path.write_text(text)
     with pytest.raises(ValueError, match="hardware description"):
         Hardware.from_json(path)
+
+
+def test_a_fifo_given_as_a_description_is_refused_without_waiting(tmp_path):
+    """read_json opened it without O_NONBLOCK: the open waited forever for a writer."""
+    os.mkfifo(tmp_path / "hw.json")
+    with pytest.raises(ValueError, match=r"hw\.json: not a regular file \(a fifo\)"):
+        Hardware.from_json(tmp_path / "hw.json")
 
 
 # -- predicted against published ----------------------------------------------------------------

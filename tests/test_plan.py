@@ -277,7 +277,7 @@ def test_from_json_refuses_other_data():
             lambda d: d["leaves"][0].update(shape=[8, -1]),
             r"leaves\[0\].shape must be an integer >= 0, got -1",
         ),
-        (lambda d: d["leaves"][0].update(dtype="load"), r"unknown dtype 'load'"),
+        (lambda d: d["leaves"][0].update(dtype="load"), r"dtype is 'load': unknown dtype"),
         (lambda d: d["leaves"][0].update(spec=["nope"]), r"nope"),
         (
             lambda d: d["leaves"][0].update(unit="blocks/9"),
@@ -292,6 +292,16 @@ def test_from_json_refuses_other_data():
             lambda d: d["units"][1].update(layout="ragged"),
             r"units\[1\].layout is 'ragged', not one of \['leaf', 'flat'\]",
         ),
+        # explain() raised a bare OverflowError; estimate() priced PB-scale nonsense
+        (lambda d: d["leaves"][0].update(shape=[10**400, 4]), r"leaves\[0\].shape is 1000"),
+        (lambda d: d["leaves"][0].update(shape=[2**25, 2**26]), r"leaves\[0\].shape \[33554432"),
+        (lambda d: d.update(memory_budget=10**400), r"memory_budget is 1000.* more than"),
+        (lambda d: d.update(mesh=[["fsdp", 2**40]]), r"a mesh axis size is 1099511627776"),
+        # no leaf has these; they were priced at one byte per element
+        (lambda d: d["leaves"][0].update(dtype="uint1"), r"leaves\[0\].dtype is 'uint1'"),
+        (lambda d: d["leaves"][0].update(dtype="quint4x2"), r"leaves\[0\].dtype is 'quint4x2'"),
+        (lambda d: d["leaves"][0].update(dtype="bits8"), r"leaves\[0\].dtype is 'bits8'"),
+        (lambda d: d["leaves"][0].update(dtype="float4_e2m1fn_x2"), r"dtype is 'float4_e2m1fn_x2'"),
     ],
 )
 def test_plan_json_is_untrusted_input(change, message):

@@ -117,8 +117,9 @@ def read_json(
     max_depth: int = MAX_DEPTH,
     error: type[Exception] = ValueError,
     symlinks: bool = True,
+    missing: type[Exception] | None = None,
 ) -> Any:
-    """The strict JSON of the file at ``path`` (see :func:`loads_json`).
+    """The strict JSON of the file at ``path`` (see :func:`loads_json`), opened once (:func:`open_file`).
 
     Args:
         path: the file.
@@ -126,6 +127,7 @@ def read_json(
         max_bytes, max_depth, error: as :func:`loads_json`.
         symlinks: whether ``path`` itself may be a symlink (a user's own file may be;
             a file inside a checkpoint may not).
+        missing: raised when it is missing or unreadable (default: ``error``).
 
     Raises:
         error: missing, unreadable, not a regular file (or a symlink when refused),
@@ -139,7 +141,8 @@ def read_json(
         {'name': 'x'}
     """
     label = what or str(path)
-    with open_file(path, what=label, symlinks=symlinks, unsafe=error, missing=error) as f:
+    opened = open_file(path, what=label, symlinks=symlinks, unsafe=error, missing=missing or error)
+    with opened as f:
         size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
             raise error(f"{label}: {size} bytes, more than the {max_bytes} such a file may have")

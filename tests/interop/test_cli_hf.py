@@ -7,6 +7,7 @@ DeepSpeed's ``largest_layer_params`` over its modules). A failure names the conf
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -142,6 +143,13 @@ def test_an_unreadable_config_is_named(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")
     assert cli.main(["plan", "--hf-config", str(tmp_path), "--mesh", "2"]) == 2
     assert "config.json: not valid JSON" in capsys.readouterr().err
+
+
+def test_a_config_that_is_a_fifo_is_refused_without_waiting(tmp_path, capsys):
+    """A folder (a tarball's) whose config.json is a FIFO: the open waited for a writer."""
+    os.mkfifo(tmp_path / "config.json")
+    assert cli.main(["plan", "--hf-config", str(tmp_path), "--mesh", "2"]) == 2
+    assert "config.json: not a regular file (a fifo)" in capsys.readouterr().err
 
 
 # -- untrusted configs (See [Note: untrusted configs]) -------------------------------------

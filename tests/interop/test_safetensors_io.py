@@ -198,6 +198,9 @@ def test_missing_unexpected_and_mismatched_tensors_name_the_key_and_the_fix(tmp_
         load_safetensors(file, fs.plan(full, fs.Mesh({"fsdp": 2})))
 
 
+_ENTRY = {"w": {"dtype": "F32", "shape": [3, 2], "data_offsets": [0, 24]}}
+
+
 def _index(directory: Path, weight_map: Any, **extra: Any) -> Path:
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": weight_map, **extra})
@@ -298,7 +301,7 @@ def test_malformed_indexes_and_headers_are_refused(tmp_path):
         (({"w": {**good, "code": "x"}}, bytes(8)), r"malformed header entry"),
         (({"__metadata__": {"format": 1}}, b""), r"malformed header entry"),
         ((None, b"", b'{"w": '), r"the header: not valid JSON"),
-        ((None, b"", b"\xff\xfe"), r"the header: not valid JSON"),
+        ((None, b"", b"\xff\xfe"), r"the header is not UTF-8 without a byte-order mark"),
         (
             (None, b"", b'{"w": {"dtype": "F32", "shape": [1e400]}}'),
             r"the header: w\.shape\[0\] is 1e400",
@@ -335,6 +338,27 @@ class _Tied(torch.nn.Module):
         self.norm = torch.nn.BatchNorm1d(4)
         self.norm.weight.requires_grad_(False)
         self.register_buffer("inv_freq", torch.ones(2), persistent=False)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"\xef\xbb\xbf" + json.dumps(_ENTRY).encode(), json.dumps(_ENTRY).encode("utf-16")],
+    ids=["utf-8-bom", "utf-16"],
+)
+def test_a_header_that_is_not_plain_utf8_is_refused(tmp_path, header):
+    """json.loads on bytes took a BOM or UTF-16; safetensors then raised a bare SafetensorError."""
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 24)
+    plan = fs.plan({"w": torch.empty(3, 2, device="meta")}, fs.Mesh({"fsdp": 1}))
+    with pytest.raises(ValueError, match="the header is not UTF-8 without a byte-order mark"):
+        load_safetensors(path, plan)
+
+
+def test_a_fifo_in_place_of_a_file_is_refused_without_waiting(tmp_path):
+    os.mkfifo(tmp_path / "w.safetensors")
+    plan = fs.plan({"w": torch.empty(3, 2, device="meta")}, fs.Mesh({"fsdp": 1}))
+    with pytest.raises(ValueError, match=r"w\.safetensors: not a regular file \(a fifo\)"):
+        load_safetensors(tmp_path / "w.safetensors", plan)
 
 
 def test_load_pretrained_reads_any_tied_name_buffers_in_place_and_skips_what_hf_skips(tmp_path):

@@ -34,7 +34,7 @@ from funcshard._src.checkpoint.errors import (
     NotACheckpointError,
     UnsafeCheckpointError,
 )
-from funcshard._src.dtypes import dtype_name, dtype_of
+from funcshard._src.dtypes import MAX_ELEMENTS, dtype_name, dtype_of, plain_dtype
 from funcshard._src.shard.sharded import ShardedTensor
 from funcshard._src.untrusted import read_json
 
@@ -125,7 +125,16 @@ def read_manifest(directory: Path, /) -> dict[str, Any]:
             f"{target}: a symlink (to {os.path.realpath(target)}); a checkpoint holds no "
             f"symlink, so it is not read"
         )
-    if not target.is_file():
+    try:  # opened once (O_NOFOLLOW, O_NONBLOCK) and checked by fstat: nothing swapped in between
+        manifest = read_json(
+            target,
+            max_bytes=MAX_MANIFEST_BYTES,
+            max_depth=MAX_MANIFEST_DEPTH,
+            error=CorruptCheckpointError,
+            symlinks=False,
+            missing=_NoManifestError,
+        )
+    except _NoManifestError:
         hint = (
             "its save was interrupted before it committed"
             if any(directory.glob("rank*")) or ".tmp-" in directory.name
@@ -133,14 +142,7 @@ def read_manifest(directory: Path, /) -> dict[str, Any]:
         )
         raise NotACheckpointError(
             f"{directory}: no {MANIFEST}; {hint}. Use fs.checkpoint.latest(dir) to find a complete one"
-        )
-    manifest = read_json(
-        target,
-        max_bytes=MAX_MANIFEST_BYTES,
-        max_depth=MAX_MANIFEST_DEPTH,
-        error=CorruptCheckpointError,
-        symlinks=False,
-    )
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{target}: not a funcshard checkpoint manifest")
     if manifest.get("version") != VERSION:
@@ -161,6 +163,10 @@ def read_manifest(directory: Path, /) -> dict[str, Any]:
         error = UnsafeCheckpointError if problem.startswith("unsafe: ") else CorruptCheckpointError
         raise error(f"{target}: {problem.removeprefix('unsafe: ')}; the checkpoint is corrupted")
     return manifest
+
+
+class _NoManifestError(Exception):
+    pass
 
 
 def is_checkpoint(directory: Path, /) -> bool:
@@ -187,17 +193,6 @@ def file_digest(path: Path, /) -> str:
 def _digest(body: dict[str, Any]) -> str:
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-_INTEGERS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-_INTEGERS += (torch.uint16, torch.uint32, torch.uint64)
-
-
-def _plain_dtype(dtype: torch.dtype) -> bool:
-    """Whether a checkpoint may hold ``dtype``: not quantized, no sub-byte or bits type."""
-    return (dtype.is_floating_point or dtype.is_complex or dtype in _INTEGERS) and (
-        dtype.itemsize >= 1 and "bits" not in str(dtype) and "float4" not in str(dtype)
-    )
 
 
 def _is_int(x: object, *, low: int = 0) -> bool:
@@ -277,10 +272,10 @@ def _check_entry(i: int, entry: object, world: int, files: dict[str, Any]) -> st
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(_is_int(n) for n in shape) or len(shape) > 64:
         return f"leaf {path!r} has shape {shape!r}"
-    if math.prod(shape) >= 1 << 50:
+    if math.prod(shape) >= MAX_ELEMENTS:
         return f"leaf {path!r} has {math.prod(shape)} elements"
     dtype = dtype_of(entry.get("dtype"))
-    if dtype is None or not _plain_dtype(dtype):
+    if dtype is None or not plain_dtype(dtype):
         return (
             f"leaf {path!r} has dtype {str(entry.get('dtype'))[:40]!r}, which is not a dtype of "
             f"plain dense data (floating, complex, integer or bool)"

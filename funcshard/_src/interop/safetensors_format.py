@@ -24,7 +24,7 @@ from typing import Any, TypeAlias
 import torch
 
 from funcshard._src.dtypes import dtype_name
-from funcshard._src.untrusted import loads_json
+from funcshard._src.untrusted import loads_json, open_file
 
 Files: TypeAlias = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
@@ -98,10 +98,12 @@ def read_header(file: Path, /) -> dict[str, Entry]:
     Raises:
         ValueError: the file is missing, not a safetensors file, or its header is malformed.
     """
-    if not file.is_file():
-        raise ValueError(f"{file}: no such file; pass existing .safetensors files")
-    size = file.stat().st_size
-    with open(file, "rb") as f:
+    try:  # opened once: what fstat checks is what is read (a FIFO is refused, never waited on)
+        f = open_file(file, symlinks=True, missing=FileNotFoundError)
+    except FileNotFoundError:
+        raise ValueError(f"{file}: no such file; pass existing .safetensors files") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
         if not 0 < n <= min(MAX_HEADER, size - 8):
@@ -109,7 +111,17 @@ def read_header(file: Path, /) -> dict[str, Entry]:
                 f"{file}: not a safetensors file (its header length field says {n} bytes, the "
                 f"file has {size}); pass .safetensors files"
             )
-        header = _strict_json(f.read(n), f"{file}: the header", MAX_HEADER)
+        raw = f.read(n)
+    try:  # safetensors reads UTF-8 only; json.loads on bytes would also take a BOM or UTF-16
+        text = raw.decode("utf-8") if not raw.startswith(b"\xef\xbb\xbf") else None
+    except UnicodeDecodeError:
+        text = None
+    if text is None:
+        raise ValueError(
+            f"{file}: the header is not UTF-8 without a byte-order mark, as safetensors writes "
+            f"it; the file is damaged or was not written by safetensors"
+        )
+    header = _strict_json(text, f"{file}: the header", MAX_HEADER)
     if not isinstance(header, dict):
         raise ValueError(f"{file}: the header is not a JSON object; not a safetensors file")
     data = size - 8 - n
@@ -220,7 +232,7 @@ def _member(directory: Path, name: str, where: Path) -> Path:
     return real
 
 
-def _strict_json(raw: bytes, what: str, max_bytes: int) -> Any:
+def _strict_json(raw: bytes | str, what: str, max_bytes: int) -> Any:
     """Strict JSON (See [Note: reader discipline] in ``funcshard/_src/untrusted.py``)."""
     return loads_json(raw, what=what, max_bytes=max_bytes)
 

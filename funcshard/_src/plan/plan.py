@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from funcshard._src import tree, tree_json
-from funcshard._src.dtypes import dtype_name, dtype_of
+from funcshard._src.dtypes import MAX_ELEMENTS, dtype_name, dtype_of, plain_dtype
 from funcshard._src.plan.leaf import LeafPlan as LeafPlan
 from funcshard._src.plan.strategy import Strategy, check_strategy
 from funcshard._src.plan.units import LAYOUTS, Unit
@@ -251,17 +252,36 @@ class Plan:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _dtype(name: object) -> torch.dtype:
+MAX_RANKS = 1 << 20  # a mesh axis, and the whole mesh
+MAX_BUDGET = 1 << 60  # bytes per rank: an exabyte
+
+
+def _dtype(name: object, what: str) -> torch.dtype:
     dtype = dtype_of(name)
-    if dtype is None:
-        raise ValueError(f"unknown dtype {name!r}")
+    if dtype is None or not plain_dtype(dtype):
+        raise ValueError(
+            f"{what} is {str(name)[:40]!r}: unknown dtype, or one no leaf can have (a leaf is "
+            f"floating, complex, integer or bool, of a byte or more)"
+        )
     return dtype
 
 
-def _int(x: object, what: str) -> int:
+def _int(x: object, what: str, limit: int | None = None) -> int:
     if not isinstance(x, int) or isinstance(x, bool) or x < 0:
-        raise ValueError(f"{what} must be an integer >= 0, got {x!r}")
+        raise ValueError(f"{what} must be an integer >= 0, got {repr(x)[:40]}")
+    if limit is not None and x > limit:
+        raise ValueError(f"{what} is {str(x)[:40]}, more than the {limit} a plan may hold")
     return x
+
+
+def _shape(x: object, where: str) -> tuple[int, ...]:
+    shape = tuple(_int(n, f"{where}.shape", MAX_ELEMENTS) for n in _list(x, f"{where}.shape"))
+    if len(shape) > 64 or math.prod(shape) >= MAX_ELEMENTS:
+        raise ValueError(
+            f"{where}.shape {list(shape)[:8]} has {len(shape)} dims and {math.prod(shape)} "
+            f"elements; a leaf has at most 64 and fewer than {MAX_ELEMENTS}"
+        )
+    return shape
 
 
 def _bool(x: object, what: str) -> bool:
@@ -285,8 +305,13 @@ def _list(x: object, what: str) -> list[Any]:
 def _plan_from_json(d: Mapping[str, Any]) -> Plan:
     raw_mesh = _list(d["mesh"], "mesh")
     mesh = Mesh.from_json(
-        [(_str(a[0], "a mesh axis name"), _int(a[1], "a mesh axis size")) for a in raw_mesh]
+        [
+            (_str(a[0], "a mesh axis name"), _int(a[1], "a mesh axis size", MAX_RANKS))
+            for a in raw_mesh
+        ]
     )
+    if mesh.size > MAX_RANKS:
+        raise ValueError(f"mesh has {mesh.size} ranks, more than the {MAX_RANKS} a plan may hold")
     treedef = tree_json.treedef_from_json(d["treedef"])
     leaves: list[LeafPlan] = []
     for i, x in enumerate(_list(d["leaves"], "leaves")):
@@ -294,8 +319,8 @@ def _plan_from_json(d: Mapping[str, Any]) -> Plan:
         spec = P.from_json(_list(x["spec"], f"{where}.spec"))
         leaf = LeafPlan(
             path=_str(x["path"], f"{where}.path"),
-            shape=tuple(_int(n, f"{where}.shape") for n in _list(x["shape"], f"{where}.shape")),
-            dtype=_dtype(x["dtype"]),
+            shape=_shape(x["shape"], where),
+            dtype=_dtype(x["dtype"], f"{where}.dtype"),
             spec=spec,
             unit=_str(x["unit"], f"{where}.unit"),
             frozen=_bool(x.get("frozen", False), f"{where}.frozen"),
@@ -337,5 +362,5 @@ def _plan_from_json(d: Mapping[str, Any]) -> Plan:
             (_str(r[0], "reasons"), _str(r[1], "reasons"))
             for r in _list(d.get("reasons", []), "reasons")
         ),
-        memory_budget=None if budget is None else _int(budget, "memory_budget"),
+        memory_budget=None if budget is None else _int(budget, "memory_budget", MAX_BUDGET),
     )
