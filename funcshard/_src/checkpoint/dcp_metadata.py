@@ -61,6 +61,7 @@ from funcshard._src.checkpoint.errors import (
     NotACheckpointError,
     UnsafeCheckpointError,
 )
+from funcshard._src.dtypes import MAX_ELEMENTS
 from funcshard._src.untrusted_pickle import check_pickle
 
 METADATA_FILE = ".metadata"
@@ -284,7 +285,7 @@ def _described(
     if type(properties) is not TensorProperties or not isinstance(properties.dtype, torch.dtype):
         raise TypeError("its properties name no dtype")
     shape = _ints(entry.size, "its size")
-    if len(shape) > MAX_DIMS or math.prod(shape) >= 1 << 50:
+    if len(shape) > MAX_DIMS or math.prod(shape) >= MAX_ELEMENTS:
         raise ValueError(f"size {shape} is not a tensor funcshard allocates")
     if not isinstance(entry.chunks, list):
         raise TypeError("its chunks are not a list")
