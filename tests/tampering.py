@@ -58,10 +58,10 @@ def replace_file(directory: Path, name: str, data: bytes) -> None:
 
 def read_blobs(directory: Path, rank: int) -> dict[str, bytes]:
     """Every chunk's ``torch.save`` blob in rank ``rank``'s data file, by DCP key."""
-    from funcshard._src.checkpoint.dcp_io import _Unpickler  # pyright: ignore[reportPrivateUsage]
+    from funcshard._src.checkpoint.dcp_io import metadata_unpickler
 
     with open(directory / f"rank{rank}/.metadata", "rb") as f:
-        metadata = _Unpickler(f).load()
+        metadata = metadata_unpickler(f).load()
     data = (directory / f"rank{rank}/__0_0.distcp").read_bytes()
     return {
         index.fqn: data[info.offset : info.offset + info.length]
@@ -141,10 +141,10 @@ def rewrite_chunks(directory: Path, rank: int, tensors: dict[str, torch.Tensor])
 
 def declared(directory: Path, rank: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """What rank ``rank``'s metadata declares of each chunk: its dtype and shape."""
-    from funcshard._src.checkpoint.dcp_io import _Unpickler  # pyright: ignore[reportPrivateUsage]
+    from funcshard._src.checkpoint.dcp_io import metadata_unpickler
 
     with open(directory / f"rank{rank}/.metadata", "rb") as f:
-        entries = _Unpickler(f).load().state_dict_metadata
+        entries = metadata_unpickler(f).load().state_dict_metadata
     return {k: (e.properties.dtype, tuple(e.size)) for k, e in entries.items()}
 
 

@@ -225,10 +225,10 @@ def test_two_chunks_that_share_bytes_are_refused(tmp_path):
     blobs = tampering.read_blobs(directory, 0)
     tampering.write_blobs(directory, 0, dict.fromkeys(blobs, (blobs["a@0"], torch.float32, (4,))))
     # the attacker points both entries at one blob: write_blobs lays them out twice; make them one
-    from funcshard._src.checkpoint.dcp_io import _Unpickler
+    from funcshard._src.checkpoint.dcp_io import metadata_unpickler
 
     with open(directory / "rank0/.metadata", "rb") as f:
-        metadata = _Unpickler(f).load()
+        metadata = metadata_unpickler(f).load()
     for info in metadata.storage_data.values():
         info.offset = 0
     tampering.replace_file(directory, "rank0/.metadata", pickle.dumps(metadata))
@@ -296,10 +296,10 @@ METADATA: dict[str, Callable[[Any], Any]] = {
 
 @pytest.mark.parametrize("kind", sorted(METADATA))
 def test_metadata_of_allowlisted_classes_without_their_fields_is_refused(ckpt, kind):
-    from funcshard._src.checkpoint.dcp_io import _Unpickler
+    from funcshard._src.checkpoint.dcp_io import metadata_unpickler
 
     with open(ckpt / "rank0/.metadata", "rb") as f:
-        info = next(iter(_Unpickler(f).load().storage_data.values()))
+        info = next(iter(metadata_unpickler(f).load().storage_data.values()))
     tampering.replace_file(ckpt, "rank0/.metadata", pickle.dumps(METADATA[kind](info)))
     _refused(ckpt, CorruptCheckpointError, "rank0")
 

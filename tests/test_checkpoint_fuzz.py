@@ -301,10 +301,10 @@ class _Run:
 
 
 def _metadata(work: Path, rank: int) -> Any:
-    from funcshard._src.checkpoint.dcp_io import _Unpickler  # pyright: ignore[reportPrivateUsage]
+    from funcshard._src.checkpoint.dcp_io import metadata_unpickler
 
     with open(work / f"rank{rank}/.metadata", "rb") as f:
-        return _Unpickler(f).load()
+        return metadata_unpickler(f).load()
 
 
 def _bytes_entry(work: Path) -> None:

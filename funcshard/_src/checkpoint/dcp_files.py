@@ -24,7 +24,7 @@ from funcshard._src.checkpoint.errors import CorruptCheckpointError, UnsafeCheck
 from funcshard._src.untrusted import open_file
 
 KEY_CLASSES = ("torch.distributed.checkpoint.metadata.MetadataIndex",)  # see SafeIndex
-_CLASSES: dict[str, frozenset[str]] = {
+DCP_CLASSES: dict[str, frozenset[str]] = {  # what DCP's .metadata is made of
     "torch.distributed.checkpoint.metadata": frozenset(
         {
             "Metadata",
@@ -168,8 +168,18 @@ class _MissingFileError(CorruptCheckpointError):
         super().__init__(message + tail)
 
 
-class DcpUnpickler(pickle.Unpickler):
-    """Unpickles a DCP ``.metadata`` allowing only the classes DCP's metadata is made of."""
+class AllowlistUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata`` allowing only the classes ``allowed`` names (module -> names).
+
+    ``what`` names the metadata in the refusal: "checkpoint metadata" (funcshard's own
+    rank files) or "DCP's metadata" (a standard DCP checkpoint). A ``MetadataIndex``
+    becomes a :class:`SafeIndex`, whose hash the file cannot steer.
+    """
+
+    def __init__(self, file: BinaryIO, allowed: Mapping[str, frozenset[str]], what: str, /) -> None:
+        super().__init__(file)
+        self._allowed = allowed
+        self._what = what
 
     def find_class(self, module: str, name: str) -> Any:
         dtype = vars(torch).get(name) if module == "torch" else None
@@ -177,9 +187,14 @@ class DcpUnpickler(pickle.Unpickler):
             return dtype
         if module == MetadataIndex.__module__ and name == "MetadataIndex":
             return SafeIndex  # a hash the file cannot steer
-        if name in _CLASSES.get(module, ()):
+        if name in self._allowed.get(module, ()):
             return super().find_class(module, name)
         raise UnsafeCheckpointError(
-            f"the DCP metadata refers to {module}.{name}, which DCP's metadata never contains; "
+            f"the metadata refers to {module}.{name}, which {self._what} never contains; "
             f"refusing to load it (the file may carry a malicious payload)"
         )
+
+
+def dcp_unpickler(file: BinaryIO, /) -> AllowlistUnpickler:
+    """An unpickler of a standard DCP ``.metadata``: only the classes DCP's metadata is made of."""
+    return AllowlistUnpickler(file, DCP_CLASSES, "DCP's metadata")

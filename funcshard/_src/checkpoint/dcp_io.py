@@ -28,7 +28,6 @@ import contextlib
 import hashlib
 import io
 import os
-import pickle
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,13 +40,17 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo  # pyright: ign
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
 
 from funcshard._src.checkpoint.chunks import Chunk, check_own_bytes
-from funcshard._src.checkpoint.dcp_files import SafeIndex
+from funcshard._src.checkpoint.dcp_files import (
+    DCP_CLASSES,
+    KEY_CLASSES,
+    AllowlistUnpickler,
+    SafeIndex,
+)
 from funcshard._src.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 from funcshard._src.checkpoint.manifest import file_digest, rank_dir
 from funcshard._src.shard.digest import tensor_digest
@@ -60,22 +63,10 @@ METADATA_FILE = ".metadata"
 SERIALIZATION_SLACK = 64 << 10  # bytes torch.save adds around a tensor's data, at most
 MAX_METADATA_BYTES = 8 << 20  # one rank's .metadata; a 70B model's with AdamW: 0.7 MB
 MAX_ENTRIES = 1 << 15  # chunks one rank saved; a 70B model's with AdamW: about 2900
-KEY_CLASSES = ("torch.distributed.checkpoint.metadata.MetadataIndex",)  # see SafeIndex
-
-_ALLOWED: dict[str, set[str]] = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "TensorProperties",
-        "ChunkStorageMetadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+# what a rank's own .metadata may hold: DCP's classes, less BytesStorageMetadata (a rank
+# writes only tensors)
+_ALLOWED: dict[str, frozenset[str]] = {
+    module: names - {"BytesStorageMetadata"} for module, names in DCP_CLASSES.items()
 }
 
 
@@ -189,7 +180,7 @@ def _read_metadata(root: Path, sub: str, files: dict[str, Any]) -> Metadata:
         )
     check_pickle(data, what=str(path), error=CorruptCheckpointError, key_classes=KEY_CLASSES)
     try:
-        metadata = _Unpickler(io.BytesIO(data)).load()
+        metadata = metadata_unpickler(io.BytesIO(data)).load()
     except UnsafeCheckpointError as e:
         raise UnsafeCheckpointError(f"{path}: {e}") from None
     except Exception as e:  # whatever a damaged pickle raises
@@ -288,19 +279,9 @@ class _MissingError(CorruptCheckpointError):
         super().__init__(f"{message}; the checkpoint is incomplete")
 
 
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        dtype = vars(torch).get(name) if module == "torch" else None
-        if isinstance(dtype, torch.dtype):  # vars(): a name never reaches torch's lazy imports
-            return dtype
-        if module == MetadataIndex.__module__ and name == "MetadataIndex":
-            return SafeIndex
-        if name in _ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        raise UnsafeCheckpointError(
-            f"the checkpoint's DCP metadata refers to {module}.{name}, which checkpoint metadata "
-            f"never contains; refusing to load it (the file may carry a malicious payload)"
-        )
+def metadata_unpickler(file: BinaryIO, /) -> AllowlistUnpickler:
+    """An unpickler of a rank's own ``.metadata``: only the classes such metadata is made of."""
+    return AllowlistUnpickler(file, _ALLOWED, "checkpoint metadata")
 
 
 @contextlib.contextmanager

@@ -50,9 +50,9 @@ from funcshard._src.checkpoint.dcp_files import (
     DATA_FILE,
     KEY_CLASSES,
     ChunkMap,
-    DcpUnpickler,
     SafeIndex,
     data_files,
+    dcp_unpickler,
     read_regular,
 )
 from funcshard._src.checkpoint.errors import (
@@ -138,7 +138,7 @@ def read_index(directory: str | os.PathLike[str], /) -> DcpIndex:
     data = read_regular(path, MAX_METADATA_BYTES, limit_name="MAX_METADATA_BYTES")
     check_pickle(data, what=str(path), error=CorruptCheckpointError, key_classes=KEY_CLASSES)
     try:
-        metadata = DcpUnpickler(io.BytesIO(data)).load()
+        metadata = dcp_unpickler(io.BytesIO(data)).load()
     except CheckpointError as e:
         raise type(e)(f"{path}: {e}") from None
     except Exception as e:  # whatever a damaged pickle raises
