@@ -20,7 +20,7 @@ from funcshard._src import tree
 from funcshard._src.execute.call import call, running_unit
 from funcshard._src.execute.guard import in_memory_of
 from funcshard._src.execute.replay import hold
-from funcshard._src.execute.run import current_run
+from funcshard._src.execute.run import current_run, step_run
 from funcshard._src.interop import hf_checkpointing as hf
 from funcshard._src.interop.binding import Binding, UnitBinding, bound, current_binding
 from funcshard._src.interop.hooks import backward_hooks_under
@@ -84,7 +84,7 @@ def unit_call(
             out = torch.func.functional_call(
                 unit.module, tensors, args, kwargs, tie_weights=False, strict=False
             )
-        if current_run() is not None:
+        if current_run() is not None or step_run() is not None:  # a step's call or its replay
             _copy_kept_views(modules, leaves)
         return out, hidden_tensors(out, unit.path)
 
