@@ -24,7 +24,7 @@ from funcshard._src.interop.binding import Binding, bound, routed, swapped
 from funcshard._src.interop.hooks import backward_hooks_under
 from funcshard._src.interop.inputs import cast_inputs
 from funcshard._src.interop.leaf_check import Leaf, leaf_values
-from funcshard._src.interop.module_layout import layout_of, redundant_names
+from funcshard._src.interop.module_layout import bind_once, layout_of, redundant_names
 from funcshard._src.interop.module_state import ModuleState
 from funcshard._src.interop.module_units import Units
 from funcshard._src.interop.recompute import intercepted
@@ -173,7 +173,7 @@ class Apply(Weights):
         tensors: dict[str, Any] = dict(self._state.tensors)
         for leaf in self._root_leaves:
             tensors.update(dict.fromkeys(leaf.names, by_path[leaf.path]))
-        _bind_once(tensors, self._redundant)
+        bind_once(tensors, self._redundant)
         routes = tuple(
             (
                 unit.module,
@@ -229,7 +229,7 @@ class Apply(Weights):
         tensors: dict[str, Any] = dict(self._state.tensors)
         for leaf in self._leaves:
             tensors.update(dict.fromkeys(leaf.names, by_path[leaf.path]))
-        _bind_once(tensors, self._redundant)
+        bind_once(tensors, self._redundant)
         try:
             with swapped(self._module, tensors):
                 yield self._module
@@ -247,7 +247,7 @@ class Apply(Weights):
         tensors: dict[str, Any] = {name: t.clone() for name, t in self._state.tensors.items()}
         for leaf in self._leaves:
             tensors.update(dict.fromkeys(leaf.names, by_path[leaf.path]))
-        _bind_once(tensors, self._redundant)
+        bind_once(tensors, self._redundant)
         binding = Binding(self._module, tensors, (), None)
         with bound(binding), intercepted(), backward_hooks_under(binding, self._all_modules):
             return torch.func.functional_call(
@@ -303,9 +303,3 @@ def _root_holder() -> Any:
         return None
     root = run.root.unit
     return lambda: hold(run, root)
-
-
-def _bind_once(tensors: dict[str, Any], redundant: frozenset[str], /) -> None:
-    """Drops the names whose tensor another name of the same module object binds; mutates ``tensors``."""
-    for name in redundant:
-        tensors.pop(name, None)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["Layout", "layout_of", "redundant_names"]
+__all__ = ["Layout", "bind_once", "layout_of", "redundant_names"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,19 @@ def redundant_names(module: nn.Module, /) -> frozenset[str]:
                 out.add(f"{path}.{attr}" if path else attr)
             seen.add(key)
     return frozenset(out)
+
+
+def bind_once(tensors: dict[str, object], redundant: frozenset[str], /) -> None:
+    """Drops the names of ``redundant`` (:func:`redundant_names`) from a binding; mutates ``tensors``.
+
+    Example:
+        >>> names = {"a.weight": 1, "b.0.weight": 1}
+        >>> bind_once(names, frozenset({"b.0.weight"}))
+        >>> names
+        {'a.weight': 1}
+    """
+    for name in redundant:
+        tensors.pop(name, None)
 
 
 def _changed(root: str, what: str) -> str:

@@ -25,6 +25,7 @@ from funcshard._src.interop import hf_checkpointing as hf
 from funcshard._src.interop.binding import Binding, UnitBinding, bound, current_binding
 from funcshard._src.interop.hooks import backward_hooks_under
 from funcshard._src.interop.inputs import cast_inputs
+from funcshard._src.interop.module_layout import bind_once
 from funcshard._src.interop.module_tree import subtree_at
 from funcshard._src.interop.module_units import UnitInfo
 from funcshard._src.interop.remat_state import kept_buffers, recompute_buffers
@@ -67,8 +68,7 @@ def unit_call(
             tensors.update(dict.fromkeys(unit.own[rel], leaf))
         if kept is not None and running_unit() is None:  # remat's recompute in backward
             tensors.update(recompute_buffers(kept))  # See [Note: remat and buffers]
-        for name in redundant:  # a module object at two paths: bound once, see module_layout.py
-            tensors.pop(name, None)
+        bind_once(tensors, redundant)  # a module object at two paths
         binding = current_binding()
         if (
             binding is None
