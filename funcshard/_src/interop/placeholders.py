@@ -193,9 +193,15 @@ def origin(tensor: torch.Tensor, /) -> torch.Tensor | None:
 # -- the message -----------------------------------------------------------------------
 
 
+def _parameter(info: ParameterInfo) -> str:
+    """``"Net's parameter 'blocks.1.fc.weight' (unit 'blocks/1')"``: how every message names it."""
+    where = f"unit {info.unit!r}" if info.unit is not None else "the root unit"
+    return f"{info.module}'s parameter {info.name!r} ({where})"
+
+
 def _message(info: ParameterInfo, func: Any) -> str:
     where = f"unit {info.unit!r}" if info.unit is not None else "the root unit"
-    what = f"{info.module}'s parameter {info.name!r} ({where})"
+    what = _parameter(info)
     site = _reader()
     by = f", by {_op_name(func)}" + (f" at {site}" if site else "")
     binding = current_binding()
@@ -256,10 +262,8 @@ def _grad_message(info: ParameterInfo) -> str:
 
 
 def _hook_message(info: ParameterInfo, method: str) -> str:
-    where = f"unit {info.unit!r}" if info.unit is not None else "the root unit"
     return (
-        f"{info.module}'s parameter {info.name!r} ({where}) got a hook ({method}) after "
-        f"functionalize.\n"
+        f"{_parameter(info)} got a hook ({method}) after functionalize.\n"
         f"apply computes with the params' leaves, never with this parameter, so the hook "
         f"would never run.\n"
         f"Fix: transform the gradients the step returns (fs.tree.map over grads), or "
