@@ -108,9 +108,14 @@ ORDER = {
         "guard",
         "part",
         "unit_state",
+        "packed",
+        "reduction",
+        "group_reduce",
+        "gather_group",
         "bucket",
         "reduce",
         "call_record",
+        "gather_node",
         "run",
         "replay",
         "compiled",
@@ -355,3 +360,55 @@ def test_a_calls_phase_is_assigned_only_in_run():
                 assigning.append(f"{path.name}:{getattr(node, 'lineno', '?')}")
     assert assigning, "the test finds no assignment at all: it no longer reads the code"
     assert {a.split(":")[0] for a in assigning} == {"run.py"}, assigning
+
+
+def _calls_by_module(names: set[str], package: str = "execute") -> dict[str, set[str]]:
+    """Per module of ``package``: which of the methods ``names`` it calls (``x.name(...)``)."""
+    found: dict[str, set[str]] = {}
+    for path, pkg, module in _src_modules():
+        if pkg != package:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in names
+            ):
+                found.setdefault(module, set()).add(node.func.attr)
+    return found
+
+
+def test_only_gather_groups_issue_the_executors_collectives():
+    """[Note: one owner per collective]: the executor gathers and reduces only in gather_group.py."""
+    moving = {"all_gather", "all_gather_pieces", "reduce_scatter", "all_reduce"}
+    found = _calls_by_module(moving)
+    owner = {"gather_group", "group_reduce"}  # GatherGroup and its reducing half
+    assert set().union(*found.values()) == moving, "the test no longer reads the collectives"
+    assert set(found) == owner, found
+
+
+def test_only_gather_groups_move_a_units_state():
+    """[Note: a unit's state is moved by its group alone]: its transitions are the group's to call."""
+    transitions = {
+        "mark_gathering",
+        "mark_gathered",
+        "hold",
+        "unhold",
+        "drop_holders",
+        "reset_after_error",
+        "materialize",
+        "forget",
+    }
+    found = _calls_by_module(transitions)
+    assert found.get("gather_group") == transitions, "the test no longer reads the transitions"
+    assert set(found) == {"gather_group"}, found
+    assigning = [
+        f"{path.name}:{node.lineno}"
+        for path, pkg, _ in _src_modules()
+        if pkg == "execute"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Attribute) and t.attr == "state" for t in node.targets)
+    ]
+    assert assigning, "the test finds no assignment at all: it no longer reads the code"
+    assert {a.split(":")[0] for a in assigning} == {"unit_state.py"}, assigning

@@ -25,23 +25,24 @@ def _unit():
         lambda p, x: fs.call(lambda b, x: (x @ b["w"]).sum(), p["blocks"][0], x), plan
     )
     step(fs.shard(params, plan), torch.ones(3, 4))  # one step binds every unit
-    return next(u for u in step._runtimes() if u.name == "blocks/0")
+    return next(g for g in step._groups if g.name == "blocks/0")
 
 
 def test_the_transitions_of_the_diagram():
-    unit = _unit()
+    group = _unit()
+    (unit,) = group.members
     assert unit.state is UnitState.SHARDED
-    unit.prefetch()
+    group.prefetch(unit)
     assert unit.state is UnitState.GATHERING
-    unit.acquire()
-    unit.acquire()  # a second holder (a unit called twice)
+    group.acquire(unit)
+    group.acquire(unit)  # a second holder (a unit called twice)
     assert (unit.state, unit.holders) == (UnitState.GATHERED, 2)
-    unit.release()
+    group.release(unit)
     assert unit.state is UnitState.GATHERED
-    unit.release()
+    group.release(unit)
     assert (unit.state, unit.holders) == (UnitState.SHARDED, 0)
-    unit.prefetch()
-    unit.drop_unused()  # prefetched, never used
+    group.prefetch(unit)
+    group.drop_unused(unit)  # prefetched, never used
     assert unit.state is UnitState.SHARDED
 
 
@@ -49,19 +50,21 @@ def test_the_transitions_of_the_diagram():
     ("wrong", "message"),
     [
         (
-            lambda u: u.release(),
+            lambda g, u: g.release(u),
             r"unit 'blocks/0' asked to release in state sharded, which needs gathered",
         ),
         (
-            lambda u: (u.prefetch(), u.prefetch()),
+            lambda g, u: (g.prefetch(u), g.prefetch(u)),
             r"asked to prefetch in state gathering, which needs sharded",
         ),
-        (lambda u: u.full_leaves(), r"asked to full_leaves in state sharded"),
-        (lambda u: (u.acquire(), u.bind(u.flats)), r"asked to bind in state gathered"),
+        (lambda g, u: u.full_leaves(), r"asked to full_leaves in state sharded"),
+        (lambda g, u: (g.acquire(u), u.bind(u.flats)), r"asked to bind in state gathered"),
         (
-            lambda u: (u.acquire(), u.release(), u.acquire(), u.release(), u.release()),
+            lambda g, u: (g.acquire(u), g.release(u), g.acquire(u), g.release(u), g.release(u)),
             r"in state sharded",
         ),
+        (lambda g, u: u.mark_gathered(), r"asked to finish gathering in state sharded"),
+        (lambda g, u: u.hold(), r"asked to be held in state sharded"),
     ],
     ids=[
         "release-sharded",
@@ -69,11 +72,14 @@ def test_the_transitions_of_the_diagram():
         "leaves-sharded",
         "bind-gathered",
         "release-too-often",
+        "gathered-without-gathering",
+        "held-sharded",
     ],
 )
 def test_a_transition_from_the_wrong_state_is_an_internal_error(wrong, message):
+    group = _unit()
     with pytest.raises(UnitStateError, match=message):
-        wrong(_unit())
+        wrong(group, group.members[0])
 
 
 # -- gathering leaf by leaf ([Note: persistent gathered storage]) ----------------------------------

@@ -1,14 +1,14 @@
-"""One dtype of a unit on this rank (:class:`Part`) and the collectives that gather it.
+"""One dtype of a unit on this rank (:class:`Part`) and the handles of the collectives that gather it.
 
-``unit_state.py`` moves a unit between its states; this module holds what each
-part keeps across those moves and the handles of its gathers in flight.
+``gather_group.py`` issues those collectives and ``unit_state.py`` holds a unit's
+states; this module holds what each part keeps across them.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -24,22 +24,6 @@ class InFlight(Protocol):
 
     def wait(self) -> torch.Tensor:
         """Blocks until the part's gathered ``(group_size, numel)`` buffer is ready."""
-        ...
-
-
-class SharedGather(Protocol):
-    """What a unit's bucket does for it (``bucket.py``): one all-gather for several units."""
-
-    def start_gather(self) -> None:
-        """Starts the shared all-gather of every member still SHARDED."""
-        ...
-
-    def unpacked(self, share: Any, /) -> None:
-        """A member has copied out ``share``, its part of a shared all-gather."""
-        ...
-
-    def abandon(self) -> list[Pending]:
-        """After an error: forgets the shared collectives in flight, returning them."""
         ...
 
 

@@ -15,19 +15,17 @@ call's results instead of fresh memory.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import collectives, inputs
-from funcshard._src.comm.groups import BoundMesh
-from funcshard._src.comm.ledger import Ledger
+from funcshard._src.comm import inputs
 from funcshard._src.comm.pending import Pending
-from funcshard._src.execute.bucket import Bucket
 from funcshard._src.execute.buffers import BufferPool
+from funcshard._src.execute.gather_group import GatherGroup
 from funcshard._src.execute.part import Part
+from funcshard._src.execute.reduction import Reduction
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
 from funcshard._src.shard.flat_shard import FlatShard, concatenate_leaves
@@ -40,52 +38,6 @@ from funcshard._src.shard.sharded import ShardedTensor
 # gradient it becomes, so those queue without a wait, as DDP's buckets do; one through
 # shared memory holds a copy of its input until done (comm/shm.py) and counts.
 MAX_PENDING = 1
-
-
-@dataclass(eq=False)
-class Reduction:
-    """One part's reduction in flight (or a bucket's); :meth:`finish` waits and returns the sharded gradient.
-
-    ``pieces`` says whose gradient each ``[start, stop)`` of the result is: one
-    piece for one unit's part, one per member for a bucket. With ``per_piece``
-    (a bucket), the all-reduce across replicas is counted in the ledger per
-    piece, as the cost model counts it per unit.
-    """
-
-    pieces: tuple[tuple[FlatLayout, int, int], ...]
-    stage: Pending
-    then_all_reduce: tuple[str, ...]
-    bound: BoundMesh
-    ledger: Ledger | None
-    tag: str
-    staging: torch.Tensor | None  # the packed input, for the pool once the stage is done
-    per_piece: bool = False
-    packed: bool = True  # holds packed gradients beside its result (not an all-reduce in place)
-
-    def finish(self, pool: BufferPool) -> torch.Tensor:
-        """Waits (and all-reduces across replicas if need be); the reduced gradient, ``(numel,)``.
-
-        Gives the packed input back to ``pool`` once the first stage is done.
-        """
-        out = self.stage.wait()
-        if self.staging is not None:
-            pool.give(self.staging)
-        if self.then_all_reduce:
-            size = collectives.group_size(self.bound, self.then_all_reduce)
-            out = collectives.all_reduce(
-                out,
-                self.bound,
-                self.then_all_reduce,
-                ledger=None if self.per_piece else self.ledger,
-                tag=self.tag,
-            ).wait()
-            if self.per_piece and self.ledger is not None:
-                for _, a, b in self.pieces:
-                    nbytes = (b - a) * out.element_size()
-                    self.ledger.record(
-                        "all_reduce", self.then_all_reduce, group_size=size, full_bytes=nbytes
-                    )
-        return out
 
 
 class Reducer:
@@ -108,13 +60,20 @@ class Reducer:
         self.spares = spares  # donated buffers of the last call, by layout
         self.grads: dict[FlatLayout, torch.Tensor] = {}  # the result, in the stored dtype
         self.deferred: dict[FlatLayout, torch.Tensor] = {}  # packed, (group_size, numel)
-        self.pending: list[Reduction] = []
-        self.open_rounds: list[tuple[Bucket, int]] = []  # buckets' rounds not yet reduced, in order
+        # reductions in flight, oldest first, each with the group that waits for it
+        self.pending: list[tuple[GatherGroup, Reduction]] = []
+        self.open_rounds: list[tuple[GatherGroup, int]] = []  # buckets' rounds not yet reduced
 
     def reduce(
-        self, unit: UnitRuntime, grads: Sequence[torch.Tensor | None], /, *, defer: bool
+        self,
+        group: GatherGroup,
+        unit: UnitRuntime,
+        grads: Sequence[torch.Tensor | None],
+        /,
+        *,
+        defer: bool,
     ) -> None:
-        """Starts reducing one call's full gradients of ``unit`` (in its leaf order); mutates.
+        """Packs one call's full gradients of ``unit`` (in its leaf order) and has ``group`` reduce them; mutates.
 
         With ``defer``, packs and keeps them (added to what earlier deferred calls
         kept) to be reduced by a later call without ``defer``.
@@ -123,18 +82,18 @@ class Reducer:
             if part.layout.dtype.is_floating_point and not part.layout.frozen:
                 while self._staged() >= MAX_PENDING:  # before packing: bounded memory
                     self._finish_oldest()
-                if isinstance(unit.bucket, Bucket) and not defer:
-                    self._reduce_bucketed(unit.bucket, unit, j, part, mine)
+                if group.shared and not defer:
+                    self._reduce_in_round(group, unit, j, part, mine)
                 else:
-                    self._reduce_part(unit, part, mine, defer=defer)
+                    self._reduce_part(group, unit, part, mine, defer=defer)
 
     def finish(self) -> None:
         """Reduces the buckets' open rounds, waits for every reduction and adds it into :attr:`grads`; mutates."""
         while self.open_rounds:
-            bucket, j = self.open_rounds[0]
+            group, j = self.open_rounds[0]
             while self._staged() >= MAX_PENDING:
                 self._finish_oldest()
-            self._flush(bucket, j)
+            self._flush(group, j)
         while self.pending:
             self._finish_oldest()
 
@@ -172,18 +131,16 @@ class Reducer:
 
     def abandon(self) -> list[Pending]:
         """After an error: forgets every reduction, returning those in flight (for the caller to drain)."""
-        inflight = [r.stage for r in self.pending]
+        inflight = [r.stage for _, r in self.pending]
         self.pending.clear()
         self.deferred.clear()
         self.held.clear()
-        for bucket, _ in self.open_rounds:
-            bucket.rounds.clear()
-        self.open_rounds.clear()
+        self.open_rounds.clear()  # the groups forget their rounds in GatherGroup.discard
         return inflight
 
-    def _reduce_bucketed(
+    def _reduce_in_round(
         self,
-        bucket: Bucket,
+        group: GatherGroup,
         unit: UnitRuntime,
         j: int,
         part: Part,
@@ -192,12 +149,12 @@ class Reducer:
         """Packs ``unit``'s gradients of part ``j`` into its bucket's round; the last member reduces it."""
         layout = part.layout
         self.spares.pop(layout, None)  # a bucket's result is one buffer: no donated one fits
-        columns, again = bucket.columns(unit.bucket_index, j, part.grad_dtype)
-        if again:  # a unit reported twice in this round: reduce what is there first
-            self._flush(bucket, j)
-            columns, _ = bucket.columns(unit.bucket_index, j, part.grad_dtype)
-        if (bucket, j) not in self.open_rounds:
-            self.open_rounds.append((bucket, j))
+        columns, flushed = group.columns(unit, j, part.grad_dtype)
+        if flushed is not None:  # a unit reported twice in this round: that round is reducing
+            self.open_rounds.remove((group, j))
+            self.pending.append((group, flushed))
+        if (group, j) not in self.open_rounds:
+            self.open_rounds.append((group, j))
         kept = self.deferred.pop(layout, None)
         dtype = part.grad_dtype
         leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
@@ -212,55 +169,26 @@ class Reducer:
             columns.add_(kept)
             self.pool.give(kept)
             columns.div_(self.world_size)
-        if bucket.complete(j):
-            self._flush(bucket, j)
+        if group.complete(j):
+            self._flush(group, j)
 
-    def _flush(self, bucket: Bucket, j: int) -> None:
-        """Starts reducing the open round of part ``j`` of ``bucket``; the ledger counts each member."""
-        self.open_rounds.remove((bucket, j))
-        round_ = bucket.take_round(j)
-        pieces = bucket.pieces(j, round_.reported)
-        first = pieces[0][3]
-        rows = round_.rows
-        replica = first.replica_axes if first.replica_size > 1 else ()
-        itemsize = rows.element_size()
-        if bucket.group_size == 1:  # no_shard: all-reduced in place, the rows become the gradients
-            stage = collectives.all_reduce(rows.view(-1), first.bound, replica, tag=bucket.name)
-            op, axes, group, then, staging = "all_reduce", replica, first.replica_size, (), None
-        else:
-            stage = collectives.reduce_scatter(rows, first.bound, first.axes, tag=bucket.name)
-            op, axes, group, then, staging = (
-                "reduce_scatter",
-                first.axes,
-                bucket.group_size,
-                replica,
-                rows,
-            )
-        for _, a, b, member in pieces:
-            if member.ledger is not None:
-                member.ledger.record(
-                    op, axes, group_size=group, full_bytes=rows.shape[0] * (b - a) * itemsize
-                )
-            member.memory.log("reduce", member.name)
-        self.pending.append(
-            Reduction(
-                tuple((part.layout, a, b) for part, a, b, _ in pieces),
-                stage,
-                then,
-                first.bound,
-                first.ledger,
-                bucket.name,
-                staging,
-                per_piece=True,
-                packed=bucket.group_size > 1,
-            )
-        )
+    def _flush(self, group: GatherGroup, j: int) -> None:
+        """Has ``group`` start reducing its open round of part ``j``."""
+        self.open_rounds.remove((group, j))
+        self.pending.append((group, group.flush(j)))
 
     def _reduce_part(
-        self, unit: UnitRuntime, part: Part, mine: Sequence[torch.Tensor | None], *, defer: bool
+        self,
+        group: GatherGroup,
+        unit: UnitRuntime,
+        part: Part,
+        mine: Sequence[torch.Tensor | None],
+        *,
+        defer: bool,
     ) -> None:
+        """Packs one part of a group of one (or keeps it, deferred) and has ``group`` reduce it."""
         layout = part.layout
-        device = unit.flats[unit.parts.index(part)].data.device
+        device = unit.device(part)
         if (
             self.hold_leaves
             and unit.group_size == 1
@@ -287,7 +215,7 @@ class Reducer:
                 shared = inputs.reduce_scatter_input(
                     unit.bound, unit.axes, layout.numel, part.grad_dtype
                 )
-            pool = unit.pool if unit.unit.is_root else self.pool  # the root's: not kept
+            pool = group.pool if unit.unit.is_root else self.pool  # the root's: not kept
             rows = (
                 shared
                 if shared is not None
@@ -316,50 +244,21 @@ class Reducer:
             return
         if not direct:
             packed.div_(self.world_size)
-        if unit.group_size == 1 and replica:  # no_shard: start the all-reduce now, overlapped
-            stage = collectives.all_reduce(
-                packed.view(-1),
-                unit.bound,
-                replica,
-                ledger=unit.ledger,
-                tag=unit.name,
-                out=None if packed is rows else rows.view(-1),
-            )
-            then: tuple[str, ...] = ()
-            staging = None  # reduced in place: it becomes the gradient
-        else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter
-            stage = collectives.reduce_scatter(
-                rows, unit.bound, unit.axes, out=spare, ledger=unit.ledger, tag=unit.name
-            )
-            then = replica
-            # over one rank, rows is the result; the root's rows are not kept for the next
-            # step; shared rows belong to the group's regions
-            keep = unit.group_size > 1 and not unit.unit.is_root and shared is None
-            staging = rows if keep else None
-        unit.memory.log("reduce", unit.name)
-        self.pending.append(
-            Reduction(
-                ((layout, 0, layout.numel),),
-                stage,
-                then,
-                unit.bound,
-                unit.ledger,
-                unit.name,
-                staging,
-                # an all-reduce in place through shared memory holds a copy of its input
-                packed=unit.group_size > 1 or stage.holds_copy,
-            )
-        )
+        # over one rank, rows is the result; the root's rows are not kept for the next
+        # step; shared rows belong to the group's regions
+        keep = unit.group_size > 1 and not unit.unit.is_root and shared is None
+        reduction = group.reduce(unit, part, rows, packed, out=spare, keep_rows=keep)
+        self.pending.append((group, reduction))
 
     def _staged(self) -> int:
         """Reductions in flight that hold packed gradients beside their result."""
-        return sum(r.packed for r in self.pending)
+        return sum(r.packed for _, r in self.pending)
 
     def _finish_oldest(self) -> None:
         """The first reduction of a layout becomes its gradient buffer as it is: no zero-filled
         buffer and no extra pass (cast to the stored dtype if need be)."""
-        reduction = self.pending.pop(0)
-        reduced = reduction.finish(self.pool)
+        group, reduction = self.pending.pop(0)
+        reduced = group.wait(reduction, self.pool)
         for layout, a, b in reduction.pieces:
             out = reduced if (a, b) == (0, reduced.numel()) else reduced[a:b]
             out = out if out.dtype == layout.dtype else out.to(layout.dtype)

@@ -6,49 +6,24 @@ backward, after the forward is done. That call is a replay, not a new call: it
 takes the latest call of the unit whose gradients are not reduced yet, holds the
 unit gathered for it (:func:`hold`: a released unit is re-gathered as that call's
 backward would, so the ledger and the peak are those of the step without the
-checkpoint), and hands the function the gathered leaves again through
-``_Replay``. A non-reentrant checkpoint only reads the tensors the recompute
-saves, so ``_Replay``'s backward never runs and the call's own gather node
-reduces; a reentrant one differentiates the recomputed graph, whose ``_Replay``
-then reduces the call's gradients. Every call of one unit in a step holds the
+checkpoint), and hands the function the gathered leaves again through a
+``GatherNode`` of its own (``gather_node.py``). A non-reentrant checkpoint only
+reads the tensors the recompute saves, so that node's backward never runs and the
+call's own gather node reduces; a reentrant one differentiates the recomputed
+graph, whose node then reduces the call's gradients (``Run.post_backward``). Every call of one unit in a step holds the
 same values, so which call a replay stands for does not change what it computes.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from funcshard._src.execute.call_record import CallPhase, CallRecord
+from funcshard._src.execute.gather_node import GatherNode
 from funcshard._src.execute.run import Run
 from funcshard._src.execute.unit_state import UnitRuntime
 
 __all__ = ["hold", "replay"]
-
-
-class _Replay(torch.autograd.Function):
-    """A call's full leaves once more, for its recompute in backward.
-
-    Its backward runs only where the recomputed graph is differentiated itself (a
-    reentrant checkpoint); it then reduces the call's gradients, as ``_Gather``'s would.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, run: Run, record: CallRecord, dummy: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.run, ctx.record = run, record
-        leaves = record.unit.full_leaves()
-        ctx.mark_non_differentiable(
-            *(t for t, trained in zip(leaves, record.unit.trained) if not trained)
-        )
-        return tuple(leaves)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, None]:
-        ctx.run.post_backward(ctx.record, grads)
-        return None, None, None
 
 
 def replay(run: Run, unit: UnitRuntime, /) -> list[torch.Tensor]:
@@ -60,7 +35,7 @@ def replay(run: Run, unit: UnitRuntime, /) -> list[torch.Tensor]:
         RuntimeError: every call of ``unit`` has reduced its gradients already.
     """
     record = hold(run, unit)
-    return list(_Replay.apply(run, record, run.dummy))
+    return list(GatherNode.apply(run.post_backward, record, run.dummy))
 
 
 def hold(run: Run, unit: UnitRuntime, /) -> CallRecord:

@@ -45,6 +45,8 @@ from funcshard._src.execute.desync import (
     check_reduction,
     check_unreached,
 )
+from funcshard._src.execute.gather_group import GatherGroup
+from funcshard._src.execute.gather_node import GatherNode
 from funcshard._src.execute.guard import Watch, check_dense, watch
 from funcshard._src.execute.reduce import Reducer
 from funcshard._src.execute.unit_state import UnitRuntime, UnitState
@@ -68,32 +70,12 @@ def step_run() -> Run | None:
     return _STEP_RUN[0]
 
 
-class _Gather(torch.autograd.Function):
-    """Hands a gathered unit's full leaves to autograd; its backward receives all their gradients."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, run: Run, record: CallRecord, dummy: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.run, ctx.record = run, record
-        leaves = record.unit.full_leaves()
-        ctx.mark_non_differentiable(
-            *(t for t, trained in zip(leaves, record.unit.trained) if not trained)
-        )
-        return tuple(leaves)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, None]:
-        ctx.run.gathered_grads(ctx.record, grads)
-        return None, None, None
-
-
 class Run:
     """One forward and backward of a step on this rank."""
 
     def __init__(
         self,
-        units: Sequence[UnitRuntime],
+        groups: Sequence[GatherGroup],
         *,
         order_hint: Sequence[str],
         prefetch: int,
@@ -103,7 +85,10 @@ class Run:
         param_dtype: torch.dtype | None = None,
         evaluation: bool = False,
     ) -> None:
-        self.units = {u.name: u for u in units}
+        self.units = {u.name: u for g in groups for u in g.members}
+        self.groups = list(groups)
+        # every collective goes through the unit's group: [Note: one owner per collective]
+        self.group_of = {u.name: g for g in groups for u in g.members}
         self.evaluation = evaluation  # forward only: every call frees its unit, none is hooked
         self.order_hint = list(order_hint)
         self.prefetch = prefetch
@@ -139,12 +124,12 @@ class Run:
         root_unit = next((u for u in self.units.values() if u.unit.is_root), None)
         root_leaves: dict[int, torch.Tensor] = {}
         if root_unit is not None:
-            root_unit.acquire()  # before any prefetch: one unit's all-gather buffer at a time
+            self._acquire(root_unit)  # before any prefetch: one unit's all-gather buffer at a time
             self.root = CallRecord(-1, root_unit, CallPhase.KEPT)
             outs = (
                 self._local_leaves(self.root)
                 if root_unit.local_only
-                else _Gather.apply(self, self.root, self.dummy)
+                else GatherNode.apply(self.gathered_grads, self.root, self.dummy)
             )
             for slot, leaf in zip(root_unit.slots, outs):
                 root_leaves[slot.index] = leaf
@@ -181,13 +166,13 @@ class Run:
         if was_on_track and not self.on_track:  # the prefetches guessed wrong: free them now,
             for other in self.units.values():  # not at their call, maybe at the end of forward
                 if other is not unit:
-                    other.drop_unused()
-        unit.acquire()
+                    self.group_of[other.name].drop_unused(other)
+        self._acquire(unit)
         if self.on_track:
             self._prefetch_forward(k + 1)
         if leafwise and unit.local_only:
             return record, self._local_leaves(record)
-        return record, list(_Gather.apply(self, record, self.dummy))
+        return record, list(GatherNode.apply(self.gathered_grads, record, self.dummy))
 
     def exit_call(self, record: CallRecord, out: Any) -> None:
         """FORWARD -> WAITING (``full_shard``: released) or KEPT; hooks the outputs for backward.
@@ -196,11 +181,11 @@ class Run:
         strategy, as no backward will need it.
         """
         if self.evaluation:
-            record.unit.release()
+            self._release(record.unit)
             record.phase = CallPhase.DONE
             return
         if record.unit.frees_after_forward:
-            record.unit.release()
+            self._release(record.unit)
             record.phase = CallPhase.WAITING
         else:
             record.phase = CallPhase.KEPT
@@ -224,7 +209,7 @@ class Run:
         call, BACKWARD since :meth:`pre_backward`) the phase stays.
         See [Note: a call's phase changes only in Run].
         """
-        record.unit.release()
+        self._release(record.unit)
         if self.forward_done:
             return
         if self.evaluation:
@@ -246,7 +231,7 @@ class Run:
             _CURRENT.reset(self._token)
             self._token = None
         for unit in self.units.values():
-            unit.drop_unused()
+            self.group_of[unit.name].drop_unused(unit)
         self._next_backward = len(self.calls) - 1
         self.forward_done = True
         return [c.unit.name for c in self.calls]
@@ -269,13 +254,13 @@ class Run:
             skipped = [c.index for c in self.calls[record.index + 1 :] if self._awaits_backward(c)]
             check_backward(record.index, record.unit.name, skipped)
         if record.phase is CallPhase.WAITING:
-            record.unit.acquire()
+            self._acquire(record.unit)
         record.phase = CallPhase.BACKWARD
         self._in_backward.add(record.index)
         for j in range(record.index - 1, max(-1, record.index - 1 - self.prefetch), -1):
             earlier = self.calls[j]
             if earlier.phase is CallPhase.WAITING and earlier.unit.state is UnitState.SHARDED:
-                earlier.unit.prefetch()
+                self.group_of[earlier.unit.name].prefetch(earlier.unit)
 
     def gathered_grads(self, record: CallRecord, grads: Sequence[torch.Tensor | None]) -> None:
         """A gather node's backward: the call's gradients; the root unit's are summed until finish.
@@ -309,8 +294,9 @@ class Run:
         if (
             record.phase.holds and not record.compiled
         ):  # first: the full parameters are not needed to reduce
-            record.unit.release()
-        self.reducer.reduce(record.unit, grads, defer=self.defer)
+            self._release(record.unit)
+        unit = record.unit
+        self.reducer.reduce(self.group_of[unit.name], unit, grads, defer=self.defer)
         record.phase = CallPhase.DONE
 
     def finish(self) -> None:
@@ -332,14 +318,14 @@ class Run:
         for record in unreached:  # their gradients are zero
             self.post_backward(record, [None] * len(record.unit.slots), agreed=True)
         self.reducer.finish()
-        for unit in self.units.values():
-            unit.release_all()
+        for group in self.groups:
+            group.release_all()
         _STEP_RUN[0] = None
 
     def close_evaluation(self) -> None:
         """After an evaluation's forward: frees every unit (the root unit's hold included)."""
-        for unit in self.units.values():
-            unit.release_all()
+        for group in self.groups:
+            group.release_all()
         _STEP_RUN[0] = None
 
     def abort(self) -> list[Pending]:
@@ -354,8 +340,8 @@ class Run:
             self._token = None
         _STEP_RUN[0] = None
         inflight = self.reducer.abandon()
-        for unit in self.units.values():
-            inflight.extend(unit.discard())
+        for group in self.groups:
+            inflight.extend(group.discard())
         return inflight
 
     # -- helpers -----------------------------------------------------------------
@@ -382,7 +368,13 @@ class Run:
         for name in self.order_hint[start : start + self.prefetch]:
             unit = self.units.get(name)
             if unit is not None and unit.state is UnitState.SHARDED:
-                unit.prefetch()
+                self.group_of[name].prefetch(unit)
+
+    def _acquire(self, unit: UnitRuntime) -> None:
+        self.group_of[unit.name].acquire(unit)
+
+    def _release(self, unit: UnitRuntime) -> None:
+        self.group_of[unit.name].release(unit)
 
     def _finish_forward_check(self) -> None:
         if self.forward_check is not None:

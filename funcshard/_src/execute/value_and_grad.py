@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from funcshard._src.comm import groups
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.execute.bucket import default_bucket_bytes, make_buckets
+from funcshard._src.execute.bucket import default_bucket_bytes, make_groups
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.desync import (
     check_end,
@@ -20,6 +20,7 @@ from funcshard._src.execute.desync import (
     signature,
     start_forward_check,
 )
+from funcshard._src.execute.gather_group import GatherGroup
 from funcshard._src.execute.loss import split_loss
 from funcshard._src.execute.memory import GatheredMemory
 from funcshard._src.execute.reduce import Reducer
@@ -79,6 +80,7 @@ class Step:
         self.reduce_pool = BufferPool(depth=1)
         self._layouts = plan_layouts(plan)
         self._units: list[UnitRuntime] | None = None
+        self._groups: list[GatherGroup] = []  # every unit's, made with the units
         self._last: list[FlatShard] = []  # the gradients last returned, with donate_grads
         # the call order of the last step, which forward prefetches follow; none before the
         # first (the plan's tree order is a guess, wrong for {"embed", "blocks", "head"}
@@ -141,14 +143,14 @@ class Step:
         kept for backward and nothing is re-gathered or reduced. Collective:
         every rank calls it, as a step.
         """
-        units, by_unit = self._start(
+        groups, by_unit = self._start(
             sparams,
             "forward only",
             nested="an evaluation was called inside a step's loss_fn; call them one after the other",
         )
         self.memory.peak = self.memory.current
         run = Run(
-            units,
+            groups,
             order_hint=self._order,
             prefetch=self.prefetch,
             defer=False,
@@ -186,7 +188,6 @@ class Step:
                     self.mixed_precision,
                     self.ledger,
                     self.memory,
-                    self.gather_pool,
                 )
                 for unit in self.plan.units
             ]
@@ -194,8 +195,7 @@ class Step:
             limit = (
                 default_bucket_bytes(backend) if self.bucket_bytes is None else self.bucket_bytes
             )
-            if limit:
-                make_buckets(self._units, limit, self.gather_pool, self.reduce_pool)
+            self._groups = make_groups(self._units, limit, self.gather_pool, self.reduce_pool)
         return self._units
 
     def _run(
@@ -204,7 +204,7 @@ class Step:
         batches: list[tuple[tuple[Any, ...], dict[str, Any]]],
         mode: Accumulation,
     ) -> tuple[tuple[list[torch.Tensor], list[Any]], Any]:
-        units, by_unit = self._start(
+        groups, by_unit = self._start(
             sparams,
             f"{mode}, {len(batches)} micro-batch(es)",
             nested="a step was called inside another step's loss_fn; call steps one after the other",
@@ -220,7 +220,7 @@ class Step:
         for i, (args, kwargs) in enumerate(batches):
             self.memory.peak = self.memory.current
             run = Run(
-                units,
+                groups,
                 order_hint=self._order,
                 prefetch=self.prefetch,
                 defer=mode == "unsharded" and i < len(batches) - 1,
@@ -251,15 +251,16 @@ class Step:
 
     def _start(
         self, sparams: Any, accumulation: str, *, nested: str
-    ) -> tuple[list[UnitRuntime], dict[str, list[FlatShard]]]:
+    ) -> tuple[list[GatherGroup], dict[str, list[FlatShard]]]:
         """What every call of a step or evaluation does first; collective (the start agreement).
 
         Refuses a call inside a running step (``nested`` is the message), checks
         ``sparams`` against the plan and agrees with every rank on the signature.
+        Returns every unit's gather group and this call's flat shards by unit.
         """
         if current_run() is not None:
             raise RuntimeError(nested)
-        units = self._runtimes()
+        self._runtimes()
         by_unit = shards_by_unit(sparams, self.plan, self._layouts)
         check_start(
             signature(
@@ -270,7 +271,7 @@ class Step:
                 order=self._order,
             )
         )
-        return units, by_unit
+        return self._groups, by_unit
 
     def _take_donated(self) -> dict[FlatLayout, torch.Tensor]:
         """With ``donate_grads``: the last call's gradient buffers, for this call's; see [Note: donation].

@@ -52,7 +52,7 @@ def shard_axes(strategy: Strategy, mesh: Mesh, /) -> tuple[str, ...]:
 # unpacking copy into fresh pages (comm/all_gather.py, leaf_algorithm). Elsewhere it is not
 # measured: gloo's native all-gather and its rings over more ranks step through buffers or
 # waits of their own, and on nccl one collective per leaf costs a launch each where the
-# unpacking copy is cheap. execute/unit_state.py gathers so and plan/unit_cost.py counts no
+# unpacking copy is cheap. execute/gather_group.py gathers so and plan/unit_cost.py counts no
 # staging buffer for such a part.
 LEAF_GATHERS: frozenset[tuple[str, int]] = frozenset({("gloo", 2)})
 

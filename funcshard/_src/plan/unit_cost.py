@@ -148,8 +148,8 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
 
 
 # [Note: staging buffers]
-# What the executor allocates for its collectives (execute/unit_state.py, execute/reduce.py):
-# - UnitRuntime.prefetch: per part, an all-gather output of group_size * (shard numel) in the
+# What the executor allocates for its collectives (execute/gather_group.py, execute/reduce.py):
+# - GatherGroup.prefetch: per part, an all-gather output of group_size * (shard numel) in the
 #   compute dtype, alive from the gather's start until its leaves are copied out, when the
 #   unit also holds its full leaves: the unit being unpacked holds both. None for a flat
 #   unit's part (its storage is the gathered buffer) or a part gathered in place (one leaf split evenly on dim 0 over exactly the shard axes: its
