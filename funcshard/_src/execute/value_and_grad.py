@@ -134,6 +134,30 @@ class Step:
         loss = torch.stack(losses).mean()
         return ((loss, auxes) if self.has_aux else loss), grads
 
+    def release(self) -> None:
+        """Frees what the step keeps between calls (its staging buffers); mutates. Local: no collective.
+
+        Between calls a step keeps only its staging pools (``stats.staging_bytes``,
+        a few units' collective buffers, see [Note: staging lifetimes]); gathered
+        parameters and gradients are never kept. The next call allocates them
+        again. Dropping the step frees the same.
+
+        Example:
+            >>> import torch, funcshard as fs
+            >>> plan = fs.plan({"w": torch.ones(2)}, fs.Mesh({"fsdp": 1}))
+            >>> step = fs.value_and_grad(lambda p: p["w"].sum(), plan)
+            >>> _ = step(fs.shard({"w": torch.ones(2)}, plan))
+            >>> step.release()
+            >>> step.stats.staging_bytes
+            0
+        """
+        if current_run() is not None:
+            raise RuntimeError(
+                "step.release() was called inside a running step; call it between steps"
+            )
+        self.gather_pool.clear()
+        self.reduce_pool.clear()
+
     def forward(self, sparams: Any, /, *args: Any, **kwargs: Any) -> Any:
         """What ``loss_fn(sparams, *args, **kwargs)`` returns, evaluated without gradients.
 
