@@ -7,6 +7,9 @@ Hugging Face, JAX or Orbax run in ``nox -s interop`` (tests/interop/test_docs_in
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from tests.docs import documents, run_blocks
@@ -40,3 +43,32 @@ def pools_count(name: str) -> int:
     from tests.docs import blocks
 
     return len(blocks(name))
+
+
+def test_every_note_cited_is_written():
+    """A ``[Note: ...]`` cited in the code or the docs exists: a line of its own opens it.
+
+    The docs state the executor's rules by citing the Notes that keep them
+    (docs/executor.md); a citation whose Note was renamed or removed would state
+    a rule no code holds.
+    """
+    root = Path(__file__).resolve().parent.parent
+    files = [
+        *(root / "funcshard").rglob("*.py"),
+        *(root / "docs").rglob("*.md"),
+        root / "README.md",
+    ]
+    written: set[str] = set()
+    cited: dict[str, set[str]] = {}
+    for path in files:
+        text = path.read_text()
+        for line in text.splitlines():
+            opened = re.fullmatch(r"\s*#?\s*\[Note: ([^\]]+)\]\s*", line)
+            if opened:
+                written.add(opened.group(1))
+        joined = re.sub(r"\s*\n\s*(#\s*)?", " ", text)  # a citation may wrap
+        for name in re.findall(r"\[Note: ([^\]]+)\]", joined):
+            cited.setdefault(name, set()).add(str(path.relative_to(root)))
+    assert len(written) > 40, "the test no longer finds the Notes"
+    missing = {name: sorted(where) for name, where in cited.items() if name not in written}
+    assert not missing, f"cited but never written: {missing}"

@@ -1,6 +1,7 @@
 """Per-unit strategies within a budget: the best assignment found from every uniform start.
 
-[Note: auto dominates] ``strategy="auto"`` scores every uniform strategy exactly as
+[Note: auto dominates]
+``strategy="auto"`` scores every uniform strategy exactly as
 ``fs.cost.estimate`` would, then searches from each of them: units move one at a time,
 first to fit (the move giving up the least step time per byte saved), then while a
 move makes the plan faster (ties: less memory). The result is the best of the uniform
