@@ -108,7 +108,7 @@ def _funcshard(
     device: torch.device,
     *,
     compiled: bool = False,
-    layout: Any = "leaf",
+    layout: Any = "auto",
 ) -> Trainer:
     world = fs.world_size()
     mesh = (
@@ -161,6 +161,8 @@ def _funcshard(
         lambda: step.ledger.total(),
         sum(fs.cost.estimate(plan).comm.values()),
         units=len(plan.units),
+        # what layout="auto" picked, as plan.explain() says it
+        notes=[n for n in plan.notes if n.startswith("layout=")],
     )
 
 
@@ -230,7 +232,12 @@ def _torch(wrap: str | None, cfg: Config, params: Any, device: torch.device) -> 
 _plain = functools.partial(_torch, None)
 MODES: dict[str, Mode] = {
     "funcshard/full_shard": Mode(
-        "funcshard, full_shard (ZeRO-3)", functools.partial(_funcshard, "full_shard")
+        "funcshard, full_shard (ZeRO-3), the layout the planner picks (layout='auto')",
+        functools.partial(_funcshard, "full_shard"),
+    ),
+    "funcshard/leaf": Mode(
+        "funcshard, full_shard, every unit in the leaf layout (each leaf's PartitionSpec chunk)",
+        functools.partial(_funcshard, "full_shard", layout="leaf"),
     ),
     "funcshard/compiled": Mode(
         "funcshard, full_shard, torch.compile(loss_fn) with Inductor",

@@ -217,7 +217,7 @@ def test_fingerprint_follows_the_placement(p):
         (
             {"layout": "ragged"},
             ValueError,
-            r"layout must be one of \['leaf', 'flat'\]; got 'ragged'",
+            r"layout must be one of \['leaf', 'flat', 'auto'\]; got 'ragged'",
         ),
         (
             {"strict": True},
@@ -349,6 +349,40 @@ def test_the_flat_layout_round_trips_explains_itself_and_costs_one_range_per_ran
     text = flat.explain()
     assert "full_shard (flat)" in text
     assert "flat" in text.split("blocks/0/w")[1].splitlines()[0]
+
+
+def test_auto_layout_is_flat_for_units_of_several_leaves_and_says_so():
+    params = {
+        "embed": torch.zeros(16, 8),
+        "blocks": [{"w": torch.zeros(5, 3), "b": torch.zeros(3)} for _ in range(3)],
+        "norm": {"g": torch.zeros(8)},
+    }
+    mesh = fs.Mesh({"fsdp": 2})
+    auto = fs.plan(params, mesh, units=["blocks/*", "norm"], layout="auto")
+    layouts = {u.name: u.layout for u in auto.units}
+    # several leaves: flat; one leaf (the root's embed here, norm/g): leaf, a placement JAX uses
+    assert layouts == {
+        "<root>": "leaf",
+        "blocks/0": "flat",
+        "blocks/1": "flat",
+        "blocks/2": "flat",
+        "norm": "leaf",
+    }
+    assert "layout='auto': flat for 3 unit(s)" in auto.explain()
+    assert fs.Plan.from_json(json.dumps(auto.to_json())) == auto
+    # a rule asks for a placement, which the flat layout would ignore: that unit keeps "leaf"
+    ruled = fs.plan(
+        params,
+        mesh,
+        units=["blocks/*", "norm"],
+        layout="auto",
+        rules=[("blocks/1/w", P(None, "fsdp"))],
+    )
+    assert {u.name: u.layout for u in ruled.units}["blocks/1"] == "leaf"
+    assert {u.name: u.layout for u in ruled.units}["blocks/0"] == "flat"
+    # never more bytes a rank than the leaf layout: flat pads only a unit's end
+    leaf = fs.plan(params, mesh, units=["blocks/*", "norm"])
+    assert fs.cost.estimate(auto).memory.params <= fs.cost.estimate(leaf).memory.params
 
 
 @pytest.mark.parametrize(

@@ -207,7 +207,7 @@ def cases(draw: st.DrawFn) -> Case:
         # 0: every unit on its own; 300: buckets of two or three small blocks; None: the
         # backend's default (every unit of these models in one bucket on gloo)
         bucket_bytes=draw(st.sampled_from([0, 300, None])),
-        layout=draw(st.sampled_from(["leaf", "flat"])),
+        layout=draw(st.sampled_from(["leaf", "flat", "auto"])),
     )
 
 

@@ -26,7 +26,7 @@ from funcshard._src.plan.resolve import Spec, build
 from funcshard._src.plan.rules import check_pattern, check_rules
 from funcshard._src.plan.sizes import parse_bytes
 from funcshard._src.plan.strategy import check_strategy
-from funcshard._src.plan.units import LAYOUTS, Layout
+from funcshard._src.plan.units import REQUESTED_LAYOUTS, RequestedLayout
 from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.partition_spec import P
 
@@ -41,7 +41,7 @@ def plan(
     frozen: Sequence[Any] = (),
     strategy: Requested = "full_shard",
     default: Default = "dim_0",
-    layout: Layout = "leaf",
+    layout: RequestedLayout = "leaf",
     strict: bool = False,
     memory_budget: int | str | None = None,
     cost: CostModel | None = None,
@@ -75,6 +75,9 @@ def plan(
             whose full leaves are views of it and nothing pads a leaf. The flat
             layout is funcshard's extension of ``PartitionSpec`` semantics: a leaf's
             spec is then only its JAX counterpart (``docs/planner.md``, "Layouts").
+            ``"auto"``: per unit, ``"flat"`` where it is faster and places the same
+            leaves, ``"leaf"`` for a unit of one leaf or one with a leaf a rule
+            places; :meth:`Plan.explain` says which it picked.
         strict: refuse dims that do not divide by their shard count, as JAX does.
         memory_budget: bytes per rank (an int or a size like ``"80GiB"``) that the
             plan must fit under ``cost``; required by ``strategy="auto"``.
@@ -116,8 +119,8 @@ def plan(
         )
     if not (default is None or default in ("dim_0", "largest_dim") or isinstance(default, P)):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise TypeError(f"default must be 'dim_0', 'largest_dim', a P or None; got {default!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {list(LAYOUTS)}; got {layout!r}")
+    if layout not in REQUESTED_LAYOUTS:
+        raise ValueError(f"layout must be one of {list(REQUESTED_LAYOUTS)}; got {layout!r}")
     budget = _check_budget(memory_budget, strategy)
 
     paths, leaves, treedef = tree.flatten_with_paths(params)

@@ -15,7 +15,7 @@ from funcshard._src.plan.cost_model import CostModel
 from funcshard._src.plan.plan import Default, LeafPlan, Plan, Requested
 from funcshard._src.plan.rules import Rule, first_match, matches, matches_within
 from funcshard._src.plan.strategy import Strategy, default_spec, shard_axes
-from funcshard._src.plan.units import ROOT, Layout, Unit, resolve_units
+from funcshard._src.plan.units import ROOT, Layout, RequestedLayout, Unit, resolve_units
 from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.named_sharding import NamedSharding
 from funcshard._src.spec.partition_spec import P
@@ -35,7 +35,7 @@ class Spec:
     strict: bool
     notes: tuple[str, ...]
     frozen: Sequence[Any] = ()  # patterns of leaves (or subtrees) with no gradient
-    layout: Layout = "leaf"  # every unit's
+    layout: RequestedLayout = "leaf"  # every unit's, or "auto": choose_layout per unit
 
 
 def build(
@@ -77,6 +77,15 @@ def build(
     if unused:
         raise ValueError(_unused_rule(unused[0], spec))
     notes = spec.notes
+    layout = spec.layout
+    if layout == "auto":
+        ruled = {p for p in spec.paths if first_match(spec.rules, p) is not None}
+        layout_of: dict[str, Layout] = {
+            name: choose_layout(unit_paths[name], ruled) for name in ordered
+        }
+        notes = (*notes, _layout_note(layout_of))
+    else:
+        layout_of = dict.fromkeys(ordered, layout)
     if requested is None:
         assert not isinstance(strategy, Mapping), "a plan with a strategy per unit says so"
         requested = strategy
@@ -85,7 +94,8 @@ def build(
         treedef=spec.treedef,
         leaves=tuple(planned),
         units=tuple(
-            Unit(name, tuple(unit_paths[name]), strategy_of(name), spec.layout) for name in ordered
+            Unit(name, tuple(unit_paths[name]), strategy_of(name), layout_of[name])
+            for name in ordered
         ),
         strategy=requested,
         notes=notes,
@@ -93,6 +103,51 @@ def build(
         cost=cost,
         memory_budget=memory_budget,
     )
+
+
+def choose_layout(paths: Sequence[str], ruled: set[str], /) -> Layout:
+    """``layout="auto"``'s choice for a unit of leaves ``paths``: ``"flat"`` unless it would change a placement.
+
+    A flat unit is one all-gather straight into one storage whose views are the
+    leaves: no staging buffer, no unpacking copy and no per-leaf padding, on every
+    backend and group size, and one plain copy per leaf to pack gradients. In the
+    leaf layout only some parts gather in place (``shard/flat.py``,
+    ``gathers_in_place``), the others through a staging buffer and a copy out. So a
+    unit of several leaves is ``"flat"``, unless a rule places one of its leaves
+    (``ruled``): the flat layout ignores a spec, and a rule asks for one. A unit of
+    one leaf keeps ``"leaf"``: split on dim 0 it already gathers in place, and its
+    spec stays a placement JAX can use.
+
+    Example:
+        >>> choose_layout(["blocks/0/w", "blocks/0/b"], set()), choose_layout(["embed"], set())
+        ('flat', 'leaf')
+        >>> choose_layout(["blocks/0/w", "blocks/0/b"], {"blocks/0/w"})
+        'leaf'
+    """
+    if len(paths) < 2 or any(p in ruled for p in paths):
+        return "leaf"
+    return "flat"
+
+
+def _layout_note(layout_of: Mapping[str, Layout], /) -> str:
+    """What ``layout="auto"`` picked, for :meth:`Plan.explain`."""
+    flat = [n for n, layout in layout_of.items() if layout == "flat"]
+    leaf = [n for n, layout in layout_of.items() if layout == "leaf"]
+
+    def names(units: list[str]) -> str:
+        return ", ".join(units[:3]) + (f" and {len(units) - 3} more" if len(units) > 3 else "")
+
+    picked = (
+        [
+            f"flat for {len(flat)} unit(s) ({names(flat)}): one all-gather into the unit's "
+            f"storage, no staging, no unpacking copy, no per-leaf padding"
+        ]
+        if flat
+        else []
+    )
+    if leaf:
+        picked.append(f"leaf for {len(leaf)} ({names(leaf)}): one leaf, or a leaf a rule places")
+    return "layout='auto': " + "; ".join(picked)
 
 
 def frozen_paths(paths: Sequence[str], patterns: Sequence[Any], /) -> set[str]:

@@ -21,6 +21,10 @@ ROOT = "<root>"
 # unit's leaves concatenated and cut into equal ranges (spec/flat_sharding.py)
 Layout = Literal["leaf", "flat"]
 LAYOUTS: tuple[Layout, ...] = ("leaf", "flat")
+# what fs.plan(layout=...) accepts: a layout for every unit, or "auto", one per unit
+# (plan/resolve.py, choose_layout)
+RequestedLayout = Literal["leaf", "flat", "auto"]
+REQUESTED_LAYOUTS: tuple[RequestedLayout, ...] = ("leaf", "flat", "auto")
 
 
 @dataclass(frozen=True)
