@@ -87,13 +87,27 @@ def _many_in_flight(
         if not all(torch.equal(everyone[0], b) for b in everyone):
             wrong.append(f"all-reduce differs between ranks, round {it}")
         held.append(len(arena.regions))
-    return {"wrong": wrong, "regions": held}
+    peers = [view.data_ptr() for _, view in arena.peer_maps.values()]
+    return {"wrong": wrong, "regions": held, "peer_resident": _resident_bytes(peers)}
+
+
+def _resident_bytes(starts: list[int]) -> int:
+    """Resident bytes of this process's mappings that begin at ``starts`` (``/proc/self/smaps``)."""
+    wanted, total, inside = set(starts), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) in wanted
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 @pytest.mark.parametrize("trimmed", [False, True], ids=["kept", "trimmed"])
 @pytest.mark.parametrize("name", sorted(MESHES))
 def test_collectives_in_flight_equal_gloo_and_reuse_their_regions(pools, name, trimmed):
-    """Also with every region "large": its pages given back while free, a reader's dropped."""
+    """Also with every region "large": its pages given back while free; a reader keeps no peer's pages."""
     mesh, axes = MESHES[name]
     large = 0 if trimmed else None
     for rank, r in enumerate(pools.run(fs.Mesh(mesh).size, _many_in_flight, mesh, axes, large)):
@@ -102,6 +116,8 @@ def test_collectives_in_flight_equal_gloo_and_reuse_their_regions(pools, name, t
         # yet been heard to finish reading; never one per collective started
         assert r["regions"][-1] == r["regions"][ROUNDS // 2], f"rank {rank}: {r['regions']}"
         assert r["regions"][-1] <= 12, f"rank {rank}: {r['regions']}"
+        # see [Note: peers' pages]: what a rank read from its peers is not in its RSS
+        assert r["peer_resident"] == 0, f"rank {rank}: {r['peer_resident']} bytes of peers'"
 
 
 def _cannot_map_a_peer() -> dict[str, Any]:

@@ -36,11 +36,20 @@ PROBE_BYTES = 4096
 # rare, and a threshold measured per machine is not done yet
 MIN_BYTES = 0
 _ALIGN = 4096
-# regions this large give their pages back while free (MADV_REMOVE), and a reader drops its
-# view of a peer's (MADV_DONTNEED) once read: a root unit's embeddings are gathered once
-# and reduced once a step, and their copies would otherwise stay resident all step, in
-# the owner and, as shared pages, in every reader
+# regions this large give their pages back while free (MADV_REMOVE): a root unit's
+# embeddings are gathered once and reduced once a step, and their copies would otherwise
+# stay resident all step in the owner
 LARGE_BYTES = 32 << 20
+# [Note: peers' pages]
+# A page a rank reads from a peer's region counts in its own resident set as a shared page,
+# so a reader that kept its views would hold, in RSS, every page of every peer's regions it
+# ever read: W - 1 copies of what each peer holds. At W = 8 on a 0.47B Llama that was
+# 196 MiB a rank between steps and about 200 MiB of each rank's peak
+# (bench/results/large_model_fsdp2). A reader therefore drops its whole view of a region
+# (MADV_DONTNEED) once read, whatever its size: the data stays in the peer's file, and the
+# next read maps it again, a minor fault per 64 KiB (the kernel's fault-around, which also
+# maps written pages beyond those read, hence the whole view), about 0.3 ms on an 8 MiB
+# read on the benchmark machine, where the copy itself takes about 1 ms.
 _REMOVE = getattr(mmap, "MADV_REMOVE", None)
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 # [Note: read marks]
@@ -167,9 +176,13 @@ class Arena:
         return mapped[:nbytes]
 
     def unmap_read(self, rank: int, fd: int, nbytes: int) -> None:
-        """Drops a large region of ``rank``'s from this rank's pages once read: they are the peer's memory."""
-        if nbytes >= LARGE_BYTES:
-            _give_back(self.peer_maps[(rank, fd)][0], nbytes, _DONTNEED)
+        """Drops ``rank``'s region from this rank's pages once read: they are the peer's memory.
+
+        See [Note: peers' pages].
+        """
+        if nbytes:  # the whole mapping: a fault maps the 64 KiB around it, read or not
+            mapping, mapped = self.peer_maps[(rank, fd)]
+            _give_back(mapping, mapped.numel(), _DONTNEED)
 
 
 _ARENAS: weakref.WeakKeyDictionary[Any, Arena | None] = weakref.WeakKeyDictionary()
