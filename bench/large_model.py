@@ -6,7 +6,7 @@ of the abstract params with initializer rules), ``load_pretrained`` (each rank
 reads its slices of a safetensors checkpoint that Hugging Face's
 ``save_pretrained`` wrote) and ``meta_module`` (``apply.materialize`` of a
 meta-device ``LlamaForCausalLM``: its own ``_init_weights``, one submodule at a
-time). Each then takes ``--steps`` AdamW steps and writes
+time), planned with ``layout="auto"``. Each then takes ``--steps`` AdamW steps and writes
 ``apply.save_pretrained``. Every rank reports its peak RSS (``VmHWM``), which
 must stay below the whole model's fp32 bytes, next to the RSS the process had
 before the model (torch and transformers imported, the model built on the meta
@@ -146,7 +146,15 @@ def worker(
     # with their gradients, for the whole step (as FSDP users wrap them)
     units = ["LlamaDecoderLayer", "model/embed_tokens", "lm_head"]
     params, apply = fs.interop.functionalize(model, units=units)
-    plan = fs.plan(params, fs.Mesh({"fsdp": world}), units=apply.units, frozen=apply.frozen)
+    # the planner picks each unit's layout: flat decoder layers gather straight into their
+    # storage, with no staging buffer and no unpacking copy at any W
+    plan = fs.plan(
+        params,
+        fs.Mesh({"fsdp": world}),
+        units=apply.units,
+        frozen=apply.frozen,
+        layout="auto",
+    )
     baseline = _rss_mib()  # torch and transformers imported, the model on the meta device
     t0 = time.perf_counter()
     if source == "materialize":
