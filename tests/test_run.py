@@ -99,10 +99,10 @@ def test_sharded_state_is_a_wth_of_the_total(pools, world_size, mesh):
 
 
 def _ledger_of_a_step(
-    model: Model, mesh: dict[str, int], strategy: Any, bf16: bool
+    model: Model, mesh: dict[str, int], strategy: Any, bf16: bool, layout: Any = "leaf"
 ) -> tuple[dict, dict]:
     params = model.init(0)
-    plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy=strategy)
+    plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy=strategy, layout=layout)
     mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     step = fs.value_and_grad(model.loss_fn, plan, mixed_precision=mp)
     sparams = fs.shard(params, plan)
@@ -114,17 +114,29 @@ def _ledger_of_a_step(
     return dict(step.ledger.bytes_by_key), dict(comm_bytes_per_step(plan, mp))
 
 
+def _ledgers_of_every_layout(
+    model: Model, mesh: dict[str, int], strategy: Any, bf16: bool
+) -> list[tuple[dict, dict]]:
+    """:func:`_ledger_of_a_step` for the leaf layout, the flat one and the planner's pick."""
+    return [_ledger_of_a_step(model, mesh, strategy, bf16, layout) for layout in LAYOUTS]
+
+
+LAYOUTS = ("leaf", "flat", "auto")
+
+
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"])
 @pytest.mark.parametrize(
     ("world_size", "mesh"), [(2, {"fsdp": 2}), (4, {"fsdp": 4}), (4, {"dp": 2, "fsdp": 2})]
 )
 def test_ledger_equals_the_cost_model(pools, strategy, world_size, mesh):
+    """On every layout: the leaf one, the flat one and layout="auto"'s mix of them."""
     for bf16 in (False, True):
         for model in (EVEN, UNEVEN):
-            for ledger, expected in pools.run(
-                world_size, _ledger_of_a_step, model, mesh, strategy, bf16
+            for per_layout in pools.run(
+                world_size, _ledgers_of_every_layout, model, mesh, strategy, bf16
             ):
-                assert ledger == expected
+                for layout, (ledger, expected) in zip(LAYOUTS, per_layout):
+                    assert ledger == expected, layout
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
