@@ -32,6 +32,7 @@ class ReducingGroup:
         first = self.members[0]
         self.bound, self.axes, self.replica_axes = first.bound, first.axes, first.replica_axes
         self.group_size, self.replica_size = first.group_size, first.replica_size
+        self.all_reduce_axes = first.all_reduce_axes
         self.ledger, self.memory = first.ledger, first.memory
         self.pool = gather_pool  # all-gather staging (and the root unit's packed gradients)
         self.reduce_pool = reduce_pool  # a bucket's rounds
@@ -70,7 +71,7 @@ class ReducingGroup:
         the rows go back to the reduce pool once reduced.
         """
         layout = part.layout
-        replica = self.replica_axes if self.replica_size > 1 else ()
+        replica = self.all_reduce_axes
         if self.group_size == 1 and replica:  # no_shard: in place, overlapped
             stage = collectives.all_reduce(
                 packed.view(-1),
@@ -138,7 +139,7 @@ class ReducingGroup:
                 pieces.append((member, member.parts[j].layout, a, b))
             else:
                 rows[:, a:b].zero_()
-        replica = self.replica_axes if self.replica_size > 1 else ()
+        replica = self.all_reduce_axes
         if self.group_size == 1:  # no_shard: all-reduced in place, the rows become the gradients
             stage = collectives.all_reduce(rows.view(-1), self.bound, replica, tag=self.name)
             op, axes, size, then, staging = "all_reduce", replica, self.replica_size, (), None

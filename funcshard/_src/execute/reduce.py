@@ -228,7 +228,7 @@ class Reducer:
         # kept from earlier micro-batches are still to be added
         direct = kept is None and not defer
         dtype = part.grad_dtype
-        replica = unit.replica_axes if unit.replica_size > 1 else ()
+        replica = unit.all_reduce_axes
         packed = rows
         if unit.group_size == 1 and replica and not defer and device.type == "cpu":
             # no_shard: packed straight into shared memory, summed from there into rows

@@ -101,6 +101,9 @@ class UnitRuntime:
         self.replica_axes = tuple(a for a in mesh.axis_names if a not in self.axes)
         self.group_size = collectives.group_size(bound, self.axes)
         self.replica_size = collectives.group_size(bound, self.replica_axes)
+        # what gradients are all-reduced over after (or, for no_shard, instead of) the
+        # reduce-scatter: the replica axes, none where there is one replica
+        self.all_reduce_axes = self.replica_axes if self.replica_size > 1 else ()
         backend = str(dist.get_backend()) if bound.distributed else ""
         leafwise = self.leafwise = (backend, self.group_size) in LEAF_GATHERS
         self.parts = [
