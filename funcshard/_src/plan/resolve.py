@@ -58,11 +58,15 @@ def build(
     used = [False] * len(spec.rules)
     frozen = frozen_paths(spec.paths, spec.frozen)
     planned: list[LeafPlan] = []
+    ruled: set[str] = set()  # leaves a rule places, which layout="auto" keeps in the leaf layout
     for path, leaf in zip(spec.paths, spec.leaves):
         shape = tuple(leaf.shape)
         unit = unit_of[path]
+        rule = first_match(spec.rules, path)
+        if rule is not None:
+            ruled.add(path)
         leaf_spec = _resolve_spec(
-            path, shape, spec.rules, used, strategy_of(unit), mesh, spec.default
+            path, shape, spec.rules, rule, used, strategy_of(unit), mesh, spec.default
         )
         NamedSharding(mesh, leaf_spec).validate(shape, path=path or "<root>", strict=spec.strict)
         planned.append(LeafPlan(path, shape, leaf.dtype, leaf_spec, unit, path in frozen))
@@ -79,7 +83,6 @@ def build(
     notes = spec.notes
     layout = spec.layout
     if layout == "auto":
-        ruled = {p for p in spec.paths if first_match(spec.rules, p) is not None}
         layout_of: dict[str, Layout] = {
             name: choose_layout(unit_paths[name], ruled) for name in ordered
         }
@@ -198,13 +201,14 @@ def _resolve_spec(
     path: str,
     shape: tuple[int, ...],
     rules: Sequence[Rule],
+    i: int | None,
     used: list[bool],
     strategy: Strategy,
     mesh: Mesh,
     default: Default,
 ) -> P:
+    """``path``'s spec: ``rules[i]``'s (the first rule matching it), else the default."""
     where = path or "<root>"
-    i = first_match(rules, path)
     if i is not None:
         used[i] = True
         spec, origin = rules[i].spec, f"rules[{i}] {rules[i]!r}"
