@@ -30,6 +30,13 @@ def _plan(world: int, variant: int) -> fs.Plan:
         return fs.plan(params, mesh, units=MODEL.units)
     if variant == 2:  # the flat layout: ranges of each unit's concatenation, cut inside leaves
         return fs.plan(params, mesh, units=MODEL.units, layout="flat")
+    if variant == 3:  # ZeRO-1
+        return fs.plan(params, mesh, units=MODEL.units, strategy="shard_optimizer")
+    if variant == 4:  # replicated everywhere
+        return fs.plan(params, mesh, units=MODEL.units, strategy="no_shard")
+    if variant == 5:  # sharded over fsdp, replicated over dp
+        hybrid = fs.Mesh({"dp": 2, "fsdp": world // 2})
+        return fs.plan(params, hybrid, units=MODEL.units, strategy="hybrid_shard")
     return fs.plan(
         params,
         mesh,
@@ -76,6 +83,11 @@ def _load(directory: str, variant: int) -> Any:
         (2, 2, 4, 1),  # flat layout -> per-leaf specs on more ranks
         (4, 0, 2, 2),  # per-leaf -> flat
         (4, 2, 2, 2),  # flat -> flat on fewer ranks: other cuts
+        (2, 3, 4, 4),  # shard_optimizer -> no_shard
+        (4, 4, 2, 3),  # no_shard -> shard_optimizer
+        (2, 3, 2, 1),  # shard_optimizer -> shard_grad_op with rules
+        (4, 3, 4, 5),  # shard_optimizer -> hybrid_shard
+        (4, 5, 1, 3),  # hybrid_shard -> shard_optimizer on one rank
     ],
 )
 def test_checkpoints_load_on_any_world_size_and_plan(

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import funcshard as fs
+from funcshard._src.plan.cost import estimate
+from funcshard._src.plan.cost_model import CostModel
 from funcshard._src.plan.unit_cost import comm_bytes_per_step, param_bytes_per_rank
 from funcshard._src.shard.sharded import flats_of
 from tests.models import Model
@@ -66,6 +68,48 @@ def test_gathered_parameters_stay_within_the_prefetch_bound(pools, prefetch):
     for r in pools.run(2, _held_and_peak, EVEN, {"fsdp": 2}, "full_shard", prefetch):
         assert r["peak"] <= r["root"] + (1 + prefetch) * r["max_unit"]
         assert r["peak"] < r["all_units"]  # memory really drops: not every unit is alive at once
+
+
+def _peak_against_the_model(mesh: dict[str, int], strategy: Any, micro: int) -> dict[str, int]:
+    """Worker body: the measured peak of gathered memory over a step of ``micro`` micro-batches."""
+    model = EVEN
+    params = model.init(0)
+    plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy=strategy)
+    step = fs.value_and_grad(model.loss_fn, plan, bucket_bytes=0)
+    batches = [model.batch_for(10 * fs.rank() + m) for m in range(micro)]
+    step.accumulate(fs.shard(params, plan), batches)
+    est = estimate(plan, CostModel(micro_batches=micro, backend="gloo")).memory
+    units = step._runtimes()
+    return {
+        "peak": step.stats.peak_gathered_bytes,
+        "bound": est.gathered + est.staging,
+        "all_units": sum(u.gathered_bytes for u in units),
+        "largest": max(u.gathered_bytes for u in units if not u.unit.is_root),
+        "root": sum(u.gathered_bytes for u in units if u.unit.is_root),
+    }
+
+
+@pytest.mark.parametrize(
+    ("world_size", "mesh", "strategy"),
+    [
+        (2, {"fsdp": 2}, "full_shard"),
+        (2, {"fsdp": 2}, "shard_grad_op"),
+        (2, {"fsdp": 2}, "shard_optimizer"),
+        (4, {"dp": 2, "fsdp": 2}, "hybrid_shard"),
+    ],
+)
+def test_gathered_memory_stays_within_the_cost_model(pools, world_size, mesh, strategy):
+    """One and three micro-batches: the measured peak of gathered parameters and staging is
+    at most the model's ``gathered + staging``. Units freed after forward (full_shard,
+    hybrid_shard, as FSDP's HYBRID_SHARD) never hold every unit at once; the others hold
+    all of them at the end of forward, shard_optimizer's for the whole step."""
+    for micro in (1, 3):
+        for r in pools.run(world_size, _peak_against_the_model, mesh, strategy, micro):
+            assert r["peak"] <= r["bound"], (micro, r)
+            if strategy in ("full_shard", "hybrid_shard"):
+                assert r["peak"] < r["all_units"], (micro, r)
+            else:
+                assert r["peak"] >= r["all_units"], (micro, r)
 
 
 @pytest.mark.parametrize("prefetch", [0, 1])
@@ -124,7 +168,9 @@ def _ledgers_of_every_layout(
 LAYOUTS = ("leaf", "flat", "auto")
 
 
-@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"])
+@pytest.mark.parametrize(
+    "strategy", ["full_shard", "shard_grad_op", "shard_optimizer", "no_shard", "hybrid_shard"]
+)
 @pytest.mark.parametrize(
     ("world_size", "mesh"), [(2, {"fsdp": 2}), (4, {"fsdp": 4}), (4, {"dp": 2, "fsdp": 2})]
 )
@@ -159,6 +205,7 @@ def test_full_shard_moves_three_times_w_minus_1_over_w_of_the_parameters(pools, 
     for strategy, factor, moved in [
         ("full_shard", 3, stored),
         ("shard_grad_op", 2, stored),
+        ("shard_optimizer", 2, stored),
         ("no_shard", 2, param_bytes),
     ]:
         for ledger, _ in pools.run(
@@ -188,6 +235,90 @@ def test_accumulation_modes_trade_memory_for_communication(pools):
     assert sharded[gather] == unsharded[gather] == 3 * one_step[gather]
     assert sharded[reduce] == 3 * one_step[reduce]
     assert unsharded[reduce] == one_step[reduce]
+
+
+def _accumulated_ledgers(mesh: dict[str, int], strategy: Any) -> list[tuple[str, dict, dict]]:
+    """Worker body: per mode, the ledger of one step of 3 micro-batches and the cost model's."""
+    model = UNEVEN
+    params = model.init(0)
+    plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy=strategy)
+    sparams = fs.shard(params, plan)
+    batches = [model.batch_for(10 * fs.rank() + m) for m in range(3)]
+    out = []
+    for mode in ("sharded", "unsharded"):
+        step = fs.value_and_grad(model.loss_fn, plan)
+        step.accumulate(sparams, batches, mode=mode)  # learns the call order
+        step.ledger.reset()
+        step.accumulate(sparams, batches, mode=mode)
+        model_ = CostModel(micro_batches=3, accumulate=mode)
+        out.append((mode, dict(step.ledger.bytes_by_key), dict(estimate(plan, model_).comm)))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("world_size", "mesh"), [(2, {"fsdp": 2}), (4, {"fsdp": 4}), (4, {"dp": 2, "fsdp": 2})]
+)
+def test_the_ledger_of_several_micro_batches_equals_the_cost_model(pools, world_size, mesh):
+    """CostModel(micro_batches=3): full_shard gathers 6 times, shard_grad_op, hybrid_shard's
+    root and no_shard 3, shard_optimizer once; reductions 3 times ('sharded') or once."""
+    for strategy in ["full_shard", "shard_grad_op", "shard_optimizer", "no_shard", "hybrid_shard"]:
+        for per_rank in pools.run(world_size, _accumulated_ledgers, mesh, strategy):
+            for mode, ledger, expected in per_rank:
+                assert ledger == expected, (strategy, mode)
+
+
+def test_shard_optimizer_gathers_and_reduces_once_per_step(pools):
+    """[Note: shard_optimizer]: one all-gather and one reduce-scatter per step of 3 micro-batches,
+    a third of shard_grad_op's gathers, whatever the accumulation mode."""
+    once, per_micro_batch = (
+        {mode: ledger for mode, ledger, _ in pools.run(2, _accumulated_ledgers, {"fsdp": 2}, s)[0]}
+        for s in ("shard_optimizer", "shard_grad_op")
+    )
+    one_step = comm_bytes_per_step(
+        fs.plan(
+            UNEVEN.init(0), fs.Mesh({"fsdp": 2}), units=UNEVEN.units, strategy="shard_optimizer"
+        )
+    )
+    for mode in ("sharded", "unsharded"):
+        assert once[mode] == one_step
+        gather = ("all_gather", ("fsdp",))
+        assert per_micro_batch[mode][gather] == 3 * once[mode][gather]
+
+
+def _skipping_unit(strategy: Any, mode: Any) -> tuple[Any, Any]:
+    """Worker body: unit "b" runs in the first micro-batch only; the sharded and reference grads."""
+    params = {
+        "a": {"w": torch.randn(4, 3, generator=torch.Generator().manual_seed(0))},
+        "b": {"w": torch.randn(3, 3, generator=torch.Generator().manual_seed(1))},
+    }
+
+    def loss_fn(p: Any, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = fs.call(lambda q, x: x @ q["w"], p["a"], x)
+        if use_b:
+            h = fs.call(lambda q, h: torch.tanh(h @ q["w"]), p["b"], h)
+        return (h**2).mean()
+
+    plan = fs.plan(params, fs.Mesh({"fsdp": fs.world_size()}), units=["a", "b"], strategy=strategy)
+    step = fs.value_and_grad(loss_fn, plan)
+    x = [
+        torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * r + m))
+        for r in range(fs.world_size())
+        for m in range(2)
+    ]
+    mine = [(x[2 * fs.rank()], True), (x[2 * fs.rank() + 1], False)]
+    _, grads = step.accumulate(fs.shard(params, plan), mine, mode=mode)
+    everyone = [(x[2 * r + m], m == 0) for r in range(fs.world_size()) for m in range(2)]
+    _, expected = fs.testing.reference_value_and_grad(loss_fn, params, everyone)
+    return fs.unshard(grads), expected
+
+
+def test_a_unit_called_only_in_an_earlier_micro_batch_has_its_gradients_reduced(pools):
+    """Gradients kept across micro-batches (accumulate="unsharded", shard_optimizer) of a unit
+    the last micro-batch does not call are reduced at the end of the step, not dropped."""
+    for strategy, mode in [("full_shard", "unsharded"), ("shard_optimizer", "sharded")]:
+        for grads, expected in pools.run(2, _skipping_unit, strategy, mode):
+            assert torch.count_nonzero(expected["b"]["w"]) > 0
+            fs.testing.assert_trees_close(grads, expected, rtol=1e-5, atol=1e-6)
 
 
 def _states_seen_in_forward() -> list[list[str]]:

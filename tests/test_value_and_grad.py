@@ -173,6 +173,7 @@ def one_thread() -> Iterator[None]:
 
 
 MESHES = [(("fsdp", 1),), (("fsdp", 2),), (("fsdp", 4),), (("dp", 2), ("fsdp", 2))]
+STRATEGIES = ["full_shard", "shard_grad_op", "shard_optimizer", "no_shard", "hybrid_shard"]
 
 
 @st.composite
@@ -192,7 +193,7 @@ def cases(draw: st.DrawFn) -> Case:
     return Case(
         model=model,
         mesh=draw(st.sampled_from(MESHES)),
-        strategy=draw(st.sampled_from(["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"])),
+        strategy=draw(st.sampled_from(STRATEGIES)),
         mixed_precision=draw(st.booleans()),
         optimizer=draw(st.sampled_from(["adamw", "sgd", "sgd_nesterov"])),
         micro_batches=micro,
@@ -250,10 +251,41 @@ def test_sharded_training_equals_single_device(pools, case):
 def test_every_strategy_on_every_mesh(pools):
     """The grid the property test samples from, each point once (fp32, transformer, per-block units)."""
     for mesh in MESHES:
-        for strategy in ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"]:
+        for strategy in STRATEGIES:
             check(
                 pools,
                 Case(Model(), mesh, strategy, mixed_precision=False, optimizer="adamw", steps=2),
+            )
+
+
+def test_shard_optimizer_trains_like_one_device_over_micro_batches(pools):
+    """ZeRO-1 ([Note: shard_optimizer]): gathered once per step, gradients kept whole across
+    the micro-batches and reduced once; both accumulation modes, bf16, the flat layout, buckets.
+
+    bf16 runs 4 micro-batches: the reference differentiates the mean loss, scaling each
+    micro-batch's bf16 backward by 1 / (ranks x micro-batches), which is exact in bf16 only
+    for a power of two (the sharded step scales the fp32 sums).
+    """
+    for mesh in MESHES:
+        for mode, mixed_precision, layout, micro in [
+            ("sharded", False, "leaf", 3),
+            ("unsharded", True, "flat", 4),
+        ]:
+            check(
+                pools,
+                Case(
+                    Model(embed_unit=True, remat=mesh == (("fsdp", 2),)),
+                    mesh,
+                    "shard_optimizer",
+                    mixed_precision=mixed_precision,
+                    optimizer="adamw",
+                    steps=2,
+                    micro_batches=micro,
+                    accumulate=mode,
+                    layout=layout,
+                    bucket_bytes=300 if layout == "flat" else 0,
+                    frozen=("blocks/0",) if mixed_precision else (),
+                ),
             )
 
 
@@ -261,7 +293,7 @@ def test_the_flat_layout_trains_like_one_device_on_every_strategy_and_mesh(pools
     """Each unit's leaves concatenated and cut into equal ranges (cut inside leaves, the last
     range padded): fp32 and bf16, clipping, frozen leaves, unsharded accumulation, buckets."""
     for mesh in MESHES:
-        for strategy in ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"]:
+        for strategy in STRATEGIES:
             check(
                 pools,
                 Case(
@@ -283,7 +315,7 @@ def test_the_flat_layout_trains_like_one_device_on_every_strategy_and_mesh(pools
 
 def test_frozen_leaves_train_like_one_device_on_every_strategy(pools):
     """Frozen leaves are sharded and gathered, get no update, and the rest trains as in one process."""
-    for strategy in ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"]:
+    for strategy in STRATEGIES:
         mesh = (("dp", 2), ("fsdp", 2)) if strategy == "hybrid_shard" else (("fsdp", 2),)
         for mixed_precision in (False, True):
             check(

@@ -205,7 +205,7 @@ gather.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _gather_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy | None:
-    """Recompute (re-gather) ``full_shard`` units in backward and save the others' full leaves.
+    """Recompute (re-gather) units that free after forward in backward and save the others' full leaves.
 
     Runs while AOTAutograd traces, where the run is known. ``None`` for other ops.
     """

@@ -83,9 +83,13 @@ class GatherGroup(ReducingGroup):
             self._finish(unit)
         unit.hold()
 
-    def release(self, unit: UnitRuntime, /) -> None:
-        """Drops one holder of ``unit``; the last one frees its storage (GATHERED -> SHARDED)."""
-        if unit.unhold():
+    def release(self, unit: UnitRuntime, /, *, keep: bool = False) -> None:
+        """Drops one holder of ``unit``; the last one frees its storage (GATHERED -> SHARDED).
+
+        With ``keep``, the unit stays GATHERED without holders, for the step's next
+        micro-batch (see [Note: shard_optimizer] in ``plan/strategy.py``).
+        """
+        if unit.unhold() and not keep:
             unit.free()
 
     def drop_unused(self, unit: UnitRuntime, /) -> None:
@@ -96,11 +100,16 @@ class GatherGroup(ReducingGroup):
             self._finish(unit)
         unit.free()
 
-    def release_all(self) -> None:
-        """At the end of a step: drops every holder and frees every member (-> SHARDED)."""
+    def release_all(self, *, keep: bool = False) -> None:
+        """At the end of a micro-batch: drops every holder and frees every member (-> SHARDED).
+
+        With ``keep`` (a micro-batch before the step's last), members that
+        :attr:`~UnitRuntime.keeps_for_step` and are GATHERED stay so.
+        """
         for unit in self.members:
             unit.drop_holders()
-            self.drop_unused(unit)
+            if not (keep and unit.keeps_for_step and unit.state is UnitState.GATHERED):
+                self.drop_unused(unit)
 
     def discard(self) -> list[Pending]:
         """After an error: drops collectives in flight without waiting (returns them), frees storage, forgets rounds."""

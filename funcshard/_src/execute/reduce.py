@@ -60,6 +60,7 @@ class Reducer:
         self.spares = spares  # donated buffers of the last call, by layout
         self.grads: dict[FlatLayout, torch.Tensor] = {}  # the result, in the stored dtype
         self.deferred: dict[FlatLayout, torch.Tensor] = {}  # packed, (group_size, numel)
+        self.deferring: dict[str, tuple[GatherGroup, UnitRuntime]] = {}  # units that deferred
         # reductions in flight, oldest first, each with the group that waits for it
         self.pending: list[tuple[GatherGroup, Reduction]] = []
         self.open_rounds: list[tuple[GatherGroup, int]] = []  # buckets' rounds not yet reduced
@@ -78,6 +79,8 @@ class Reducer:
         With ``defer``, packs and keeps them (added to what earlier deferred calls
         kept) to be reduced by a later call without ``defer``.
         """
+        if defer:
+            self.deferring[unit.name] = (group, unit)
         for j, (part, mine) in enumerate(zip(unit.parts, unit.split(grads))):
             if part.layout.dtype.is_floating_point and not part.layout.frozen:
                 while self._staged() >= MAX_PENDING:  # before packing: bounded memory
@@ -86,6 +89,21 @@ class Reducer:
                     self._reduce_in_round(group, unit, j, part, mine)
                 else:
                     self._reduce_part(group, unit, part, mine, defer=defer)
+
+    def reduce_deferred(self) -> None:
+        """After the last micro-batch's calls: reduces what units kept and did not reduce since; mutates.
+
+        A unit called in an earlier micro-batch and not in the last one still holds
+        its deferred gradients; they are reduced here with zeros for this
+        micro-batch, unit by unit in name order. Every rank called the same units in
+        every micro-batch (the end of forward agrees on it), so every rank reduces
+        the same units here.
+        """
+        for name in sorted(self.deferring):
+            group, unit = self.deferring[name]
+            if any(p.layout in self.deferred for p in unit.parts):
+                self.reduce(group, unit, [None] * len(unit.slots), defer=False)
+        self.deferring.clear()
 
     def finish(self) -> None:
         """Reduces the buckets' open rounds, waits for every reduction and adds it into :attr:`grads`; mutates."""
@@ -134,6 +152,7 @@ class Reducer:
         inflight = [r.stage for _, r in self.pending]
         self.pending.clear()
         self.deferred.clear()
+        self.deferring.clear()
         self.held.clear()
         self.open_rounds.clear()  # the groups forget their rounds in GatherGroup.discard
         return inflight

@@ -2,8 +2,8 @@
 
 Forward: the root unit is gathered first and held until its backward; each
 ``fs.call`` acquires its unit (waiting for a prefetch when there is one),
-prefetches the next unit, runs the function and, for ``full_shard``, releases
-the unit. Backward: a hook on a call's outputs fires before the call's backward
+prefetches the next unit, runs the function and, for ``full_shard`` and
+``hybrid_shard``, releases the unit. Backward: a hook on a call's outputs fires before the call's backward
 runs and acquires the unit again (and prefetches the one before it); the unit's
 gather node receives all gradients of its full leaves at once and hands them to
 the :class:`Reducer`. :meth:`Run.finish` reduces what no gradient reached and
@@ -81,6 +81,7 @@ class Run:
         prefetch: int,
         defer: bool,
         reducer: Reducer,
+        last: bool = True,
         output_dtype: torch.dtype | None = None,
         param_dtype: torch.dtype | None = None,
         evaluation: bool = False,
@@ -93,6 +94,9 @@ class Run:
         self.order_hint = list(order_hint)
         self.prefetch = prefetch
         self.defer = defer
+        # a micro-batch before the step's last: units that keep_for_step stay gathered
+        # and defer their reduction ([Note: shard_optimizer] in plan/strategy.py)
+        self.keep = not last
         self.reducer = reducer
         self.output_dtype = output_dtype
         self.param_dtype = param_dtype  # what floating leaves compute in (MixedPrecision)
@@ -175,7 +179,7 @@ class Run:
         return record, list(GatherNode.apply(self.gathered_grads, record, self.dummy))
 
     def exit_call(self, record: CallRecord, out: Any) -> None:
-        """FORWARD -> WAITING (``full_shard``: released) or KEPT; hooks the outputs for backward.
+        """FORWARD -> WAITING (``full_shard``, ``hybrid_shard``: released) or KEPT; hooks the outputs for backward.
 
         In an evaluation, FORWARD -> DONE: the unit is released whatever its
         strategy, as no backward will need it.
@@ -296,7 +300,8 @@ class Run:
         ):  # first: the full parameters are not needed to reduce
             self._release(record.unit)
         unit = record.unit
-        self.reducer.reduce(self.group_of[unit.name], unit, grads, defer=self.defer)
+        defer = self.defer or (self.keep and unit.keeps_for_step)
+        self.reducer.reduce(self.group_of[unit.name], unit, grads, defer=defer)
         record.phase = CallPhase.DONE
 
     def finish(self) -> None:
@@ -317,9 +322,11 @@ class Run:
             check_unreached([r.index for r in unreached])
         for record in unreached:  # their gradients are zero
             self.post_backward(record, [None] * len(record.unit.slots), agreed=True)
+        if not self.defer and not self.keep:  # the step's last micro-batch
+            self.reducer.reduce_deferred()
         self.reducer.finish()
         for group in self.groups:
-            group.release_all()
+            group.release_all(keep=self.keep)
         _STEP_RUN[0] = None
 
     def close_evaluation(self) -> None:
@@ -374,7 +381,7 @@ class Run:
         self.group_of[unit.name].acquire(unit)
 
     def _release(self, unit: UnitRuntime) -> None:
-        self.group_of[unit.name].release(unit)
+        self.group_of[unit.name].release(unit, keep=self.keep and unit.keeps_for_step)
 
     def _finish_forward_check(self) -> None:
         if self.forward_check is not None:

@@ -53,7 +53,12 @@ from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute.memory import GatheredMemory
 from funcshard._src.execute.part import Part
 from funcshard._src.plan.precision import MixedPrecision
-from funcshard._src.plan.strategy import LEAF_GATHERS, shard_axes
+from funcshard._src.plan.strategy import (
+    LEAF_GATHERS,
+    keeps_for_step,
+    reshards_after_forward,
+    shard_axes,
+)
 from funcshard._src.plan.units import Unit
 from funcshard._src.shard.flat import (
     FlatLayout,
@@ -144,8 +149,13 @@ class UnitRuntime:
 
     @property
     def frees_after_forward(self) -> bool:
-        """Whether forward frees the gathered parameters (``full_shard``, not the root unit)."""
-        return self.unit.strategy == "full_shard" and not self.unit.is_root
+        """Whether forward frees the gathered parameters (``full_shard``, ``hybrid_shard``; not the root unit)."""
+        return reshards_after_forward(self.unit.strategy) and not self.unit.is_root
+
+    @property
+    def keeps_for_step(self) -> bool:
+        """Whether the unit stays gathered and defers its reduction across micro-batches (``shard_optimizer``)."""
+        return keeps_for_step(self.unit.strategy)
 
     @property
     def gathered_bytes(self) -> int:
@@ -183,9 +193,20 @@ class UnitRuntime:
     def bind(self, flats: Sequence[FlatShard], /) -> None:
         """Uses ``flats`` (one per part, same layouts) as this step's shards; mutates.
 
+        A unit kept gathered from the step's last micro-batch (:attr:`keeps_for_step`)
+        is bound again to the same shards, which it still holds gathered.
+
         Raises:
-            UnitStateError: the unit is not SHARDED (a step is still using it).
+            UnitStateError: the unit is not SHARDED (a step is still using it), or is
+                kept gathered from other shards than ``flats``.
         """
+        if self.state is UnitState.GATHERED and self.keeps_for_step and not self._holders:
+            if len(flats) != len(self.flats) or any(a is not b for a, b in zip(flats, self.flats)):
+                raise UnitStateError(
+                    f"internal error: unit {self.name!r} is kept gathered from other shards "
+                    f"than this micro-batch's; please report it"
+                )
+            return
         self.expect(UnitState.SHARDED, "bind")
         self.flats = list(flats)
         for part, flat in zip(self.parts, self.flats):

@@ -248,6 +248,7 @@ class Step:
                 order_hint=self._order,
                 prefetch=self.prefetch,
                 defer=mode == "unsharded" and i < len(batches) - 1,
+                last=i == len(batches) - 1,
                 reducer=reducer,
                 output_dtype=self.mixed_precision.output_dtype,
                 param_dtype=self.mixed_precision.param_dtype,

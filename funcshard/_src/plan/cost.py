@@ -78,8 +78,11 @@ def estimate(
         f"optimizer {model.optimizer}"
         + (" with fp32 master weights (DeepSpeed/Megatron layout)" if model.master_weights else ""),
         f"mixed precision: {describe_precision(model.mixed_precision)}",
-        f"gathered: root unit + shard_grad_op units + {1 + model.prefetch} largest other units "
-        f"(prefetch {model.prefetch}) + one unit's unreduced gradients",
+        f"gathered: root unit + every unit kept from forward to backward + the "
+        f"{1 + model.prefetch} largest units freed after forward (prefetch {model.prefetch}) "
+        f"+ one unit's unreduced gradients",
+        f"{model.micro_batches} micro-batch(es) per optimizer step, accumulated "
+        f"{model.accumulate}; bytes sent per optimizer step",
         "staging: the largest all-gather output and reduce-scatter input, as the executor "
         "allocates them (one reduction in flight)",
         "communication: bandwidth-optimal (ring) algorithms, bytes sent per rank",
@@ -125,6 +128,7 @@ def estimate(
             sharded_units=sharded,
             state_bytes=sum(c.params + c.grads + c.optimizer + c.mixed_precision for c in costs),
             optimizer_passes=PASSES[model.optimizer],
+            micro_batches=model.micro_batches,
         )
         assumptions.append(describe_time(model.hardware, model.prefetch))
     staging = memory.params + memory.frozen + memory.optimizer if model.async_checkpoint else 0

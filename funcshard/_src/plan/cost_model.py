@@ -93,6 +93,12 @@ class CostModel:
         prefetch: the executor's prefetch (units gathered ahead).
         accumulate: ``"sharded"`` (reduce every micro-batch) or ``"unsharded"`` (keep
             full gradients until the last micro-batch, as ``step.accumulate`` does).
+        micro_batches: micro-batches per optimizer step (``step.accumulate``'s
+            count). Bytes sent are per optimizer step: a ``full_shard`` unit gathers
+            twice per micro-batch, a ``shard_grad_op`` unit once, a ``shard_optimizer``
+            unit once per step; reductions run once per micro-batch with
+            ``accumulate="sharded"`` (once per step for ``shard_optimizer`` units),
+            else once per step. Compute time scales with it.
         workload: batch and model shape, for activations and compute time.
         hardware: for the step-time estimate.
         reserve: device memory kept back from every budget for the runtime
@@ -120,6 +126,7 @@ class CostModel:
     master_weights: bool = False
     prefetch: int = 1
     accumulate: Literal["sharded", "unsharded"] = "sharded"
+    micro_batches: int = 1
     workload: Workload | None = None
     hardware: Hardware | None = None
     reserve: Reserve | None = None
@@ -137,6 +144,15 @@ class CostModel:
         if self.accumulate not in ("sharded", "unsharded"):
             raise ValueError(
                 f"accumulate must be 'sharded' or 'unsharded', got {self.accumulate!r}"
+            )
+        if (
+            isinstance(self.micro_batches, bool)
+            or not isinstance(self.micro_batches, int)  # pyright: ignore[reportUnnecessaryIsInstance]
+            or self.micro_batches < 1
+        ):
+            raise ValueError(
+                f"CostModel.micro_batches must be an int >= 1 (micro-batches per optimizer "
+                f"step), got {self.micro_batches!r}"
             )
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"CostModel.backend must be 'nccl' or 'gloo', got {self.backend!r}")

@@ -29,15 +29,20 @@ MAX_EVALUATIONS = 20_000  # moves scored per search: bounds a plan with many unl
 
 
 def ladder(mesh: Mesh, /) -> tuple[Strategy, ...]:
-    """The strategies ``strategy="auto"`` considers, most memory first.
+    """The strategies ``strategy="auto"`` considers, most memory first at one micro-batch.
+
+    Ties go to the first: ``shard_optimizer`` equals ``shard_grad_op`` at one
+    micro-batch, and wins on bytes sent with several (``CostModel.micro_batches``).
 
     Example:
-        >>> ladder(Mesh({"fsdp": 8})), ladder(Mesh({"dp": 2, "fsdp": 8}))[2]
-        (('no_shard', 'shard_grad_op', 'full_shard'), 'hybrid_shard')
+        >>> ladder(Mesh({"fsdp": 8}))
+        ('no_shard', 'shard_grad_op', 'shard_optimizer', 'full_shard')
+        >>> ladder(Mesh({"dp": 2, "fsdp": 8}))[3]
+        'hybrid_shard'
     """
     if len(mesh.axis_names) > 1:
-        return ("no_shard", "shard_grad_op", "hybrid_shard", "full_shard")
-    return ("no_shard", "shard_grad_op", "full_shard")
+        return ("no_shard", "shard_grad_op", "shard_optimizer", "hybrid_shard", "full_shard")
+    return ("no_shard", "shard_grad_op", "shard_optimizer", "full_shard")
 
 
 class Score(NamedTuple):
@@ -89,6 +94,7 @@ def score(costs: Sequence[UnitCost], ctx: Context, /) -> Score:
             sharded_units=sum(1 for c in costs if any(op != "all_reduce" for op, _ in c.comm)),
             state_bytes=sum(c.params + c.grads + c.optimizer + c.mixed_precision for c in costs),
             optimizer_passes=PASSES[model.optimizer],
+            micro_batches=model.micro_batches,
         ).step_s
     return Score(memory <= ctx.budget, memory, time, sum(comm.values()))
 
@@ -169,6 +175,7 @@ class Search:
                 sharded_units=self.sharded - old.sharded + new.sharded,
                 state_bytes=self.state - old.state + new.state,
                 optimizer_passes=PASSES[model.optimizer],
+                micro_batches=model.micro_batches,
             ).step_s
         return Score(memory <= self.ctx.budget, memory, time, sum(comm.values()))
 

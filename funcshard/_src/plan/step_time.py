@@ -114,11 +114,13 @@ def step_time(
     sharded_units: int,
     state_bytes: int,
     optimizer_passes: float,
+    micro_batches: int = 1,
 ) -> StepTime:
     """Seconds per step of one rank, tokens/s over all ranks, and MFU.
 
-    - Compute: :func:`flops_per_token` times the tokens, at ``hardware.efficiency``
-      of ``hardware.peak_flops``.
+    - Compute: :func:`flops_per_token` times the tokens of ``micro_batches``
+      micro-batches, at ``hardware.efficiency`` of ``hardware.peak_flops``; ``comm``
+      is every collective of the optimizer step.
     - Communication: each collective over a group of ``g`` ranks takes its bytes
       over :func:`link_bandwidth` (the topology: NVLink in a node, every NIC of a
       node for a ring across nodes) plus ``g - 1`` ring steps of ``hardware.latency``
@@ -143,8 +145,9 @@ def step_time(
         0.5
     """
     hw = hardware
-    flops = flops_per_token(n_params, workload) * workload.tokens
-    model_flops = flops_per_token(n_params, workload, executed=False) * workload.tokens
+    tokens = workload.tokens * micro_batches
+    flops = flops_per_token(n_params, workload) * tokens
+    model_flops = flops_per_token(n_params, workload, executed=False) * tokens
     compute_s = flops / (hw.peak_flops * hw.efficiency)
     calls = max(sharded_units, 1)
     comm_s = copied = 0.0
@@ -167,7 +170,7 @@ def step_time(
         comm_s,
         exposed,
         optimizer_s,
-        mesh.size * workload.tokens / step_s,
+        mesh.size * tokens / step_s,
         copy_s,
         flops,
         model_flops,

@@ -1,10 +1,31 @@
 """Sharding strategies per unit, and the mesh axes each one shards over.
 
 ``full_shard`` is ZeRO-3 (free after forward, re-gather for backward),
-``shard_grad_op`` ZeRO-2 (keep gathered from forward to backward), ``no_shard``
-DDP (replicate, all-reduce gradients) and ``hybrid_shard`` shards over the last
-mesh axis and replicates over the others (reduce-scatter inside the shard group,
+``shard_grad_op`` ZeRO-2 (keep gathered from forward to backward), ``shard_optimizer``
+ZeRO-1 (gathered once per step and kept for all its micro-batches, gradients kept
+whole until the step's last micro-batch, then reduce-scattered), ``no_shard`` DDP
+(replicate, all-reduce gradients) and ``hybrid_shard`` shards over the last mesh
+axis and replicates over the others, freed after forward as ``full_shard``
+(PyTorch FSDP's ``HYBRID_SHARD``: reduce-scatter inside the shard group,
 all-reduce across replicas).
+
+[Note: shard_optimizer]
+A ``shard_optimizer`` unit is stored like a ``full_shard`` one (its shards, its
+gradients and its optimizer state are 1/N a rank), so checkpoints reshard between
+it and every other strategy. What differs is the step: its parameters are
+all-gathered at the first micro-batch's forward and stay whole until the step
+ends; its gradients stay whole across micro-batches and are reduce-scattered once,
+after the last micro-batch's backward of the unit. Per optimizer step that is one
+all-gather and one reduce-scatter whatever the number of micro-batches: the bytes
+of DeepSpeed ZeRO-1's all-reduce (a ring all-reduce is a reduce-scatter and an
+all-gather), where ``shard_grad_op`` gathers once and ``full_shard`` twice per
+micro-batch. DeepSpeed all-gathers the updated parameters right after the update
+and keeps them whole across steps; funcshard runs that all-gather at the next
+step's first forward, so between steps a rank holds only its shards, and no whole
+copy can go stale when the shards are updated. All-reducing the gradients instead
+and updating one slice would send the same bytes and then still need the
+all-gather, so the reduce-scatter is the only variant. With one micro-batch the
+step is ``shard_grad_op``'s.
 """
 
 from __future__ import annotations
@@ -15,8 +36,16 @@ from typing import Literal, TypeAlias
 from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.partition_spec import P
 
-Strategy: TypeAlias = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"]
-STRATEGIES: tuple[Strategy, ...] = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+Strategy: TypeAlias = Literal[
+    "full_shard", "shard_grad_op", "shard_optimizer", "no_shard", "hybrid_shard"
+]
+STRATEGIES: tuple[Strategy, ...] = (
+    "full_shard",
+    "shard_grad_op",
+    "shard_optimizer",
+    "no_shard",
+    "hybrid_shard",
+)
 
 
 def check_strategy(strategy: object, /) -> Strategy:
@@ -31,6 +60,28 @@ def check_strategy(strategy: object, /) -> Strategy:
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
 
 
+def reshards_after_forward(strategy: Strategy, /) -> bool:
+    """Whether a (non-root) unit of ``strategy`` is freed after forward and gathered again for backward.
+
+    Example:
+        >>> [reshards_after_forward(s) for s in ("full_shard", "shard_grad_op", "hybrid_shard")]
+        [True, False, True]
+    """
+    return strategy in ("full_shard", "hybrid_shard")
+
+
+def keeps_for_step(strategy: Strategy, /) -> bool:
+    """Whether a unit of ``strategy`` stays gathered, and keeps its gradients whole, across a step's micro-batches.
+
+    See [Note: shard_optimizer].
+
+    Example:
+        >>> keeps_for_step("shard_optimizer"), keeps_for_step("shard_grad_op")
+        (True, False)
+    """
+    return strategy == "shard_optimizer"
+
+
 def shard_axes(strategy: Strategy, mesh: Mesh, /) -> tuple[str, ...]:
     """The mesh axes that ``strategy`` may shard a leaf over, major first.
 
@@ -38,6 +89,8 @@ def shard_axes(strategy: Strategy, mesh: Mesh, /) -> tuple[str, ...]:
         >>> mesh = Mesh({"dp": 2, "fsdp": 4})
         >>> shard_axes("full_shard", mesh), shard_axes("hybrid_shard", mesh), shard_axes("no_shard", mesh)
         (('dp', 'fsdp'), ('fsdp',), ())
+        >>> shard_axes("shard_optimizer", mesh)
+        ('dp', 'fsdp')
     """
     if strategy == "no_shard":
         return ()

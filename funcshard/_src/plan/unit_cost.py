@@ -25,7 +25,13 @@ from funcshard._src.plan.cost_model import (
 from funcshard._src.plan.estimates import Key, Memory
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
-from funcshard._src.plan.strategy import LEAF_GATHERS, Strategy, shard_axes
+from funcshard._src.plan.strategy import (
+    LEAF_GATHERS,
+    Strategy,
+    keeps_for_step,
+    reshards_after_forward,
+    shard_axes,
+)
 from funcshard._src.plan.units import Unit
 
 
@@ -80,7 +86,7 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     replica = tuple(a for a in mesh.axis_names if a not in axes)
     g = math.prod(mesh.axis_size(a) for a in axes)
     r = math.prod(mesh.axis_size(a) for a in replica)
-    gathers = 2 if unit.strategy == "full_shard" and not unit.is_root else 1
+    gathers, reductions = collectives_per_step(unit, model)
     copies = STATE_COPIES[model.optimizer]
     params = frozen = grads = optimizer = master = gathered = unreduced = deferred = 0
     gather_buffer = reduce_buffer = 0
@@ -125,9 +131,9 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
         if not trained:
             continue
         if g > 1:
-            comm[("reduce_scatter", axes)] += (g - 1) * n * grad.itemsize
+            comm[("reduce_scatter", axes)] += reductions * (g - 1) * n * grad.itemsize
         if r > 1:
-            comm[("all_reduce", replica)] += 2 * n * grad.itemsize * (r - 1) // r
+            comm[("all_reduce", replica)] += reductions * (2 * n * grad.itemsize * (r - 1) // r)
     return UnitCost(
         unit.name,
         unit.strategy,
@@ -144,6 +150,43 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
         sum(full.values()),
         gather_buffer,
         reduce_buffer,
+    )
+
+
+def collectives_per_step(unit: Unit, model: CostModel, /) -> tuple[int, int]:
+    """How often ``unit`` is gathered and its gradients reduced in one optimizer step.
+
+    Per micro-batch, a ``full_shard`` or ``hybrid_shard`` unit (not the root) is
+    gathered twice (forward, and again for backward) and any other once; its gradients are reduced once per
+    micro-batch, or once per step with ``accumulate="unsharded"``. A ``shard_optimizer``
+    unit is gathered and reduced once per step (see [Note: shard_optimizer] in
+    ``strategy.py``).
+
+    Example:
+        >>> from funcshard._src.plan.units import Unit
+        >>> unit = Unit("blocks/0", ("blocks/0/w",), "full_shard")
+        >>> collectives_per_step(unit, CostModel(micro_batches=4))
+        (8, 4)
+        >>> collectives_per_step(unit, CostModel(micro_batches=4, accumulate="unsharded"))
+        (8, 1)
+        >>> collectives_per_step(Unit("blocks/0", ("blocks/0/w",), "shard_optimizer"), CostModel(micro_batches=4))
+        (1, 1)
+    """
+    k = model.micro_batches
+    if keeps_for_step(unit.strategy):
+        return 1, 1
+    gathers = 2 * k if reshards_after_forward(unit.strategy) and not unit.is_root else k
+    return gathers, 1 if model.accumulate == "unsharded" else k
+
+
+def defers(cost: UnitCost, model: CostModel, /) -> bool:
+    """Whether the unit keeps its packed full gradients across micro-batches under ``model``.
+
+    With ``accumulate="unsharded"`` every unit does (counted even for one micro-batch,
+    the bound for any count); a ``shard_optimizer`` unit does with several.
+    """
+    return model.accumulate == "unsharded" or (
+        keeps_for_step(cost.strategy) and model.micro_batches > 1
     )
 
 
@@ -233,8 +276,9 @@ def comm_bytes_per_step(
     """Bytes one rank sends in one step (forward and backward of one batch), by ``(op, axes)``.
 
     Per unit and dtype, with ``B`` its flat buffer's bytes on one rank and ``g`` the
-    size of its shard group: a ``full_shard`` unit is all-gathered twice (forward,
-    and again for backward), the root unit and ``shard_grad_op`` units once; each
+    size of its shard group: a ``full_shard`` or ``hybrid_shard`` unit is
+    all-gathered twice (forward, and again for backward), the root unit and
+    ``shard_grad_op`` and ``shard_optimizer`` units once; each
     sends ``(g - 1) * B`` bytes. Floating-point gradients are reduce-scattered
     once (``(g - 1) * B``), then all-reduced across replica axes of size ``r``
     (``2 * (r - 1) / r * B``): ``hybrid_shard`` across ``dp``, ``no_shard`` across
@@ -250,18 +294,19 @@ def comm_bytes_per_step(
 def memory_of(costs: list[UnitCost], model: CostModel, /) -> Memory:
     """Adds up unit costs into one rank's :class:`Memory` (activations and logits not included)."""
     root = sum(c.gathered for c in costs if c.is_root)
-    kept = sum(c.gathered for c in costs if c.strategy == "shard_grad_op" and not c.is_root)
+    # every unit that does not reshard after forward is kept to its backward (the executor's
+    # UnitRuntime.frees_after_forward), shard_optimizer's across micro-batches too
+    kept = sum(
+        c.gathered for c in costs if not reshards_after_forward(c.strategy) and not c.is_root
+    )
     others = sorted(
-        (c.gathered for c in costs if c.strategy != "shard_grad_op" and not c.is_root),
+        (c.gathered for c in costs if reshards_after_forward(c.strategy) and not c.is_root),
         reverse=True,
     )
     alive = sum(others[: 1 + model.prefetch])
-    if model.accumulate == "unsharded":
-        grads_alive = sum(c.deferred_grads for c in costs) + max(
-            (c.unreduced_grads for c in costs), default=0
-        )
-    else:
-        grads_alive = max((c.unreduced_grads for c in costs), default=0)
+    grads_alive = sum(c.deferred_grads for c in costs if defers(c, model)) + max(
+        (c.unreduced_grads for c in costs), default=0
+    )
     return Memory(
         staging=max((c.gather_buffer for c in costs), default=0)
         + max((c.reduce_buffer for c in costs), default=0),
