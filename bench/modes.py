@@ -109,7 +109,11 @@ def _funcshard(
     *,
     compiled: bool = False,
     layout: Any = "auto",
+    micro_batches: int = 1,
 ) -> Trainer:
+    """funcshard with ``strategy``; with ``micro_batches`` > 1 the rank's batch is split into
+    that many micro-batches along its sequences, one optimizer step over them
+    (``step.accumulate``, the same tokens per step)."""
     world = fs.world_size()
     mesh = (
         fs.Mesh({"dp": 2, "fsdp": world // 2})
@@ -142,7 +146,11 @@ def _funcshard(
 
     def run(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         step.ledger.reset()
-        loss, grads = step(held["params"], tokens, targets)
+        if micro_batches > 1:
+            pieces = list(zip(tokens.chunk(micro_batches), targets.chunk(micro_batches)))
+            loss, grads = step.accumulate(held["params"], pieces)
+        else:
+            loss, grads = step(held["params"], tokens, targets)
         held["params"], held["state"] = opt.update_(grads, held["state"], held["params"])
         held["grad_bytes"] = _flat_bytes(grads)
         del grads
@@ -159,7 +167,7 @@ def _funcshard(
         run,
         state_bytes,
         lambda: step.ledger.total(),
-        sum(fs.cost.estimate(plan).comm.values()),
+        sum(fs.cost.estimate(plan, fs.cost.CostModel(micro_batches=micro_batches)).comm.values()),
         units=len(plan.units),
         # what layout="auto" picked, as plan.explain() says it
         notes=[n for n in plan.notes if n.startswith("layout=")],
@@ -249,6 +257,15 @@ MODES: dict[str, Mode] = {
     ),
     "funcshard/shard_grad_op": Mode(
         "funcshard, shard_grad_op (ZeRO-2)", functools.partial(_funcshard, "shard_grad_op")
+    ),
+    # two micro-batches of one sequence each: the levers of per-step communication
+    "funcshard/shard_optimizer": Mode(
+        "funcshard, shard_optimizer (ZeRO-1), the rank's batch as 2 micro-batches",
+        functools.partial(_funcshard, "shard_optimizer", micro_batches=2),
+    ),
+    "funcshard/shard_grad_op/2mb": Mode(
+        "funcshard, shard_grad_op (ZeRO-2), the rank's batch as 2 micro-batches",
+        functools.partial(_funcshard, "shard_grad_op", micro_batches=2),
     ),
     "funcshard/no_shard": Mode(
         "funcshard, no_shard (DDP-like)", functools.partial(_funcshard, "no_shard")

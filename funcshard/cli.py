@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--deepspeed",
         action="store_true",
         help="DeepSpeed's ZeRO layout (fp16 params, fp32 master weights, Adam and reduction, no "
-        "prefetch, a unit per module) beside its ZeRO-2/ZeRO-3 estimators, term by term",
+        "prefetch, a unit per module) beside its ZeRO-1/2/3 estimators, term by term",
     )
     p.add_argument("--hardware", help=f"a preset ({', '.join(HARDWARE)}) or a JSON file")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per rank per step")
@@ -122,6 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention keeps no (seq x seq) scores (FlashAttention, fused SDPA)",
     )
     p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (step.accumulate); bytes sent are per step",
+    )
+    p.add_argument(
+        "--accumulate",
+        default="sharded",
+        choices=["sharded", "unsharded"],
+        help="reduce every micro-batch (sharded, default) or once per step (unsharded)",
+    )
     p.add_argument("--json", type=Path, help="also write the numbers to this JSON file")
     p.add_argument("--plot", type=Path, help="also draw memory per strategy to this image")
     v = sub.add_parser(

@@ -101,6 +101,16 @@ def test_a_generous_budget_sends_the_least_and_a_tight_one_shards_everything():
     assert "no_shard exceeds " + fs_format(least) in dict(tight.reasons)["layers/0"]
 
 
+def test_with_micro_batches_a_generous_budget_picks_shard_optimizer():
+    """4 micro-batches: shard_optimizer gathers and reduces once per step, shard_grad_op 4 times."""
+    params, mesh = _stack(4), fs.Mesh({"fsdp": 4})
+    cost = CostModel(micro_batches=4)
+    _, most = _totals(params, mesh, cost)
+    loose = fs.plan(params, mesh, units="auto", strategy="auto", memory_budget=2 * most, cost=cost)
+    assert {u.strategy for u in loose.units} == {"shard_optimizer"}
+    assert "shard_grad_op sends" in dict(loose.reasons)["layers/0"]
+
+
 def fs_format(n: int) -> str:
     from funcshard._src.plan.sizes import format_bytes
 
@@ -174,6 +184,7 @@ def _assert_dominates(auto: Any, fixed: dict[str, Any], budget: int) -> None:
 COSTS = [
     CostModel(),
     CostModel(mixed_precision=BF16),
+    CostModel(mixed_precision=BF16, micro_batches=4),  # where shard_optimizer sends the least
     _cli_cost("llama-7b", "a100-80gb", remat=True),
     _cli_cost("llama-7b", "h100-80gb", remat=False),
 ]

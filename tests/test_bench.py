@@ -200,3 +200,17 @@ def test_a_tiny_paired_run_alternates_two_modes_in_the_same_processes(tmp_path):
     assert "median of the paired step ratios" in paired.markdown(summary)
     with pytest.raises(SystemExit, match="needs two of"):
         paired.main(["--modes", "plain"])
+
+
+def test_tiny_benchmark_runs_the_per_step_levers(tmp_path):
+    """Two micro-batches a step: shard_optimizer (ZeRO-1) trains like the one-process
+    reference, sends what the cost model says, and sends less than shard_grad_op does over
+    the same micro-batches (one all-gather and one reduce-scatter a step, not two each)."""
+    modes = "funcshard/shard_optimizer,funcshard/shard_grad_op/2mb,single"
+    summary = _tiny(tmp_path, "--modes", modes, "--size", "34m")
+    rows = summary["sizes"]["34m"]["modes"]
+    for mode in ("funcshard/shard_optimizer", "funcshard/shard_grad_op/2mb"):
+        assert rows[mode]["largest_loss_difference"] < 1e-4, mode
+        assert rows[mode]["comm_bytes_per_step"] == rows[mode]["expected_comm_bytes_per_step"]
+    zero1 = rows["funcshard/shard_optimizer"]["comm_bytes_per_step"]
+    assert zero1 < rows["funcshard/shard_grad_op/2mb"]["comm_bytes_per_step"]

@@ -256,6 +256,39 @@ def test_deepspeed_layout_matches_deepspeeds_formulas_term_by_term(gpus, tmp_pat
     assert z2["funcshard"] - z2["deepspeed"] == 8 + staging[1] + 2 * largest - (
         0 if whole else 2 * p
     )
+    # one estimator for stages 1 and 2; shard_optimizer holds shard_grad_op's bytes at one
+    # micro-batch ([Note: shard_optimizer])
+    z1 = ds["zero1"]
+    assert (z1["strategy"], z1["deepspeed"], z1["funcshard"]) == (
+        "shard_optimizer",
+        z2["deepspeed"],
+        z2["funcshard"],
+    )
+
+
+def test_zero1_with_micro_batches_keeps_whole_gradients_and_sends_less(tmp_path):
+    """--micro-batches 4: shard_optimizer keeps every unit's fp32 gradients whole (4 bytes a
+    parameter, padding aside) until the last micro-batch, and sends a quarter of
+    shard_grad_op's gathers and reductions."""
+    out = tmp_path / "ds.json"
+    argv = ["plan", "--model", "llama-7b", "--mesh", "fsdp=8", "--deepspeed"]
+    assert cli.main([*argv, "--micro-batches", "4", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    ds = data["deepspeed"]
+    extra = (
+        ds["zero1"]["terms"]["gathered"]["funcshard"]
+        - ds["zero2"]["terms"]["gathered"]["funcshard"]
+    )
+    assert 4 * LLAMA_7B_P <= extra <= 4 * LLAMA_7B_P * 1.001
+    sent = {s: sum(row["comm"].values()) for s, row in data["strategies"].items() if s != "auto"}
+    assert sent["shard_optimizer"] * 4 == sent["shard_grad_op"]
+    assert sent["full_shard"] > sent["shard_grad_op"] > sent["shard_optimizer"]
+
+
+def test_micro_batches_must_be_positive(capsys):
+    argv = ["plan", "--model", "llama-7b", "--mesh", "fsdp=8", "--micro-batches", "0"]
+    assert cli.main(argv) == 2
+    assert "--micro-batches 0" in capsys.readouterr().err
 
 
 def test_deepspeed_sets_its_layout(tmp_path):

@@ -136,6 +136,16 @@ def test_explain_shows_leaves_units_and_totals():
     assert re.search(r"blocks/0\s+full_shard\s+4\s+", text)
     assert "parameters per rank" in text
     assert "fingerprint" in text
+    assert "full_shard: ZeRO-3: gathered for forward, freed" in text
+    assert "shard_optimizer:" not in text  # only the strategies the plan uses are explained
+
+
+def test_explain_says_what_shard_optimizer_does():
+    text = plan(
+        gpt_params(), Mesh({"fsdp": 2}), units=["blocks/*"], strategy="shard_optimizer"
+    ).explain()
+    assert re.search(r"blocks/0\s+shard_optimizer\s+4\s+", text)
+    assert "shard_optimizer: ZeRO-1: gathered once per step and kept for every micro-batch" in text
 
 
 @st.composite

@@ -8,6 +8,13 @@ estimate_zero2_model_states_mem_needs``, the latter since PR #5099)::
     ZeRO-3: 4 * largest_layer_params + int(18 * total_params / total_gpus)
     ZeRO-2: 2 * total_params         + int(18 * total_params / total_gpus)
 
+``stage_1_and_2.py`` holds one estimator for stages 1 and 2, so ZeRO-1 is compared
+with the ZeRO-2 formula, beside ``shard_optimizer``. With one micro-batch
+``shard_optimizer`` holds what ``shard_grad_op`` holds (see [Note: shard_optimizer]
+in ``plan/strategy.py``); with several (``--micro-batches``) it also keeps every
+unit's gradients whole in the reduce dtype until the step's last micro-batch, as
+DeepSpeed's stage 1 keeps its fp16 gradients whole, which its estimator leaves out.
+
 for fp16 training with Adam: the 18 partitioned bytes are fp32 params, gradients,
 momentum and variance (4 each) and 2 of fp16 params (ZeRO-3) or fp16 gradients
 (ZeRO-2); ZeRO-2 keeps the fp16 params whole (2 * P); ZeRO-3 gathers the largest
@@ -90,7 +97,7 @@ def zero2_model_states(total: int, gpus: int, /) -> int:
 
 
 def compare(memory: Mapping[str, Memory], total: int, largest: int, gpus: int, /) -> dict[str, Any]:
-    """Each formula's terms beside funcshard's, for ``full_shard`` (ZeRO-3) and ``shard_grad_op`` (ZeRO-2).
+    """Each formula's terms beside funcshard's: ``full_shard`` (ZeRO-3), ``shard_grad_op`` (ZeRO-2), ``shard_optimizer`` (ZeRO-1).
 
     Args:
         memory: funcshard's memory by strategy (those present are compared).
@@ -98,17 +105,21 @@ def compare(memory: Mapping[str, Memory], total: int, largest: int, gpus: int, /
         gpus: DeepSpeed's ``total_gpus``, the mesh's size.
 
     Returns:
-        ``{"zero3": {...}, "zero2": {...}}``: per stage the formula, funcshard's
+        ``{"zero3": {...}, "zero2": {...}, "zero1": {...}}``: per stage the formula, funcshard's
         model states, and each term (partitioned, gathered, counter) of both.
     """
     partitioned = int(18 * total / gpus)
-    whole = {"zero3": 4 * largest, "zero2": 2 * total}
+    whole = {"zero3": 4 * largest, "zero2": 2 * total, "zero1": 2 * total}
     out: dict[str, Any] = {
         "world_size": gpus,
         "total_params": total,
         "largest_layer_params": largest,
     }
-    for stage, strategy in (("zero3", "full_shard"), ("zero2", "shard_grad_op")):
+    for stage, strategy in (
+        ("zero3", "full_shard"),
+        ("zero2", "shard_grad_op"),
+        ("zero1", "shard_optimizer"),
+    ):
         if strategy not in memory:
             continue
         m = memory[strategy]
@@ -136,8 +147,12 @@ def describe(comparison: Mapping[str, Any], /) -> list[str]:
         f"DeepSpeed's estimators (no offload) on {n} GPU{'s' if n > 1 else ''}, P = "
         f"{comparison['total_params']:,}, largest layer {comparison['largest_layer_params']:,}:"
     ]
-    formulas = {"zero3": "4*largest + 18*P/N", "zero2": "2*P + 18*P/N"}
-    for stage in ("zero3", "zero2"):
+    formulas = {
+        "zero3": "4*largest + 18*P/N",
+        "zero2": "2*P + 18*P/N",
+        "zero1": "2*P + 18*P/N (stage_1_and_2.py's one estimator)",
+    }
+    for stage in ("zero3", "zero2", "zero1"):
         if stage not in comparison:
             continue
         c = comparison[stage]

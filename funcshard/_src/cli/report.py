@@ -27,7 +27,15 @@ from funcshard._src.spec.mesh import Mesh
 
 SCHEMA_VERSION = 2  # of the --json output; 2 added schema_version, usable_memory, deepspeed
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-STRATEGIES = ("all", "no_shard", "shard_grad_op", "hybrid_shard", "full_shard", "auto")
+STRATEGIES = (
+    "all",
+    "no_shard",
+    "shard_grad_op",
+    "shard_optimizer",
+    "hybrid_shard",
+    "full_shard",
+    "auto",
+)
 
 
 class UsageError(ValueError):
@@ -96,6 +104,10 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
         budget = hardware.memory_bytes if hardware is not None else None
     if args.batch_size < 1 or (args.seq_len is not None and args.seq_len < 1):
         raise UsageError("--batch-size and --seq-len must be positive")
+    if args.micro_batches < 1:
+        raise UsageError(
+            f"--micro-batches {args.micro_batches}: give the micro-batches per optimizer step, >= 1"
+        )
     param_dtype = "fp16" if args.deepspeed else args.param_dtype
     units = [u.strip() for u in args.units.split(",")] if args.units else None
     dtype = DTYPES[param_dtype]
@@ -131,6 +143,9 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
             workload=workload,
             hardware=hardware,
         )
+    model = dataclasses.replace(
+        model, micro_batches=args.micro_batches, accumulate=args.accumulate
+    )
     if args.reserve is not None:
         model = dataclasses.replace(model, reserve=parse_reserve(args.reserve))
     usable = None if budget is None else usable_budget(budget, model)

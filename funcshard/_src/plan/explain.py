@@ -9,7 +9,7 @@ from funcshard._src.dtypes import dtype_name
 from funcshard._src.plan.estimates import Estimate
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.sizes import format_bytes, shape_text, table
-from funcshard._src.plan.strategy import shard_axes
+from funcshard._src.plan.strategy import MEANINGS, shard_axes
 from funcshard._src.spec.named_sharding import NamedSharding
 
 
@@ -77,6 +77,8 @@ def explain(plan: Plan, /) -> str:
         *costs(plan),
     ]
     lines += [f"note: {note}" for note in plan.notes]
+    used = {u.strategy for u in plan.units}
+    lines += [f"{s}: {MEANINGS[s]}" for s in MEANINGS if s in used]
     return "\n".join(lines)
 
 

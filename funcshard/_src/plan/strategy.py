@@ -48,6 +48,21 @@ STRATEGIES: tuple[Strategy, ...] = (
 )
 
 
+# what each strategy does, in one line, for explain()
+MEANINGS: dict[Strategy, str] = {
+    "full_shard": "ZeRO-3: gathered for forward, freed, gathered again for backward; "
+    "gradients reduce-scattered",
+    "shard_grad_op": "ZeRO-2: gathered for forward and kept to its backward; gradients "
+    "reduce-scattered",
+    "shard_optimizer": "ZeRO-1: gathered once per step and kept for every micro-batch; "
+    "gradients kept whole and reduce-scattered once per step; shards, gradients and "
+    "optimizer state 1/N",
+    "no_shard": "DDP: whole on every rank; gradients all-reduced",
+    "hybrid_shard": "sharded over the last mesh axis and replicated over the others; freed "
+    "after forward; gradients reduce-scattered, then all-reduced across replicas",
+}
+
+
 def check_strategy(strategy: object, /) -> Strategy:
     """Returns ``strategy`` if it names a strategy.
 
