@@ -143,9 +143,7 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
             workload=workload,
             hardware=hardware,
         )
-    model = dataclasses.replace(
-        model, micro_batches=args.micro_batches, accumulate=args.accumulate
-    )
+    model = dataclasses.replace(model, micro_batches=args.micro_batches, accumulate=args.accumulate)
     if args.reserve is not None:
         model = dataclasses.replace(model, reserve=parse_reserve(args.reserve))
     usable = None if budget is None else usable_budget(budget, model)
