@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument(
         "--strategy",
         default="full_shard",
-        choices=["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"],
+        choices=["full_shard", "shard_grad_op", "shard_optimizer", "no_shard", "hybrid_shard"],
     )
     parser.add_argument("--explain", action="store_true", help="print the plan")
     parser.add_argument("--save", help="save the trained model here (apply.save_pretrained)")

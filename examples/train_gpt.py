@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument(
         "--strategy",
         default="full_shard",
-        choices=["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"],
+        choices=["full_shard", "shard_grad_op", "shard_optimizer", "no_shard", "hybrid_shard"],
     )
     parser.add_argument(
         "--bf16", action="store_true", help="gather and compute in bfloat16, reduce in float32"

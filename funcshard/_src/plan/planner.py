@@ -62,9 +62,10 @@ def plan(
         frozen: patterns naming leaves (or subtrees) that are not trained: sharded,
             gathered and freed per unit like the others, with no gradient and no
             optimizer state (a LoRA base; ``frozen=apply.frozen`` for an ``nn.Module``).
-        strategy: ``"full_shard"``, ``"shard_grad_op"``, ``"no_shard"``,
-            ``"hybrid_shard"``, or ``"auto"``: per unit, the one with the least
-            communication that fits ``memory_budget``.
+        strategy: ``"full_shard"`` (ZeRO-3), ``"shard_grad_op"`` (ZeRO-2),
+            ``"shard_optimizer"`` (ZeRO-1), ``"no_shard"``, ``"hybrid_shard"``, or
+            ``"auto"``: per unit, the one with the least communication that fits
+            ``memory_budget`` (see ``plan.explain()`` for what each does).
         default: the spec of a leaf no rule matches: ``"dim_0"`` (dim 0 over the
             strategy's shard axes, unless another dim needs less padding; scalars
             replicate), ``"largest_dim"`` (its largest dim), a fixed ``P``, or
