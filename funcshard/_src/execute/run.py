@@ -3,8 +3,9 @@
 Forward: the root unit is gathered first and held until its backward; each
 ``fs.call`` acquires its unit (waiting for a prefetch when there is one),
 prefetches the next unit, runs the function and, for ``full_shard`` and
-``hybrid_shard``, releases the unit. Backward: a hook on a call's outputs fires before the call's backward
-runs and acquires the unit again (and prefetches the one before it); the unit's
+``hybrid_shard``, releases the unit. Backward: a hook on a call's outputs fires
+before the call's backward runs and acquires the unit again (and prefetches the
+one before it); the unit's
 gather node receives all gradients of its full leaves at once and hands them to
 the :class:`Reducer`. :meth:`Run.finish` reduces what no gradient reached and
 waits for every reduction. A call's phase (:class:`CallPhase`) says which unit
@@ -322,7 +323,7 @@ class Run:
             check_unreached([r.index for r in unreached])
         for record in unreached:  # their gradients are zero
             self.post_backward(record, [None] * len(record.unit.slots), agreed=True)
-        if not self.defer and not self.keep:  # the step's last micro-batch
+        if not self.keep:  # the step's last micro-batch
             self.reducer.reduce_deferred()
         self.reducer.finish()
         for group in self.groups:
