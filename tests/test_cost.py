@@ -313,6 +313,17 @@ def test_full_sharding_trains_t5_11b_on_eight_80gb_a100s_where_ddp_cannot():
         ({"accumulate": "later"}, ValueError, r"accumulate must be 'sharded' or 'unsharded'"),
         ({"backend": "mpi"}, ValueError, r"CostModel.backend must be 'nccl' or 'gloo', got 'mpi'"),
         ({"buffers": -8}, ValueError, r"CostModel.buffers must be >= 0 bytes, got -8"),
+        ({"micro_batches": 0}, ValueError, r"CostModel.micro_batches must be an int >= 1 .* got 0"),
+        (
+            {"micro_batches": 2.0},
+            ValueError,
+            r"CostModel.micro_batches must be an int >= 1 .* got 2.0",
+        ),
+        (
+            {"micro_batches": True},
+            ValueError,
+            r"CostModel.micro_batches must be an int >= 1 .* got True",
+        ),
         ({"reserve": 0.05}, TypeError, r"CostModel.reserve must be a fs.cost.Reserve or None"),
     ],
 )

@@ -301,7 +301,7 @@ class Run:
         ):  # first: the full parameters are not needed to reduce
             self._release(record.unit)
         unit = record.unit
-        defer = self.defer or (self.keep and unit.keeps_for_step)
+        defer = self.defer or self._keeps(unit)
         self.reducer.reduce(self.group_of[unit.name], unit, grads, defer=defer)
         record.phase = CallPhase.DONE
 
@@ -382,7 +382,11 @@ class Run:
         self.group_of[unit.name].acquire(unit)
 
     def _release(self, unit: UnitRuntime) -> None:
-        self.group_of[unit.name].release(unit, keep=self.keep and unit.keeps_for_step)
+        self.group_of[unit.name].release(unit, keep=self._keeps(unit))
+
+    def _keeps(self, unit: UnitRuntime) -> bool:
+        """Whether ``unit`` stays gathered and keeps its gradients for the step's next micro-batch."""
+        return self.keep and unit.keeps_for_step
 
     def _finish_forward_check(self) -> None:
         if self.forward_check is not None:

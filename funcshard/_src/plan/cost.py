@@ -20,17 +20,16 @@ import torch
 from funcshard._src import tree
 from funcshard._src.plan.activations import activation_parts
 from funcshard._src.plan.cost_model import (
-    PASSES,
     CostModel,
     describe_reserve,
     reserve_bytes,
+    step_time_under,
 )
 from funcshard._src.plan.estimates import Estimate, Key
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import describe_precision
 from funcshard._src.plan.sizes import parse_bytes
 from funcshard._src.plan.step_time import describe as describe_time
-from funcshard._src.plan.step_time import step_time
 from funcshard._src.plan.unit_cost import (
     memory_of,
     unit_cost,
@@ -115,21 +114,15 @@ def estimate(
             f"reserve for the CUDA context, communicator buffers and fragmentation: "
             f"{describe_reserve(model)}"
         )
-    time = None
-    if workload is not None and model.hardware is not None:
-        sharded = sum(1 for c in costs if any(op != "all_reduce" for op, _ in c.comm))
-        time = step_time(
-            n_params=sum(c.n_params for c in costs),
-            comm=comm,
-            mesh=plan.mesh,
-            workload=workload,
-            hardware=model.hardware,
-            prefetch=model.prefetch,
-            sharded_units=sharded,
-            state_bytes=sum(c.params + c.grads + c.optimizer + c.mixed_precision for c in costs),
-            optimizer_passes=PASSES[model.optimizer],
-            micro_batches=model.micro_batches,
-        )
+    time = step_time_under(
+        model,
+        plan.mesh,
+        n_params=sum(c.n_params for c in costs),
+        comm=comm,
+        sharded_units=sum(1 for c in costs if any(op != "all_reduce" for op, _ in c.comm)),
+        state_bytes=sum(c.params + c.grads + c.optimizer + c.mixed_precision for c in costs),
+    )
+    if model.hardware is not None and time is not None:
         assumptions.append(describe_time(model.hardware, model.prefetch))
     staging = memory.params + memory.frozen + memory.optimizer if model.async_checkpoint else 0
     if staging:

@@ -11,6 +11,8 @@ from funcshard._src.plan.activations import Workload
 from funcshard._src.plan.hardware import Hardware
 from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.sizes import format_bytes, parse_bytes
+from funcshard._src.plan.step_time import StepTime, step_time
+from funcshard._src.spec.mesh import Mesh
 
 OptimizerName: TypeAlias = Literal["sgd", "sgd_momentum", "adamw"]
 OPTIMIZERS: tuple[OptimizerName, ...] = ("sgd", "sgd_momentum", "adamw")
@@ -204,3 +206,38 @@ def usable_budget(budget: int, model: CostModel, /) -> int:
         75.0
     """
     return budget - reserve_bytes(budget, model)
+
+
+def step_time_under(
+    model: CostModel,
+    mesh: Mesh,
+    /,
+    *,
+    n_params: int,
+    comm: Mapping[tuple[str, tuple[str, ...]], int],
+    sharded_units: int,
+    state_bytes: int,
+) -> StepTime | None:
+    """:func:`step_time` with ``model``'s workload, hardware, prefetch, optimizer and micro-batches.
+
+    ``None`` where ``model`` has no workload or no hardware.
+
+    Example:
+        >>> step_time_under(CostModel(), Mesh({"fsdp": 8}), n_params=10**9, comm={},
+        ...     sharded_units=0, state_bytes=0) is None
+        True
+    """
+    if model.workload is None or model.hardware is None:
+        return None
+    return step_time(
+        n_params=n_params,
+        comm=comm,
+        mesh=mesh,
+        workload=model.workload,
+        hardware=model.hardware,
+        prefetch=model.prefetch,
+        sharded_units=sharded_units,
+        state_bytes=state_bytes,
+        optimizer_passes=PASSES[model.optimizer],
+        micro_batches=model.micro_batches,
+    )

@@ -17,10 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from funcshard._src.plan.cost_model import PASSES, CostModel
+from funcshard._src.plan.cost_model import CostModel, step_time_under
 from funcshard._src.plan.estimates import Key
 from funcshard._src.plan.sizes import format_bytes
-from funcshard._src.plan.step_time import step_time
 from funcshard._src.plan.strategy import Strategy
 from funcshard._src.plan.unit_cost import UnitCost, memory_of
 from funcshard._src.spec.mesh import Mesh
@@ -82,21 +81,17 @@ def score(costs: Sequence[UnitCost], ctx: Context, /) -> Score:
     for c in costs:
         comm.update(c.comm)
     memory = memory_of(list(costs), ctx.model).total + ctx.activations
-    model, time = ctx.model, None
-    if model.workload is not None and model.hardware is not None:
-        time = step_time(
-            n_params=sum(c.n_params for c in costs),
-            comm=comm,
-            mesh=ctx.mesh,
-            workload=model.workload,
-            hardware=model.hardware,
-            prefetch=model.prefetch,
-            sharded_units=sum(1 for c in costs if any(op != "all_reduce" for op, _ in c.comm)),
-            state_bytes=sum(c.params + c.grads + c.optimizer + c.mixed_precision for c in costs),
-            optimizer_passes=PASSES[model.optimizer],
-            micro_batches=model.micro_batches,
-        ).step_s
-    return Score(memory <= ctx.budget, memory, time, sum(comm.values()))
+    time = step_time_under(
+        ctx.model,
+        ctx.mesh,
+        n_params=sum(c.n_params for c in costs),
+        comm=comm,
+        sharded_units=sum(1 for c in costs if any(op != "all_reduce" for op, _ in c.comm)),
+        state_bytes=sum(c.params + c.grads + c.optimizer + c.mixed_precision for c in costs),
+    )
+    return Score(
+        memory <= ctx.budget, memory, None if time is None else time.step_s, sum(comm.values())
+    )
 
 
 class _Terms(NamedTuple):
@@ -163,21 +158,20 @@ class Search:
         picked = list(self.picked)
         picked[i] = self.costs[i][b]
         memory = memory_of(picked, self.ctx.model).total + self.ctx.activations
-        model, time = self.ctx.model, None
-        if model.workload is not None and model.hardware is not None:
-            time = step_time(
-                n_params=self.n_params,
-                comm=comm,
-                mesh=self.ctx.mesh,
-                workload=model.workload,
-                hardware=model.hardware,
-                prefetch=model.prefetch,
-                sharded_units=self.sharded - old.sharded + new.sharded,
-                state_bytes=self.state - old.state + new.state,
-                optimizer_passes=PASSES[model.optimizer],
-                micro_batches=model.micro_batches,
-            ).step_s
-        return Score(memory <= self.ctx.budget, memory, time, sum(comm.values()))
+        time = step_time_under(
+            self.ctx.model,
+            self.ctx.mesh,
+            n_params=self.n_params,
+            comm=comm,
+            sharded_units=self.sharded - old.sharded + new.sharded,
+            state_bytes=self.state - old.state + new.state,
+        )
+        return Score(
+            memory <= self.ctx.budget,
+            memory,
+            None if time is None else time.step_s,
+            sum(comm.values()),
+        )
 
     def apply(self, i: int, b: int, /) -> None:
         """Moves unit ``i`` to option ``b``."""

@@ -157,10 +157,10 @@ def collectives_per_step(unit: Unit, model: CostModel, /) -> tuple[int, int]:
     """How often ``unit`` is gathered and its gradients reduced in one optimizer step.
 
     Per micro-batch, a ``full_shard`` or ``hybrid_shard`` unit (not the root) is
-    gathered twice (forward, and again for backward) and any other once; its gradients are reduced once per
-    micro-batch, or once per step with ``accumulate="unsharded"``. A ``shard_optimizer``
-    unit is gathered and reduced once per step (see [Note: shard_optimizer] in
-    ``strategy.py``).
+    gathered twice (forward, and again for backward) and any other once; its
+    gradients are reduced once per micro-batch, or once per step with
+    ``accumulate="unsharded"``. A ``shard_optimizer`` unit is gathered and reduced
+    once per step (see [Note: shard_optimizer] in ``strategy.py``).
 
     Example:
         >>> from funcshard._src.plan.units import Unit
