@@ -111,6 +111,45 @@ def test_with_micro_batches_a_generous_budget_picks_shard_optimizer():
     assert "shard_grad_op sends" in dict(loose.reasons)["layers/0"]
 
 
+def test_where_gathers_across_nodes_are_exposed_auto_keeps_partial_copies():
+    """llama-7b on 4 nodes of 8 A100s, 256 tokens a rank (communication exposed), a budget
+    that fits every unit's partial copy ([Note: partial copies]) but not shard_grad_op or
+    hybrid_shard: re-gathers inside a node make partial copies the fastest plan that fits.
+    With 4 micro-batches they are kept for the step (hybrid_shard_optimizer)."""
+    preset = get_preset("llama-7b")
+    params, mesh = preset.params(), fs.Mesh({"node": 4, "local": 8})
+    for micro, expected in [(1, "partial_reshard"), (4, "hybrid_shard_optimizer")]:
+        cost = CostModel(
+            micro_batches=micro,
+            mixed_precision=BF16,
+            workload=Workload(preset.config, 1, 256, remat=True),
+            hardware=fs.cost.hardware("a100-80gb"),
+        )
+        fixed = {
+            s: estimate(fs.plan(params, mesh, units=[preset.unit_pattern], strategy=s), cost)
+            for s in ("full_shard", "partial_reshard", "hybrid_shard", "shard_grad_op")
+        }
+        need = fixed["partial_reshard"].memory.total
+        assert need < min(fixed[s].memory.total for s in ("hybrid_shard", "shard_grad_op"))
+        budget = need
+        while usable_budget(budget, cost) < need:  # the budget whose usable part is ``need``
+            budget += 1 << 24
+        plan = fs.plan(
+            params,
+            mesh,
+            units=[preset.unit_pattern],
+            strategy="auto",
+            memory_budget=budget,
+            cost=cost,
+        )
+        assert {u.strategy for u in plan.units} == {expected}
+        time = estimate(plan, cost).time
+        slower = fixed["full_shard"].time
+        assert time is not None
+        assert slower is not None
+        assert time.step_s < slower.step_s
+
+
 def fs_format(n: int) -> str:
     from funcshard._src.plan.sizes import format_bytes
 

@@ -214,3 +214,19 @@ def test_tiny_benchmark_runs_the_per_step_levers(tmp_path):
         assert rows[mode]["comm_bytes_per_step"] == rows[mode]["expected_comm_bytes_per_step"]
     zero1 = rows["funcshard/shard_optimizer"]["comm_bytes_per_step"]
     assert zero1 < rows["funcshard/shard_grad_op/2mb"]["comm_bytes_per_step"]
+
+
+def test_tiny_benchmark_runs_the_partial_copies(tmp_path):
+    """partial_reshard on {node: 2, local: 1} and hybrid_shard_optimizer on {dp: 2, fsdp: 1}
+    ([Note: partial copies]) train like the one-process reference and send what the cost
+    model says; hybrid_shard_optimizer holds half of hybrid_shard's optimizer state."""
+    modes = "funcshard/partial_reshard,funcshard/hybrid_shard_optimizer,funcshard/hybrid_shard/2mb,single"
+    summary = _tiny(tmp_path, "--modes", modes, "--size", "34m")
+    rows = summary["sizes"]["34m"]["modes"]
+    for mode in modes.split(",")[:3]:
+        assert rows[mode]["largest_loss_difference"] < 1e-4, mode
+        assert rows[mode]["comm_bytes_per_step"] == rows[mode]["expected_comm_bytes_per_step"]
+        assert any("sent per step and rank" in n for n in rows[mode]["notes"]), mode
+    hfsdp = rows["funcshard/hybrid_shard_optimizer"]["state_bytes_per_rank"]["optimizer"]
+    hybrid = rows["funcshard/hybrid_shard/2mb"]["state_bytes_per_rank"]["optimizer"]
+    assert 2 * hfsdp <= hybrid + 64

@@ -37,6 +37,11 @@ def _plan(world: int, variant: int) -> fs.Plan:
     if variant == 5:  # sharded over fsdp, replicated over dp
         hybrid = fs.Mesh({"dp": 2, "fsdp": world // 2})
         return fs.plan(params, hybrid, units=MODEL.units, strategy="hybrid_shard")
+    if variant in (6, 7):  # partial copies over "local" ([Note: partial copies]), flat for 7
+        nodes = fs.Mesh({"node": min(world, 2), "local": max(1, world // 2)})
+        strategy = "partial_reshard" if variant == 6 else "hybrid_shard_optimizer"
+        layout = "leaf" if variant == 6 else "flat"
+        return fs.plan(params, nodes, units=MODEL.units, strategy=strategy, layout=layout)
     return fs.plan(
         params,
         mesh,
@@ -88,6 +93,10 @@ def _load(directory: str, variant: int) -> Any:
         (2, 3, 2, 1),  # shard_optimizer -> shard_grad_op with rules
         (4, 3, 4, 5),  # shard_optimizer -> hybrid_shard
         (4, 5, 1, 3),  # hybrid_shard -> shard_optimizer on one rank
+        (4, 6, 2, 7),  # partial_reshard -> hybrid_shard_optimizer (flat) on fewer ranks
+        (4, 7, 4, 5),  # hybrid_shard_optimizer (flat) -> hybrid_shard
+        (2, 5, 4, 6),  # hybrid_shard -> partial_reshard on more ranks
+        (4, 6, 1, 0),  # partial_reshard -> full_shard on one rank
     ],
 )
 def test_checkpoints_load_on_any_world_size_and_plan(

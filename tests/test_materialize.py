@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import funcshard as fs
 from funcshard import Mesh, plan
 from funcshard._src import tree
-from funcshard._src.plan.strategy import Strategy, shard_axes
+from funcshard._src.plan.strategy import STRATEGIES, Strategy, shard_axes
 from funcshard._src.shard import counter_rng, fill
 from funcshard._src.shard.flat import unpack_gathered
 from funcshard._src.shard.materialize import materialize_for_rank, resolve_init
@@ -27,7 +27,7 @@ from tests.strategies import pytrees, rules_for, shapes, units_for
 inits = fs.initializers
 Key = inits.Key
 MESHES = [Mesh({"fsdp": 1}), Mesh({"fsdp": 2}), Mesh({"fsdp": 4}), Mesh({"dp": 2, "fsdp": 2})]
-STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"]
+
 FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 ONE = Mesh({"fsdp": 1})
 

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import funcshard as fs
+from funcshard._src.execute.run import current_run
 from funcshard._src.plan.cost import estimate
 from funcshard._src.plan.cost_model import CostModel
-from funcshard._src.plan.unit_cost import comm_bytes_per_step, param_bytes_per_rank
+from funcshard._src.plan.unit_cost import comm_bytes_per_step, param_bytes_per_rank, unit_cost
 from funcshard._src.shard.sharded import flats_of
 from tests.models import Model
 
@@ -75,12 +76,31 @@ def _peak_against_the_model(mesh: dict[str, int], strategy: Any, micro: int) -> 
     model = EVEN
     params = model.init(0)
     plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy=strategy)
-    step = fs.value_and_grad(model.loss_fn, plan, bucket_bytes=0)
+    copies: list[int] = []  # bytes of partial copies held at the end of each forward
+
+    def loss_fn(p: Any, *batch: torch.Tensor) -> torch.Tensor:
+        loss = model.loss_fn(p, *batch)
+        run = current_run()
+        assert run is not None
+        copies.append(
+            sum(
+                u.partial_bytes(part)
+                for u in run.units.values()
+                if u.partial_held
+                for part in u.parts
+            )
+        )
+        return loss
+
+    step = fs.value_and_grad(loss_fn, plan, bucket_bytes=0)
     batches = [model.batch_for(10 * fs.rank() + m) for m in range(micro)]
     step.accumulate(fs.shard(params, plan), batches)
-    est = estimate(plan, CostModel(micro_batches=micro, backend="gloo")).memory
+    cost_model = CostModel(micro_batches=micro, backend="gloo")
+    est = estimate(plan, cost_model).memory
     units = step._runtimes()
     return {
+        "partial": max(copies),
+        "partial_model": sum(unit_cost(plan, u, cost_model).partial for u in plan.units),
         "peak": step.stats.peak_gathered_bytes,
         "bound": est.gathered + est.staging,
         "all_units": sum(u.gathered_bytes for u in units),
@@ -96,20 +116,78 @@ def _peak_against_the_model(mesh: dict[str, int], strategy: Any, micro: int) -> 
         (2, {"fsdp": 2}, "shard_grad_op"),
         (2, {"fsdp": 2}, "shard_optimizer"),
         (4, {"dp": 2, "fsdp": 2}, "hybrid_shard"),
+        (4, {"node": 2, "local": 2}, "partial_reshard"),
+        (4, {"dp": 2, "fsdp": 2}, "hybrid_shard_optimizer"),
     ],
 )
 def test_gathered_memory_stays_within_the_cost_model(pools, world_size, mesh, strategy):
     """One and three micro-batches: the measured peak of gathered parameters and staging is
     at most the model's ``gathered + staging``. Units freed after forward (full_shard,
     hybrid_shard, as FSDP's HYBRID_SHARD) never hold every unit at once; the others hold
-    all of them at the end of forward, shard_optimizer's for the whole step."""
+    all of them at the end of forward, shard_optimizer's for the whole step. Partial copies
+    ([Note: partial copies]) held at the end of forward are exactly the model's."""
     for micro in (1, 3):
         for r in pools.run(world_size, _peak_against_the_model, mesh, strategy, micro):
             assert r["peak"] <= r["bound"], (micro, r)
-            if strategy in ("full_shard", "hybrid_shard"):
+            # the partial copies held at the end of forward: exactly the model's
+            assert r["partial"] == r["partial_model"], (micro, r)
+            if strategy in PARTIAL:
+                assert 0 < r["partial"] < r["all_units"], (micro, r)
+            elif strategy in ("full_shard", "hybrid_shard"):
                 assert r["peak"] < r["all_units"], (micro, r)
             else:
                 assert r["peak"] >= r["all_units"], (micro, r)
+
+
+# meshes on which a partial copy is more than the shard ([Note: partial copies]): its copy is
+# the whole unit (re-gathered over a group of one), 2x2, and three axes
+PARTIAL_MESHES = [
+    (2, {"node": 2, "local": 1}),
+    (4, {"node": 2, "local": 2}),
+    (4, {"a": 2, "b": 1, "c": 2}),
+]
+PARTIAL = ["partial_reshard", "hybrid_shard_optimizer"]
+
+
+@pytest.mark.parametrize("strategy", PARTIAL)
+@pytest.mark.parametrize(("world_size", "mesh"), PARTIAL_MESHES)
+def test_the_ledger_of_partial_copies_equals_the_cost_model(pools, strategy, world_size, mesh):
+    """Every layout, fp32 and bf16, one micro-batch and three in both modes: the gathers from
+    the shards over every axis and the re-gathers of the partial copy over the last one."""
+    for bf16 in (False, True):
+        for model in (EVEN, UNEVEN):
+            for per_layout in pools.run(
+                world_size, _ledgers_of_every_layout, model, mesh, strategy, bf16
+            ):
+                for layout, (ledger, expected) in zip(LAYOUTS, per_layout):
+                    assert ledger == expected, layout
+    for per_rank in pools.run(world_size, _accumulated_ledgers, mesh, strategy):
+        for mode, ledger, expected in per_rank:
+            assert ledger == expected, mode
+
+
+def test_partial_copies_keep_backward_inside_the_last_axis(pools):
+    """On {"node": 2, "local": 2}, three micro-batches: partial_reshard gathers over both axes
+    once per micro-batch (forward) and over "local" alone for backward; hybrid_shard_optimizer
+    crosses "node" once per step. full_shard crosses it in all six gathers."""
+    mesh = {"node": 2, "local": 2}
+    no_root = Model(kind="mlp", vocab=12, width=6, layers=3, embed_unit=True, head_unit=True)
+    ledgers = {
+        s: {
+            mode: ledger
+            for mode, ledger, _ in pools.run(4, _accumulated_ledgers, mesh, s, no_root)[0]
+        }
+        for s in ("full_shard", *PARTIAL)
+    }
+    both, local = ("all_gather", ("node", "local")), ("all_gather", ("local",))
+    full = ledgers["full_shard"]["sharded"][both]
+    assert local not in ledgers["full_shard"]["sharded"]
+    assert ledgers["partial_reshard"]["sharded"][both] * 2 == full
+    assert ledgers["hybrid_shard_optimizer"]["sharded"][both] * 6 == full
+    # a re-gather sends (L - 1) / L of the unit where a gather from shards sends (W - 1) / W
+    one = full // 6  # one gather of every unit, from the shards: 3/4 of the parameters
+    assert ledgers["partial_reshard"]["sharded"][local] == 3 * one * 2 // 3
+    assert ledgers["hybrid_shard_optimizer"]["sharded"][local] == 5 * one * 2 // 3
 
 
 @pytest.mark.parametrize("prefetch", [0, 1])
@@ -237,9 +315,10 @@ def test_accumulation_modes_trade_memory_for_communication(pools):
     assert unsharded[reduce] == one_step[reduce]
 
 
-def _accumulated_ledgers(mesh: dict[str, int], strategy: Any) -> list[tuple[str, dict, dict]]:
+def _accumulated_ledgers(
+    mesh: dict[str, int], strategy: Any, model: Model = UNEVEN
+) -> list[tuple[str, dict, dict]]:
     """Worker body: per mode, the ledger of one step of 3 micro-batches and the cost model's."""
-    model = UNEVEN
     params = model.init(0)
     plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy=strategy)
     sparams = fs.shard(params, plan)

@@ -173,7 +173,23 @@ def one_thread() -> Iterator[None]:
 
 
 MESHES = [(("fsdp", 1),), (("fsdp", 2),), (("fsdp", 4),), (("dp", 2), ("fsdp", 2))]
-STRATEGIES = ["full_shard", "shard_grad_op", "shard_optimizer", "no_shard", "hybrid_shard"]
+STRATEGIES = [
+    "full_shard",
+    "shard_grad_op",
+    "shard_optimizer",
+    "no_shard",
+    "hybrid_shard",
+    "partial_reshard",
+    "hybrid_shard_optimizer",
+]
+# meshes on which a partial copy is more than the shard ([Note: partial copies]): two ranks
+# whose copy is the whole unit (re-gathered over a group of one), 2x2, and three axes
+PARTIAL_MESHES = [
+    (("node", 2), ("local", 1)),
+    (("node", 2), ("local", 2)),
+    (("node", 1), ("local", 2)),
+    (("a", 2), ("b", 1), ("c", 2)),
+]
 
 
 @st.composite
@@ -287,6 +303,35 @@ def test_shard_optimizer_trains_like_one_device_over_micro_batches(pools):
                     frozen=("blocks/0",) if mixed_precision else (),
                 ),
             )
+
+
+def test_partial_copies_train_like_one_device(pools):
+    """partial_reshard and hybrid_shard_optimizer ([Note: partial copies]): the copy kept from
+    forward to backward, or across micro-batches, re-gathered over the last axis; both
+    accumulation modes, bf16, the flat layout, rules, remat and frozen leaves."""
+    for mesh in PARTIAL_MESHES:
+        for strategy in ("partial_reshard", "hybrid_shard_optimizer"):
+            for micro, mode, mixed_precision, layout in [
+                (1, "sharded", False, "leaf"),
+                (3, "sharded", False, "flat"),
+                (4, "unsharded", True, "leaf"),
+            ]:
+                check(
+                    pools,
+                    Case(
+                        Model(embed_unit=True, remat=micro == 3),
+                        mesh,
+                        strategy,
+                        mixed_precision=mixed_precision,
+                        optimizer="adamw",
+                        steps=2,
+                        micro_batches=micro,
+                        accumulate=mode,
+                        layout=layout,
+                        rule=layout == "leaf",
+                        frozen=("blocks/0",) if mixed_precision else (),
+                    ),
+                )
 
 
 def test_the_flat_layout_trains_like_one_device_on_every_strategy_and_mesh(pools):

@@ -33,6 +33,8 @@ STRATEGIES = (
     "shard_grad_op",
     "shard_optimizer",
     "hybrid_shard",
+    "partial_reshard",
+    "hybrid_shard_optimizer",
     "full_shard",
     "auto",
 )

@@ -45,7 +45,7 @@ def make_groups(
 
     Units join when they have the same strategy, collective axes and parts
     (dtype, compute and gradient dtype, frozen, aliased), no part of one leaf
-    gathered in place and not the root unit, and their full leaves together stay
+    gathered in place, no partial copy and not the root unit, and their full leaves together stay
     within ``bucket_bytes`` (``0``: no buckets). Every other unit is a group of one.
     Mutates a bucket's members: they gather their leaves packed
     (:meth:`UnitRuntime.pack_gathers`).
@@ -76,7 +76,12 @@ def make_groups(
 
 
 def _eligible(unit: UnitRuntime) -> bool:
-    if unit.unit.is_root or any(p.in_place and not p.by_leaf for p in unit.parts) or not unit.parts:
+    if (
+        unit.unit.is_root
+        or any(p.in_place and not p.by_leaf for p in unit.parts)
+        or not unit.parts
+        or unit.partial_lifetime is not None  # its partial copy is per unit
+    ):
         return False
     if unit.group_size > 1:
         return True

@@ -27,7 +27,9 @@ class CallPhase(enum.Enum):
 
     FORWARD = "forward"  # running its function, unit held
     KEPT = "kept"  # forward done, unit held until backward (shard_grad_op, shard_optimizer, no_shard, the root)
-    WAITING = "waiting"  # forward done, unit released (full_shard, hybrid_shard): re-gathered for backward
+    # forward done, unit released (full_shard, hybrid_shard, partial_reshard,
+    # hybrid_shard_optimizer: those two keep a partial copy): re-gathered for backward
+    WAITING = "waiting"
     BACKWARD = "backward"  # its backward began, unit held
     DONE = "done"  # its gradients went to the reducer, unit released
 

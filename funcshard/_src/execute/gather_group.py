@@ -83,14 +83,21 @@ class GatherGroup(ReducingGroup):
             self._finish(unit)
         unit.hold()
 
-    def release(self, unit: UnitRuntime, /, *, keep: bool = False) -> None:
+    def release(
+        self, unit: UnitRuntime, /, *, keep: bool = False, keep_partial: bool = False
+    ) -> None:
         """Drops one holder of ``unit``; the last one frees its storage (GATHERED -> SHARDED).
 
         With ``keep``, the unit stays GATHERED without holders, for the step's next
-        micro-batch (see [Note: shard_optimizer] in ``plan/strategy.py``).
+        micro-batch (see [Note: shard_optimizer] in ``plan/strategy.py``). Without
+        ``keep_partial``, the last holder frees the partial copy too (see
+        [Note: partial copies] there).
         """
-        if unit.unhold() and not keep:
-            unit.free()
+        if unit.unhold():
+            if not keep:
+                unit.free()
+            if not keep_partial:
+                unit.free_partial()
 
     def drop_unused(self, unit: UnitRuntime, /) -> None:
         """Frees ``unit`` if it was prefetched but no call holds it (GATHERING/GATHERED -> SHARDED)."""
@@ -104,12 +111,15 @@ class GatherGroup(ReducingGroup):
         """At the end of a micro-batch: drops every holder and frees every member (-> SHARDED).
 
         With ``keep`` (a micro-batch before the step's last), members that
-        :attr:`~UnitRuntime.keeps_for_step` and are GATHERED stay so.
+        :attr:`~UnitRuntime.keeps_for_step` and are GATHERED stay so, and those that
+        :attr:`~UnitRuntime.keeps_partial_for_step` keep their partial copy.
         """
         for unit in self.members:
             unit.drop_holders()
             if not (keep and unit.keeps_for_step and unit.state is UnitState.GATHERED):
                 self.drop_unused(unit)
+            if not (keep and unit.keeps_partial_for_step):
+                unit.free_partial()
 
     def discard(self) -> list[Pending]:
         """After an error: drops collectives in flight without waiting (returns them), frees storage, forgets rounds."""
@@ -133,30 +143,44 @@ class GatherGroup(ReducingGroup):
     # -- gathering: the collectives -----------------------------------------------------
 
     def _start(self, unit: UnitRuntime) -> None:
-        """SHARDED -> GATHERING for a group of one: one all-gather per part (or per leaf)."""
+        """SHARDED -> GATHERING for a group of one: one all-gather per part (or per leaf).
+
+        A unit holding its partial copy all-gathers the copy over its regather axes
+        instead of its shard over every shard axis: the same rows, fewer ranks (see
+        [Note: partial copies] in ``plan/strategy.py``).
+        """
+        partial = unit.from_partial = unit.partial_held
+        axes = unit.regather_axes if partial else self.axes
         for part, flat in zip(unit.parts, unit.flats):
             if part.aliased:
                 continue
-            data = flat.data
-            local = data if data.dtype == part.compute_dtype else data.to(part.compute_dtype)
-            if part.in_place:
+            if partial:
+                assert part.partial is not None
+                local = part.partial
+            else:
+                data = flat.data
+                local = data if data.dtype == part.compute_dtype else data.to(part.compute_dtype)
+            if part.in_place and not partial:
                 full = unit.materialize(part)
                 # the refill is not an in-place change of tensors autograd saved: the
                 # version is put back once the collective has written (after its wait)
                 part.version = torch.autograd._unsafe_preserve_version_counter(full)
-                part.inflight = LeafGathers(self._gather_in_place(unit, part, local), full)
+                pendings = self._gather_in_place(unit, part, local, axes)
+                part.inflight = LeafGathers(pendings, full)
                 continue
             out = self.pool.take(  # (group_size * numel,); see [Note: staging lifetimes]
-                self.group_size * local.numel(), local.dtype, local.device
+                self.group_size * part.layout.numel, local.dtype, local.device
             )
             self.memory.add(out.numel() * out.element_size())
             part.inflight = collectives.all_gather(
-                local, self.bound, self.axes, out=out, ledger=self.ledger, tag=unit.name
+                local, self.bound, axes, out=out, ledger=self.ledger, tag=unit.name
             )
         unit.mark_gathering()
 
-    def _gather_in_place(self, unit: UnitRuntime, part: Part, local: torch.Tensor) -> list[Pending]:
-        """The collectives writing ``part.full``: one per leaf (``by_leaf``), else one.
+    def _gather_in_place(
+        self, unit: UnitRuntime, part: Part, local: torch.Tensor, axes: tuple[str, ...]
+    ) -> list[Pending]:
+        """The collectives writing ``part.full`` over ``axes``: one per leaf (``by_leaf``), else one.
 
         A flat part on ``LEAF_GATHERS``' backends is gathered by a ring too, which
         writes its storage without the staging of gloo's own all-gather.
@@ -166,7 +190,7 @@ class GatherGroup(ReducingGroup):
             pending = collectives.all_gather(
                 local,
                 self.bound,
-                self.axes,
+                axes,
                 out=part.full,
                 ledger=self.ledger,
                 tag=unit.name,
@@ -227,19 +251,30 @@ class GatherGroup(ReducingGroup):
                 if part.in_place:
                     unit.forget(part)
                 raise
-            if part.in_place:  # the collective filled part.full itself
+            if unit.partial_lifetime is not None and not unit.from_partial:
+                # the rows are the part's storage when gathered in place (flat, or one leaf)
+                rows = part.full if part.in_place else gathered
+                assert rows is not None
+                unit.keep_partial(part, rows.view(self.group_size, -1))
+            if part.in_place and not unit.from_partial:  # the collective filled part.full
                 assert part.version is not None
                 part.version.__exit__(None, None, None)
                 part.version = None
                 continue
             full = unit.materialize(part)
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
-                unpack_into(part.layout, gathered, part.views, self.axes)
+                if not unit.from_partial:
+                    unpack_into(part.layout, gathered, part.views, self.axes)
+                else:  # rows row-major over regather_order: [Note: partial copies]
+                    _unpack_regathered(unit, part, full, gathered)
             self.memory.sub(gathered.numel() * gathered.element_size())
             if isinstance(inflight, Share):
                 self._unpacked(inflight)
             else:
                 self.pool.give(gathered)
+        if unit.partial_lifetime is not None:
+            unit.mark_partial_held()
+        unit.from_partial = False
         unit.mark_gathered()
 
     def _unpacked(self, share: Share) -> None:
@@ -251,3 +286,22 @@ class GatherGroup(ReducingGroup):
             if gathering.waited:
                 for t in gathering.staging:
                     self.pool.give(t)
+
+
+def _unpack_regathered(
+    unit: UnitRuntime, part: Part, full: torch.Tensor, gathered: torch.Tensor
+) -> None:
+    """Fills ``part``'s full leaves from an all-gather of partial copies; mutates ``full``.
+
+    The rows come row-major over ``unit.regather_order`` (the last mesh axis
+    major). A part gathered in place elsewhere is its rows in mesh order: one
+    transposing copy; any other part is unpacked in the regather order.
+    """
+    if part.in_place:
+        n = part.layout.numel
+        full.view(unit.copy_rows, unit.regather_size, n).copy_(
+            gathered.view(unit.regather_size, unit.copy_rows, n).transpose(0, 1)
+        )
+    else:
+        rows = gathered.view(unit.group_size, -1)
+        unpack_into(part.layout, rows, part.views, unit.regather_order)

@@ -59,6 +59,9 @@ class Part:
     views: list[torch.Tensor] = field(default_factory=list)
     inflight: InFlight | None = None  # this part's all-gather, while the unit is GATHERING
     version: torch.autograd._unsafe_preserve_version_counter | None = None  # in_place, GATHERING
+    # the partial copy, (copy_rows * numel,) in the compute dtype: [Note: partial copies] in
+    # plan/strategy.py; kept across frees like ``full``, its storage resized to zero
+    partial: torch.Tensor | None = None
 
     @property
     def by_leaf(self) -> bool:

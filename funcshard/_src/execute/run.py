@@ -2,8 +2,9 @@
 
 Forward: the root unit is gathered first and held until its backward; each
 ``fs.call`` acquires its unit (waiting for a prefetch when there is one),
-prefetches the next unit, runs the function and, for ``full_shard`` and
-``hybrid_shard``, releases the unit. Backward: a hook on a call's outputs fires
+prefetches the next unit, runs the function and, for a unit that
+``reshards_after_forward`` (``full_shard``, ``hybrid_shard``, ``partial_reshard``,
+``hybrid_shard_optimizer``), releases the unit, keeping any partial copy. Backward: a hook on a call's outputs fires
 before the call's backward runs and acquires the unit again (and prefetches the
 one before it); the unit's
 gather node receives all gradients of its full leaves at once and hands them to
@@ -49,6 +50,8 @@ from funcshard._src.execute.desync import (
 from funcshard._src.execute.gather_group import GatherGroup
 from funcshard._src.execute.gather_node import GatherNode
 from funcshard._src.execute.guard import Watch, check_dense, watch
+from funcshard._src.execute.lifetimes import keeps_gathered, keeps_partial
+from funcshard._src.execute.local_calls import local_leaves
 from funcshard._src.execute.reduce import Reducer
 from funcshard._src.execute.unit_state import UnitRuntime, UnitState
 from funcshard._src.shard.sharded import ShardedTensor
@@ -95,9 +98,7 @@ class Run:
         self.order_hint = list(order_hint)
         self.prefetch = prefetch
         self.defer = defer
-        # a micro-batch before the step's last: units that keep_for_step stay gathered
-        # and defer their reduction ([Note: shard_optimizer] in plan/strategy.py)
-        self.keep = not last
+        self.last = last  # the step's last micro-batch: a release keeps nothing (lifetimes.py)
         self.reducer = reducer
         self.output_dtype = output_dtype
         self.param_dtype = param_dtype  # what floating leaves compute in (MixedPrecision)
@@ -132,7 +133,7 @@ class Run:
             self._acquire(root_unit)  # before any prefetch: one unit's all-gather buffer at a time
             self.root = CallRecord(-1, root_unit, CallPhase.KEPT)
             outs = (
-                self._local_leaves(self.root)
+                local_leaves(self.root, evaluation=self.evaluation)
                 if root_unit.local_only
                 else GatherNode.apply(self.gathered_grads, self.root, self.dummy)
             )
@@ -157,7 +158,7 @@ class Run:
         """Acquires ``unit`` for a new call (FORWARD); its record and full leaves in the unit's order.
 
         With ``leafwise``, a local-only unit's leaves are autograd leaves; see
-        [Note: local-only calls].
+        [Note: local-only calls] in ``local_calls.py``.
         """
         record = CallRecord(len(self.calls), unit)
         self.calls.append(record)
@@ -176,7 +177,7 @@ class Run:
         if self.on_track:
             self._prefetch_forward(k + 1)
         if leafwise and unit.local_only:
-            return record, self._local_leaves(record)
+            return record, local_leaves(record, evaluation=self.evaluation)
         return record, list(GatherNode.apply(self.gathered_grads, record, self.dummy))
 
     def exit_call(self, record: CallRecord, out: Any) -> None:
@@ -190,7 +191,7 @@ class Run:
             record.phase = CallPhase.DONE
             return
         if record.unit.frees_after_forward:
-            self._release(record.unit)
+            self._release(record.unit, after_forward=True)
             record.phase = CallPhase.WAITING
         else:
             record.phase = CallPhase.KEPT
@@ -214,7 +215,7 @@ class Run:
         call, BACKWARD since :meth:`pre_backward`) the phase stays.
         See [Note: a call's phase changes only in Run].
         """
-        self._release(record.unit)
+        self._release(record.unit, after_forward=not self.forward_done)
         if self.forward_done:
             return
         if self.evaluation:
@@ -301,7 +302,7 @@ class Run:
         ):  # first: the full parameters are not needed to reduce
             self._release(record.unit)
         unit = record.unit
-        defer = self.defer or self._keeps(unit)
+        defer = self.defer or keeps_gathered(unit, last=self.last)
         self.reducer.reduce(self.group_of[unit.name], unit, grads, defer=defer)
         record.phase = CallPhase.DONE
 
@@ -313,7 +314,7 @@ class Run:
             self.post_backward(self.root, grads, agreed=True)
         records = [*reversed(self.calls), *([self.root] if self.root else [])]
         for record in records:
-            if record.leaves is not None:  # see [Note: local-only calls]
+            if record.leaves is not None:  # see [Note: local-only calls] in local_calls.py
                 grads = [t.grad for t in record.leaves]
                 record.leaves = None
                 if record.phase is not CallPhase.DONE:  # a replay may have reduced it
@@ -323,11 +324,11 @@ class Run:
             check_unreached([r.index for r in unreached])
         for record in unreached:  # their gradients are zero
             self.post_backward(record, [None] * len(record.unit.slots), agreed=True)
-        if not self.keep:  # the step's last micro-batch
+        if self.last:
             self.reducer.reduce_deferred()
         self.reducer.finish()
         for group in self.groups:
-            group.release_all(keep=self.keep)
+            group.release_all(keep=not self.last)
         _STEP_RUN[0] = None
 
     def close_evaluation(self) -> None:
@@ -354,24 +355,6 @@ class Run:
 
     # -- helpers -----------------------------------------------------------------
 
-    def _local_leaves(self, record: CallRecord) -> list[torch.Tensor]:
-        """A local-only unit's full leaves for one call, as autograd leaves.
-
-        [Note: local-only calls]
-        A unit with nothing to gather, cast or agree on (one rank, no mixed
-        precision: ``UnitRuntime.local_only``) needs no autograd node of its own:
-        its function gets new autograd leaves viewing its shards (the trained ones
-        requiring grad), autograd accumulates their gradients into ``.grad`` as it
-        does for ``nn.Parameter`` s, and :meth:`finish` hands them to the reducer.
-        No Python runs in its backward. An evaluation gets the plain views.
-        """
-        views = record.unit.full_leaves()
-        if self.evaluation:
-            return views
-        leaves = [v.requires_grad_() if t else v for v, t in zip(views, record.unit.trained)]
-        record.leaves = leaves
-        return leaves
-
     def _prefetch_forward(self, start: int) -> None:
         for name in self.order_hint[start : start + self.prefetch]:
             unit = self.units.get(name)
@@ -381,12 +364,14 @@ class Run:
     def _acquire(self, unit: UnitRuntime) -> None:
         self.group_of[unit.name].acquire(unit)
 
-    def _release(self, unit: UnitRuntime) -> None:
-        self.group_of[unit.name].release(unit, keep=self._keeps(unit))
-
-    def _keeps(self, unit: UnitRuntime) -> bool:
-        """Whether ``unit`` stays gathered and keeps its gradients for the step's next micro-batch."""
-        return self.keep and unit.keeps_for_step
+    def _release(self, unit: UnitRuntime, *, after_forward: bool = False) -> None:
+        self.group_of[unit.name].release(
+            unit,
+            keep=keeps_gathered(unit, last=self.last),
+            keep_partial=keeps_partial(
+                unit, after_forward=after_forward, evaluation=self.evaluation, last=self.last
+            ),
+        )
 
     def _finish_forward_check(self) -> None:
         if self.forward_check is not None:

@@ -31,6 +31,17 @@ into that storage, so after an error the group never frees the storage of such
 a gather in flight; the unit forgets it (:meth:`UnitRuntime.forget`), and the
 pending collectives keep it alive until drained.
 
+A ``partial_reshard`` or ``hybrid_shard_optimizer`` unit also keeps a partial
+copy (``Part.partial``; [Note: partial copies] in ``plan/strategy.py``), the
+gathered rows of the ranks that share its coordinate on the last mesh axis. It is
+taken from the first gather's rows (:meth:`UnitRuntime.keep_partial`), outlives
+:meth:`~UnitRuntime.free`, and later gathers all-gather it over the last axis
+alone (:attr:`~UnitRuntime.partial_held`), through a staging buffer whose rows
+come the last axis major (``regather_order``): a part gathered in place is
+filled from it by one transposing copy, any other unpacked from it in that
+order. Such units never gather leaf by leaf, so the rows of the first gather are
+always there to copy the partial copy from.
+
 [Note: aliased units]
 A part that needs no collective and no cast (``no_shard`` without mixed
 precision, or any unit on a mesh of one rank) has full leaves that are exactly
@@ -56,6 +67,8 @@ from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.strategy import (
     LEAF_GATHERS,
     keeps_for_step,
+    keeps_partial_copy,
+    partial_axes,
     reshards_after_forward,
     shard_axes,
 )
@@ -109,8 +122,30 @@ class UnitRuntime:
         # what gradients are all-reduced over after (or, for no_shard, instead of) the
         # reduce-scatter: the replica axes, none where there is one replica
         self.all_reduce_axes = self.replica_axes if self.replica_size > 1 else ()
+        # the partial copy: [Note: partial copies] in plan/strategy.py
+        regather, replicated = partial_axes(unit.strategy, mesh)
+        self.regather_axes = regather
+        self.copy_rows = collectives.group_size(bound, replicated)  # shards in the copy
+        self.partial_lifetime = (
+            keeps_partial_copy(unit.strategy)
+            if self.copy_rows > 1 and self.group_size > 1 and not unit.is_root
+            else None
+        )
+        coords = bound.coords
+        # this rank's copy is the rows of the ranks with its coordinate on regather_axes
+        # rows are row-major over the mesh axes, the last (regather) axis minor: this
+        # rank's copy is the rows of its index on it, and a regather gives the rows
+        # row-major over regather_order
+        self.regather_size = collectives.group_size(bound, regather)
+        self.copy_index = coords[regather[0]] if regather else 0
+        self.regather_order = regather + replicated
+        self.partial_held = False
+        self.from_partial = False  # the all-gather in flight is of the partial copy
         backend = str(dist.get_backend()) if bound.distributed else ""
-        leafwise = self.leafwise = (backend, self.group_size) in LEAF_GATHERS
+        leafwise = self.leafwise = (
+            backend,
+            self.group_size,
+        ) in LEAF_GATHERS and self.partial_lifetime is None
         self.parts = [
             Part(
                 layout,
@@ -136,7 +171,7 @@ class UnitRuntime:
             for p in self.parts
             for _ in p.layout.slots
         )
-        # one rank, no cast: no autograd node of its own; [Note: local-only calls] in run.py
+        # one rank, no cast: no autograd node of its own; [Note: local-only calls] in local_calls.py
         self.local_only = self.bound.mesh.size == 1 and all(p.aliased for p in self.parts)
         self.state = UnitState.SHARDED
         self.flats: list[FlatShard] = []
@@ -156,6 +191,11 @@ class UnitRuntime:
     def keeps_for_step(self) -> bool:
         """Whether the unit stays gathered and defers its reduction across micro-batches (``shard_optimizer``)."""
         return keeps_for_step(self.unit.strategy)
+
+    @property
+    def keeps_partial_for_step(self) -> bool:
+        """Whether the unit keeps its partial copy across micro-batches (``hybrid_shard_optimizer``)."""
+        return self.partial_lifetime == "step"
 
     @property
     def gathered_bytes(self) -> int:
@@ -193,20 +233,23 @@ class UnitRuntime:
     def bind(self, flats: Sequence[FlatShard], /) -> None:
         """Uses ``flats`` (one per part, same layouts) as this step's shards; mutates.
 
-        A unit kept gathered from the step's last micro-batch (:attr:`keeps_for_step`)
-        is bound again to the same shards, which it still holds gathered.
+        A unit kept gathered from the step's last micro-batch (:attr:`keeps_for_step`),
+        or keeping its partial copy (:attr:`keeps_partial_for_step`), is bound again
+        to the same shards.
 
         Raises:
             UnitStateError: the unit is not SHARDED (a step is still using it), or is
                 kept gathered from other shards than ``flats``.
         """
-        if self.state is UnitState.GATHERED and self.keeps_for_step and not self._holders:
+        kept = self.state is UnitState.GATHERED and self.keeps_for_step and not self._holders
+        if kept or self.partial_held:
             if len(flats) != len(self.flats) or any(a is not b for a, b in zip(flats, self.flats)):
                 raise UnitStateError(
                     f"internal error: unit {self.name!r} is kept gathered from other shards "
                     f"than this micro-batch's; please report it"
                 )
-            return
+            if kept:
+                return
         self.expect(UnitState.SHARDED, "bind")
         self.flats = list(flats)
         for part, flat in zip(self.parts, self.flats):
@@ -274,6 +317,7 @@ class UnitRuntime:
             if not part.aliased and part.full is not None and part.full.untyped_storage().size():
                 part.free(self.name)
                 self.memory.sub(part.full_bytes)
+        self.free_partial()
         self._holders = 0
         self.state = UnitState.SHARDED
 
@@ -294,6 +338,40 @@ class UnitRuntime:
             part.full.untyped_storage().resize_(part.full_bytes)
         self.memory.add(part.full_bytes)
         return part.full
+
+    def keep_partial(self, part: Part, rows: torch.Tensor, /) -> None:
+        """Copies this rank's partial copy out of ``part``'s gathered ``(group_size, numel)`` rows; mutates.
+
+        See [Note: partial copies] in ``plan/strategy.py``. The unit marks the copy
+        held once every part has one (:meth:`mark_partial_held`).
+        """
+        n = self.copy_rows * part.layout.numel
+        if part.partial is None:
+            part.partial = torch.empty(n, dtype=part.compute_dtype, device=rows.device)
+        elif part.partial.untyped_storage().size() == 0:
+            part.partial.untyped_storage().resize_(n * part.compute_dtype.itemsize)
+        grid = rows.view(self.copy_rows, self.regather_size, -1)
+        with torch.no_grad():
+            part.partial.view(self.copy_rows, -1).copy_(grid[:, self.copy_index])
+        self.memory.add(self.partial_bytes(part))
+
+    def mark_partial_held(self) -> None:
+        """Every part's partial copy is taken: later gathers start from it."""
+        self.partial_held = True
+
+    def free_partial(self) -> None:
+        """Releases every part's partial copy, if held; mutates."""
+        for part in self.parts:
+            if part.partial is not None and part.partial.untyped_storage().size():
+                part.partial.untyped_storage().resize_(0)
+                self.memory.sub(self.partial_bytes(part))
+        if self.partial_held:
+            self.memory.log("free_partial", self.name)
+        self.partial_held = False
+
+    def partial_bytes(self, part: Part, /) -> int:
+        """Bytes of ``part``'s partial copy (``copy_rows`` shards in the compute dtype)."""
+        return self.copy_rows * part.layout.numel * part.compute_dtype.itemsize
 
     def forget(self, part: Part, /) -> None:
         """Drops an in-place part's storage without freeing it: a collective may still write into it."""

@@ -79,7 +79,8 @@ def estimate(
         f"mixed precision: {describe_precision(model.mixed_precision)}",
         f"gathered: root unit + every unit kept from forward to backward + the "
         f"{1 + model.prefetch} largest units freed after forward (prefetch {model.prefetch}) "
-        f"+ one unit's unreduced gradients",
+        f"+ one unit's unreduced gradients"
+        + (" + every unit's partial copy" if any(c.partial for c in costs) else ""),
         f"{model.micro_batches} micro-batch(es) per optimizer step, accumulated "
         f"{model.accumulate}; bytes sent per optimizer step",
         "staging: the largest all-gather output and reduce-scatter input, as the executor "

@@ -98,7 +98,9 @@ class CostModel:
         micro_batches: micro-batches per optimizer step (``step.accumulate``'s
             count). Bytes sent are per optimizer step: a ``full_shard`` unit gathers
             twice per micro-batch, a ``shard_grad_op`` unit once, a ``shard_optimizer``
-            unit once per step; reductions run once per micro-batch with
+            unit once per step; a ``partial_reshard`` unit gathers from its shards once
+            per micro-batch and a ``hybrid_shard_optimizer`` unit once per step, their
+            other gathers re-gathering a partial copy over the last axis; reductions run once per micro-batch with
             ``accumulate="sharded"`` (once per step for ``shard_optimizer`` units),
             else once per step. Compute time scales with it.
         workload: batch and model shape, for activations and compute time.

@@ -24,10 +24,12 @@ class Memory:
         gathered: the peak of gathered units alive: the root unit, every
             ``shard_grad_op``, ``shard_optimizer`` and ``no_shard`` unit (kept from
             forward to backward; ``shard_optimizer`` across micro-batches),
-            ``1 + prefetch`` of the largest ``full_shard`` and ``hybrid_shard``
-            units, and one unit's unreduced gradients in the compute dtype (all of
-            them with ``accumulate="unsharded"``; every ``shard_optimizer`` unit's
-            with several micro-batches).
+            ``1 + prefetch`` of the largest units freed after forward
+            (``full_shard``, ``hybrid_shard``, ``partial_reshard``,
+            ``hybrid_shard_optimizer``), one unit's unreduced gradients in the
+            compute dtype (all of them with ``accumulate="unsharded"``; every
+            ``shard_optimizer`` unit's with several micro-batches), and every
+            unit's partial copy (``partial_reshard``, ``hybrid_shard_optimizer``).
         activations: estimated from the workload (0 without one).
         frozen: sharded frozen parameters as stored (no gradient, no optimizer state).
         buffers: tensors every rank holds whole besides the params (buffers), when

@@ -9,7 +9,8 @@ from funcshard._src.dtypes import dtype_name
 from funcshard._src.plan.estimates import Estimate
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.sizes import format_bytes, shape_text, table
-from funcshard._src.plan.strategy import MEANINGS, shard_axes
+from funcshard._src.plan.strategy import MEANINGS, Strategy, partial_axes, shard_axes
+from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.named_sharding import NamedSharding
 
 
@@ -78,8 +79,19 @@ def explain(plan: Plan, /) -> str:
     ]
     lines += [f"note: {note}" for note in plan.notes]
     used = {u.strategy for u in plan.units}
-    lines += [f"{s}: {MEANINGS[s]}" for s in MEANINGS if s in used]
+    lines += [f"{s}: {MEANINGS[s]}{_on_this_mesh(s, mesh)}" for s in MEANINGS if s in used]
     return "\n".join(lines)
+
+
+def _on_this_mesh(strategy: Strategy, mesh: Mesh, /) -> str:
+    """Where ``strategy``'s partial copy is re-gathered on ``mesh``; see [Note: partial copies]."""
+    regather, replicated = partial_axes(strategy, mesh)
+    if not regather:
+        return ""
+    if math.prod(mesh.axis_size(a) for a in replicated) == 1:
+        return " (here the copy is the shard: gathered as full_shard)"
+    names = ", ".join(repr(a) for a in replicated)
+    return f" (here: re-gathered over {regather[0]!r}, replicated over {names})"
 
 
 def costs(plan: Plan, /) -> list[str]:

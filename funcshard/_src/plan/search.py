@@ -31,7 +31,9 @@ def ladder(mesh: Mesh, /) -> tuple[Strategy, ...]:
     """The strategies ``strategy="auto"`` considers, most memory first at one micro-batch.
 
     Ties go to the first: ``shard_optimizer`` equals ``shard_grad_op`` at one
-    micro-batch, and wins on bytes sent with several (``CostModel.micro_batches``).
+    micro-batch, and wins on bytes sent with several (``CostModel.micro_batches``);
+    so do ``hybrid_shard_optimizer`` and ``partial_reshard`` on a mesh of several
+    axes (see [Note: partial copies] in ``strategy.py``).
 
     Example:
         >>> ladder(Mesh({"fsdp": 8}))
@@ -40,7 +42,15 @@ def ladder(mesh: Mesh, /) -> tuple[Strategy, ...]:
         'hybrid_shard'
     """
     if len(mesh.axis_names) > 1:
-        return ("no_shard", "shard_grad_op", "shard_optimizer", "hybrid_shard", "full_shard")
+        return (
+            "no_shard",
+            "shard_grad_op",
+            "shard_optimizer",
+            "hybrid_shard",
+            "partial_reshard",
+            "hybrid_shard_optimizer",
+            "full_shard",
+        )
     return ("no_shard", "shard_grad_op", "shard_optimizer", "full_shard")
 
 

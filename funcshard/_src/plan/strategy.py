@@ -7,7 +7,10 @@ whole until the step's last micro-batch, then reduce-scattered), ``no_shard`` DD
 (replicate, all-reduce gradients) and ``hybrid_shard`` shards over the last mesh
 axis and replicates over the others, freed after forward as ``full_shard``
 (PyTorch FSDP's ``HYBRID_SHARD``: reduce-scatter inside the shard group,
-all-reduce across replicas).
+all-reduce across replicas). ``partial_reshard`` (FSDP2's
+``reshard_after_forward=<int>``, ZeRO++'s hpZ) and ``hybrid_shard_optimizer``
+(Megatron-FSDP's HFSDP) are stored as ``full_shard`` and keep a partial copy
+between gathers (see [Note: partial copies]).
 
 [Note: shard_optimizer]
 A ``shard_optimizer`` unit is stored like a ``full_shard`` one (its shards, its
@@ -26,6 +29,37 @@ copy can go stale when the shards are updated. All-reducing the gradients instea
 and updating one slice would send the same bytes and then still need the
 all-gather, so the reduce-scatter is the only variant. With one micro-batch the
 step is ``shard_grad_op``'s.
+
+[Note: partial copies]
+A ``partial_reshard`` or ``hybrid_shard_optimizer`` unit is stored like a
+``full_shard`` one: its shards, gradients and optimizer state are 1/N a rank, over
+every mesh axis, so checkpoints reshard between it and every other strategy. Its
+*partial copy* is the shards of the ranks that share its coordinate on the last
+mesh axis (on ``{"node": N, "local": L}``, the N shards of its ``local`` index):
+1/L of the unit, so the L ranks of one coordinate on the other axes hold it
+whole between them, sharded over the last axis only. When the unit is gathered
+from its shards (one all-gather over every rank, as ``full_shard``), each rank
+copies its partial copy out of the gathered rows (no collective); every later
+gather is an all-gather of the partial copy over the last axis alone, whose rows
+are the same shards in another order (the last axis major). So those gathers
+never cross the other axes (across nodes, when the last axis is a node's ranks).
+
+- ``partial_reshard`` keeps the partial copy from forward to backward of each
+  micro-batch: backward's re-gather runs over the last axis only, as FSDP2's
+  ``reshard_after_forward=L`` and ZeRO++'s hpZ do (a secondary copy inside the
+  node).
+- ``hybrid_shard_optimizer`` keeps it for the whole step: only the step's first
+  gather crosses the other axes. Parameters are sharded over the last axis (as
+  ``hybrid_shard``'s) through the step, while shards, gradients, optimizer state
+  and any fp32 master are sharded over every rank, as Megatron-FSDP's HFSDP
+  shards its optimizer over the outer data-parallel ranks. Between steps a rank
+  holds only its shards; the partial copy is made again from the updated shards
+  at the next step's first gather, so it can never go stale.
+
+Gradients are reduce-scattered over every rank, as ``full_shard``'s. The root unit
+and a unit on a mesh with one axis (the partial copy is the shard) are gathered as
+``full_shard``'s. The partial copy of every unit is alive at the end of forward:
+the memory the strategies trade for the gathers they keep inside the last axis.
 """
 
 from __future__ import annotations
@@ -37,7 +71,13 @@ from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.partition_spec import P
 
 Strategy: TypeAlias = Literal[
-    "full_shard", "shard_grad_op", "shard_optimizer", "no_shard", "hybrid_shard"
+    "full_shard",
+    "shard_grad_op",
+    "shard_optimizer",
+    "no_shard",
+    "hybrid_shard",
+    "partial_reshard",
+    "hybrid_shard_optimizer",
 ]
 STRATEGIES: tuple[Strategy, ...] = (
     "full_shard",
@@ -45,6 +85,8 @@ STRATEGIES: tuple[Strategy, ...] = (
     "shard_optimizer",
     "no_shard",
     "hybrid_shard",
+    "partial_reshard",
+    "hybrid_shard_optimizer",
 )
 
 
@@ -60,6 +102,11 @@ MEANINGS: dict[Strategy, str] = {
     "no_shard": "DDP: whole on every rank; gradients all-reduced",
     "hybrid_shard": "sharded over the last mesh axis and replicated over the others; freed "
     "after forward; gradients reduce-scattered, then all-reduced across replicas",
+    "partial_reshard": "hpZ: stored as full_shard; after forward, a copy sharded over the "
+    "last mesh axis is kept, so backward re-gathers over that axis only",
+    "hybrid_shard_optimizer": "HFSDP: stored as full_shard (optimizer state 1/N); a copy "
+    "sharded over the last mesh axis is kept for the step, so only the step's first gather "
+    "crosses the other axes",
 }
 
 
@@ -82,7 +129,7 @@ def reshards_after_forward(strategy: Strategy, /) -> bool:
         >>> [reshards_after_forward(s) for s in ("full_shard", "shard_grad_op", "hybrid_shard")]
         [True, False, True]
     """
-    return strategy in ("full_shard", "hybrid_shard")
+    return strategy in ("full_shard", "hybrid_shard", "partial_reshard", "hybrid_shard_optimizer")
 
 
 def keeps_for_step(strategy: Strategy, /) -> bool:
@@ -97,6 +144,40 @@ def keeps_for_step(strategy: Strategy, /) -> bool:
     return strategy == "shard_optimizer"
 
 
+def keeps_partial_copy(strategy: Strategy, /) -> Literal["call", "step"] | None:
+    """How long a unit of ``strategy`` keeps its partial copy: a call's forward to its backward, the step, or never.
+
+    See [Note: partial copies].
+
+    Example:
+        >>> keeps_partial_copy("partial_reshard"), keeps_partial_copy("hybrid_shard_optimizer")
+        ('call', 'step')
+        >>> keeps_partial_copy("full_shard") is None
+        True
+    """
+    if strategy == "partial_reshard":
+        return "call"
+    if strategy == "hybrid_shard_optimizer":
+        return "step"
+    return None
+
+
+def partial_axes(strategy: Strategy, mesh: Mesh, /) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The axes a unit re-gathers its partial copy over, and those the copy is replicated over.
+
+    Both are empty for a strategy that keeps no partial copy; see [Note: partial copies].
+
+    Example:
+        >>> partial_axes("partial_reshard", Mesh({"node": 2, "local": 4}))
+        (('local',), ('node',))
+        >>> partial_axes("full_shard", Mesh({"node": 2, "local": 4}))
+        ((), ())
+    """
+    if keeps_partial_copy(strategy) is None:
+        return (), ()
+    return mesh.axis_names[-1:], mesh.axis_names[:-1]
+
+
 def shard_axes(strategy: Strategy, mesh: Mesh, /) -> tuple[str, ...]:
     """The mesh axes that ``strategy`` may shard a leaf over, major first.
 
@@ -104,8 +185,8 @@ def shard_axes(strategy: Strategy, mesh: Mesh, /) -> tuple[str, ...]:
         >>> mesh = Mesh({"dp": 2, "fsdp": 4})
         >>> shard_axes("full_shard", mesh), shard_axes("hybrid_shard", mesh), shard_axes("no_shard", mesh)
         (('dp', 'fsdp'), ('fsdp',), ())
-        >>> shard_axes("shard_optimizer", mesh)
-        ('dp', 'fsdp')
+        >>> shard_axes("shard_optimizer", mesh), shard_axes("hybrid_shard_optimizer", mesh)
+        (('dp', 'fsdp'), ('dp', 'fsdp'))
     """
     if strategy == "no_shard":
         return ()

@@ -29,6 +29,8 @@ from funcshard._src.plan.strategy import (
     LEAF_GATHERS,
     Strategy,
     keeps_for_step,
+    keeps_partial_copy,
+    partial_axes,
     reshards_after_forward,
     shard_axes,
 )
@@ -76,6 +78,7 @@ class UnitCost:
     n_params: int
     gather_buffer: int = 0  # the all-gather's output, (group_size * shard) in the compute dtype
     reduce_buffer: int = 0  # the reduce-scatter's input, (group_size * shard) in the reduce dtype
+    partial: int = 0  # its partial copy, in the compute dtype ([Note: partial copies])
 
 
 def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
@@ -87,15 +90,21 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     g = math.prod(mesh.axis_size(a) for a in axes)
     r = math.prod(mesh.axis_size(a) for a in replica)
     gathers, reductions = collectives_per_step(unit, model)
+    # the partial copy ([Note: partial copies] in strategy.py): copy_rows shards, re-gathered
+    # over the last axis (of size regather) by every gather but those from the shards
+    regather_axes, replicated = partial_axes(unit.strategy, mesh)
+    copy_rows = math.prod(mesh.axis_size(a) for a in replicated)
+    regather = math.prod(mesh.axis_size(a) for a in regather_axes)
+    partial = copy_rows > 1 and g > 1 and not unit.is_root
+    from_shards = gathers_from_shards(unit, model) if partial else gathers
     copies = STATE_COPIES[model.optimizer]
     params = frozen = grads = optimizer = master = gathered = unreduced = deferred = 0
-    gather_buffer = reduce_buffer = 0
+    gather_buffer = reduce_buffer = partial_copy = 0
     comm: Counter[Key] = Counter()
     full = _numel_by_part(plan, unit, whole=True)
+    leafwise = (model.backend, g) in LEAF_GATHERS and not partial
     in_place: set[tuple[torch.dtype, bool]] = (
-        _gathers_in_place(plan, unit, axes, leafwise=(model.backend, g) in LEAF_GATHERS)
-        if g > 1
-        else set()
+        _gathers_in_place(plan, unit, axes, leafwise=leafwise) if g > 1 else set()
     )
     if unit.layout == "flat":  # its storage is the gathered buffer, end padding included
         full = {key: g * n for key, n in _numel_by_part(plan, unit, whole=False).items()}
@@ -120,14 +129,20 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
         if g > 1 or compute != dtype:  # else the full leaves alias the shard
             gathered += full[(dtype, is_frozen)] * compute.itemsize
             # See [Note: staging buffers]
-            gather_buffer += 0 if (dtype, is_frozen) in in_place else g * n * compute.itemsize
+            staged = partial or (dtype, is_frozen) not in in_place
+            gather_buffer += g * n * compute.itemsize if staged else 0
+        if partial:
+            partial_copy += copy_rows * n * compute.itemsize
         if trained:
             unreduced += full[(dtype, is_frozen)] * compute.itemsize
             deferred += g * n * grad.itemsize
             # no_shard reduces in place: its packed rows are the gradient unless cast
             reduce_buffer += g * n * grad.itemsize if g > 1 or grad != dtype else 0
         if g > 1:
-            comm[("all_gather", axes)] += gathers * (g - 1) * n * compute.itemsize
+            comm[("all_gather", axes)] += from_shards * (g - 1) * n * compute.itemsize
+        if partial and regather > 1:
+            copy = copy_rows * n * compute.itemsize
+            comm[("all_gather", regather_axes)] += (gathers - from_shards) * (regather - 1) * copy
         if not trained:
             continue
         if g > 1:
@@ -150,14 +165,42 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
         sum(full.values()),
         gather_buffer,
         reduce_buffer,
+        partial_copy,
     )
+
+
+def gathers_from_shards(unit: Unit, model: CostModel, /) -> int:
+    """How many of a step's gathers of ``unit`` start from its shards, over every shard axis.
+
+    The others re-gather its partial copy over the last mesh axis (see [Note:
+    partial copies] in ``strategy.py``): a ``partial_reshard`` unit gathers from its
+    shards once per micro-batch (forward) and a ``hybrid_shard_optimizer`` unit
+    once per step; a unit of any other strategy always does.
+
+    Example:
+        >>> from funcshard._src.plan.units import Unit
+        >>> def unit(s):
+        ...     return Unit("blocks/0", ("blocks/0/w",), s)
+        >>> model = CostModel(micro_batches=4)
+        >>> [gathers_from_shards(unit(s), model) for s in ("partial_reshard", "hybrid_shard_optimizer")]
+        [4, 1]
+        >>> gathers_from_shards(unit("full_shard"), model)
+        8
+    """
+    lifetime = keeps_partial_copy(unit.strategy)
+    if lifetime == "step":
+        return 1
+    if lifetime == "call":
+        return model.micro_batches
+    return collectives_per_step(unit, model)[0]
 
 
 def collectives_per_step(unit: Unit, model: CostModel, /) -> tuple[int, int]:
     """How often ``unit`` is gathered and its gradients reduced in one optimizer step.
 
-    Per micro-batch, a ``full_shard`` or ``hybrid_shard`` unit (not the root) is
-    gathered twice (forward, and again for backward) and any other once; its
+    Per micro-batch, a unit that reshards after forward (``full_shard``,
+    ``hybrid_shard``, ``partial_reshard``, ``hybrid_shard_optimizer``; not the root)
+    is gathered twice (forward, and again for backward) and any other once; its
     gradients are reduced once per micro-batch, or once per step with
     ``accumulate="unsharded"``. A ``shard_optimizer`` unit is gathered and reduced
     once per step (see [Note: shard_optimizer] in ``strategy.py``).
@@ -307,6 +350,8 @@ def memory_of(costs: list[UnitCost], model: CostModel, /) -> Memory:
     grads_alive = sum(c.deferred_grads for c in costs if defers(c, model)) + max(
         (c.unreduced_grads for c in costs), default=0
     )
+    # every partial copy is alive at the end of forward ([Note: partial copies])
+    partial = sum(c.partial for c in costs)
     return Memory(
         staging=max((c.gather_buffer for c in costs), default=0)
         + max((c.reduce_buffer for c in costs), default=0),
@@ -315,7 +360,7 @@ def memory_of(costs: list[UnitCost], model: CostModel, /) -> Memory:
         grads=sum(c.grads for c in costs),
         optimizer=sum(c.optimizer for c in costs) + COUNTER_BYTES,
         mixed_precision=sum(c.mixed_precision for c in costs),
-        gathered=root + kept + alive + grads_alive,
+        gathered=root + kept + alive + grads_alive + partial,
         activations=0,
         frozen=sum(c.frozen for c in costs),
     )
