@@ -115,11 +115,7 @@ def _funcshard(
     that many micro-batches along its sequences, one optimizer step over them
     (``step.accumulate``, the same tokens per step)."""
     world = fs.world_size()
-    mesh = (
-        fs.Mesh({"dp": 2, "fsdp": world // 2})
-        if strategy == "hybrid_shard"
-        else fs.Mesh({"fsdp": world})
-    )
+    mesh = _mesh_for(strategy, world)
     # the planner's default placement; FUNCSHARD_BENCH_DEFAULT=largest_dim times the other one
     chosen = os.environ.get("FUNCSHARD_BENCH_DEFAULT", "dim_0")
     if chosen not in ("dim_0", "largest_dim"):
@@ -163,15 +159,32 @@ def _funcshard(
             "optimizer": _flat_bytes(held["state"].mu) + _flat_bytes(held["state"].nu),
         }
 
+    comm = fs.cost.estimate(plan, fs.cost.CostModel(micro_batches=micro_batches)).comm
+    # what layout="auto" picked, as plan.explain() says it
+    notes = [n for n in plan.notes if n.startswith("layout=")]
+    if len(mesh.axis_names) > 1:  # where the bytes go: across the first axis, or inside the last
+        by_axes = ", ".join(
+            f"{op} over {'+'.join(axes)} {n / 2**20:.2f} MiB"
+            for (op, axes), n in sorted(comm.items())
+        )
+        notes.append(f"{mesh!r}, sent per step and rank (the cost model, = the ledger): {by_axes}")
     return Trainer(
         run,
         state_bytes,
         lambda: step.ledger.total(),
-        sum(fs.cost.estimate(plan, fs.cost.CostModel(micro_batches=micro_batches)).comm.values()),
+        sum(comm.values()),
         units=len(plan.units),
-        # what layout="auto" picked, as plan.explain() says it
-        notes=[n for n in plan.notes if n.startswith("layout=")],
+        notes=notes,
     )
+
+
+def _mesh_for(strategy: Any, world: int) -> fs.Mesh:
+    """The bench's mesh for ``strategy``: two replicas (hybrid), two "nodes" (partial copies), or one axis."""
+    if strategy in ("hybrid_shard", "hybrid_shard_optimizer"):
+        return fs.Mesh({"dp": 2, "fsdp": world // 2})
+    if strategy == "partial_reshard":
+        return fs.Mesh({"node": 2, "local": world // 2})
+    return fs.Mesh({"fsdp": world})
 
 
 def _torch(wrap: str | None, cfg: Config, params: Any, device: torch.device) -> Trainer:
@@ -272,6 +285,21 @@ MODES: dict[str, Mode] = {
     ),
     "funcshard/hybrid_shard": Mode(
         "funcshard, hybrid_shard (2 x W/2)", functools.partial(_funcshard, "hybrid_shard")
+    ),
+    # partial copies ([Note: partial copies] in funcshard/_src/plan/strategy.py)
+    "funcshard/partial_reshard": Mode(
+        "funcshard, partial_reshard (hpZ) on {node: 2, local: W/2}: backward re-gathers "
+        "over local only",
+        functools.partial(_funcshard, "partial_reshard"),
+    ),
+    "funcshard/hybrid_shard_optimizer": Mode(
+        "funcshard, hybrid_shard_optimizer (HFSDP) on {dp: 2, fsdp: W/2}, the rank's batch "
+        "as 2 micro-batches",
+        functools.partial(_funcshard, "hybrid_shard_optimizer", micro_batches=2),
+    ),
+    "funcshard/hybrid_shard/2mb": Mode(
+        "funcshard, hybrid_shard (2 x W/2), the rank's batch as 2 micro-batches",
+        functools.partial(_funcshard, "hybrid_shard", micro_batches=2),
     ),
     "fsdp2": Mode(
         "PyTorch FSDP2 fully_shard (each block, then the root)",
