@@ -149,7 +149,7 @@ class GatherGroup(ReducingGroup):
         instead of its shard over every shard axis: the same rows, fewer ranks (see
         [Note: partial copies] in ``plan/strategy.py``).
         """
-        partial = unit.from_partial = unit.partial_held
+        partial = unit.partial_held
         axes = unit.regather_axes if partial else self.axes
         for part, flat in zip(unit.parts, unit.flats):
             if part.aliased:
@@ -175,7 +175,7 @@ class GatherGroup(ReducingGroup):
             part.inflight = collectives.all_gather(
                 local, self.bound, axes, out=out, ledger=self.ledger, tag=unit.name
             )
-        unit.mark_gathering()
+        unit.mark_gathering(from_partial=partial)
 
     def _gather_in_place(
         self, unit: UnitRuntime, part: Part, local: torch.Tensor, axes: tuple[str, ...]
@@ -272,9 +272,6 @@ class GatherGroup(ReducingGroup):
                 self._unpacked(inflight)
             else:
                 self.pool.give(gathered)
-        if unit.partial_lifetime is not None:
-            unit.mark_partial_held()
-        unit.from_partial = False
         unit.mark_gathered()
 
     def _unpacked(self, share: Share) -> None:

@@ -269,16 +269,22 @@ class UnitRuntime:
 
     # -- transitions, called by the unit's gather group ------------------------------
 
-    def mark_gathering(self) -> None:
-        """SHARDED -> GATHERING, once every part's all-gather (or share of one) is in flight."""
+    def mark_gathering(self, *, from_partial: bool = False) -> None:
+        """SHARDED -> GATHERING, once every part's all-gather (or share of one) is in flight.
+
+        ``from_partial``: the all-gathers are of the partial copy, over ``regather_axes``.
+        """
         self.expect(UnitState.SHARDED, "start gathering")
         self.memory.log("start", self.name)
+        self.from_partial = from_partial
         self.state = UnitState.GATHERING
 
     def mark_gathered(self) -> None:
-        """GATHERING -> GATHERED, once every full leaf is filled."""
+        """GATHERING -> GATHERED, once every full leaf is filled (and any partial copy kept)."""
         self.expect(UnitState.GATHERING, "finish gathering")
         self.memory.log("finish", self.name)
+        self.partial_held = self.partial_lifetime is not None
+        self.from_partial = False
         self.state = UnitState.GATHERED
 
     def hold(self) -> None:
@@ -342,8 +348,8 @@ class UnitRuntime:
     def keep_partial(self, part: Part, rows: torch.Tensor, /) -> None:
         """Copies this rank's partial copy out of ``part``'s gathered ``(group_size, numel)`` rows; mutates.
 
-        See [Note: partial copies] in ``plan/strategy.py``. The unit marks the copy
-        held once every part has one (:meth:`mark_partial_held`).
+        See [Note: partial copies] in ``plan/strategy.py``. The unit holds the
+        copy once every part has one (:meth:`mark_gathered`).
         """
         n = self.copy_rows * part.layout.numel
         if part.partial is None:
@@ -354,10 +360,6 @@ class UnitRuntime:
         with torch.no_grad():
             part.partial.view(self.copy_rows, -1).copy_(grid[:, self.copy_index])
         self.memory.add(self.partial_bytes(part))
-
-    def mark_partial_held(self) -> None:
-        """Every part's partial copy is taken: later gathers start from it."""
-        self.partial_held = True
 
     def free_partial(self) -> None:
         """Releases every part's partial copy, if held; mutates."""
