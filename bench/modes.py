@@ -110,6 +110,7 @@ def _funcshard(
     compiled: bool = False,
     layout: Any = "auto",
     micro_batches: int = 1,
+    quantize: fs.Quantized | None = None,
 ) -> Trainer:
     """funcshard with ``strategy``; with ``micro_batches`` > 1 the rank's batch is split into
     that many micro-batches along its sequences, one optimizer step over them
@@ -136,7 +137,10 @@ def _funcshard(
     # step's forward. no_shard donates them to the next step, as DDP keeps its gradient
     # buckets from step to step: the same memory, and no fresh pages to fault in each step
     step = fs.value_and_grad(
-        torch.compile(loss) if compiled else loss, plan, donate_grads=strategy == "no_shard"
+        torch.compile(loss) if compiled else loss,
+        plan,
+        donate_grads=strategy == "no_shard",
+        quantize=quantize,
     )
     held: dict[str, Any] = {"params": sparams, "state": state, "grad_bytes": 0}
 
@@ -159,9 +163,16 @@ def _funcshard(
             "optimizer": _flat_bytes(held["state"].mu) + _flat_bytes(held["state"].nu),
         }
 
-    comm = fs.cost.estimate(plan, fs.cost.CostModel(micro_batches=micro_batches)).comm
+    cost = fs.cost.CostModel(micro_batches=micro_batches, quantize=quantize)
+    comm = fs.cost.estimate(plan, cost).comm
     # what layout="auto" picked, as plan.explain() says it
     notes = [n for n in plan.notes if n.startswith("layout=")]
+    if quantize is not None:
+        exact = fs.cost.estimate(plan, fs.cost.CostModel(micro_batches=micro_batches)).comm
+        notes.append(
+            f"int8 blocks of {quantize.block}: {sum(comm.values()) / sum(exact.values()):.3f} x "
+            f"the bytes of the same step unquantized"
+        )
     if len(mesh.axis_names) > 1:  # where the bytes go: across the first axis, or inside the last
         by_axes = ", ".join(
             f"{op} over {'+'.join(axes)} {n / 2**20:.2f} MiB"
@@ -279,6 +290,11 @@ MODES: dict[str, Mode] = {
     "funcshard/shard_grad_op/2mb": Mode(
         "funcshard, shard_grad_op (ZeRO-2), the rank's batch as 2 micro-batches",
         functools.partial(_funcshard, "shard_grad_op", micro_batches=2),
+    ),
+    "funcshard/quantized": Mode(
+        "funcshard, full_shard, int8 all-gathers and reductions per block of 256 "
+        "(fs.Quantized(): ZeRO++'s qwZ and qgZ)",
+        functools.partial(_funcshard, "full_shard", quantize=fs.Quantized()),
     ),
     "funcshard/no_shard": Mode(
         "funcshard, no_shard (DDP-like)", functools.partial(_funcshard, "no_shard")

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.summary import memory_allocator, summarize
+from bench.summary import CONVERGENCE_MARGINS, memory_allocator, summarize
 
 MIB = 2**20
 FLOOR_MEANS = (
@@ -167,6 +167,13 @@ def _section(size: str, s: dict[str, Any], meta: dict[str, Any]) -> list[str]:
                 f"- {mode}: bytes sent per step {'equal' if same else 'DIFFER from'} the cost model"
             )
         lines += [f"- {mode}: {note}" for note in m["notes"]]
+        if "converges" in m:
+            lines.append(
+                f"- {mode}: convergence check: loss within "
+                f"{m['largest_relative_loss_difference'] * 100:.3f} % of `{m['loss_reference']}`'s "
+                f"at every step, {'within' if m['converges'] else 'OUTSIDE'} the margin of "
+                f"{CONVERGENCE_MARGINS[mode] * 100:g} %"
+            )
     references = sorted({m["loss_reference"] for m in modes.values()})
     steps = len(next(iter(modes.values()))["losses"])
     lines.append(

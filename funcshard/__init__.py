@@ -45,6 +45,7 @@ from funcshard._src.plan.auto import BudgetError as BudgetError
 from funcshard._src.plan.plan import Plan as Plan
 from funcshard._src.plan.planner import plan as plan
 from funcshard._src.plan.precision import MixedPrecision as MixedPrecision
+from funcshard._src.plan.quantize import Quantized as Quantized
 from funcshard._src.shard.flat_shard import DonatedError as DonatedError
 from funcshard._src.shard.materialize import materialize as materialize
 from funcshard._src.shard.shard import shard as shard
@@ -74,6 +75,7 @@ __all__ = [
     "P",
     "ParameterWriteError",
     "Plan",
+    "Quantized",
     "ShardedTensor",
     "SpecError",
     "Step",

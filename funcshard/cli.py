@@ -134,6 +134,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["sharded", "unsharded"],
         help="reduce every micro-batch (sharded, default) or once per step (unsharded)",
     )
+    p.add_argument(
+        "--quantize",
+        default="none",
+        choices=["none", "weights", "gradients", "both"],
+        help="int8 collectives per block (fs.Quantized, ZeRO++'s qwZ and qgZ): all-gathers "
+        "of parameters, reductions of gradients, or both; bytes sent as sent",
+    )
+    p.add_argument(
+        "--quantize-block", type=int, default=256, help="elements per fp32 scale (--quantize)"
+    )
     p.add_argument("--json", type=Path, help="also write the numbers to this JSON file")
     p.add_argument("--plot", type=Path, help="also draw memory per strategy to this image")
     v = sub.add_parser(

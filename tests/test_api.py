@@ -27,6 +27,7 @@ CORE = {
     "Step",
     "StepStats",
     "MixedPrecision",
+    "Quantized",
     "BudgetError",
     "CollectiveError",
     "DesyncError",

@@ -291,6 +291,29 @@ def test_micro_batches_must_be_positive(capsys):
     assert "--micro-batches 0" in capsys.readouterr().err
 
 
+def test_quantized_collectives_send_about_a_quarter_of_fp32(tmp_path):
+    """--quantize both: full_shard's gathers and reductions as int8 blocks of 256 with an fp32
+    scale each, (1 + 4/256) / 4 of the fp32 bytes; --quantize weights quantizes only gathers."""
+    argv = ["plan", "--model", "llama-7b", "--mesh", "fsdp=8", "--strategy", "full_shard"]
+    sent = {}
+    for which in ("none", "weights", "both"):
+        out = tmp_path / f"{which}.json"
+        assert cli.main([*argv, "--quantize", which, "--json", str(out)]) == 0
+        sent[which] = json.loads(out.read_text())["strategies"]["full_shard"]["comm"]
+    for key, exact in sent["none"].items():
+        assert sent["both"][key] / exact == pytest.approx((1 + 4 / 256) / 4, rel=1e-3), key
+    gathers = [k for k in sent["none"] if k.startswith("all_gather")]
+    reductions = [k for k in sent["none"] if k.startswith("reduce_scatter")]
+    assert all(sent["weights"][k] < sent["none"][k] for k in gathers)
+    assert all(sent["weights"][k] == sent["none"][k] for k in reductions)
+
+
+def test_a_quantize_block_that_is_not_a_multiple_of_4_is_refused(capsys):
+    argv = ["plan", "--model", "llama-7b", "--mesh", "fsdp=8", "--quantize", "both"]
+    assert cli.main([*argv, "--quantize-block", "6"]) == 2
+    assert "--quantize-block 6" in capsys.readouterr().err
+
+
 def test_deepspeed_sets_its_layout(tmp_path):
     out = tmp_path / "ds.json"
     assert (

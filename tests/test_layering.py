@@ -44,6 +44,7 @@ ORDER = {
         "rules",
         "strategy",
         "precision",
+        "quantize",
         "sizes",
         "units",
         "leaf",
@@ -82,6 +83,7 @@ ORDER = {
         "inputs",
         "pending",
         "collectives",
+        "quantized",
     ],
     "data": ["sampler", "seed"],
     "shard": [
@@ -107,6 +109,7 @@ ORDER = {
         "desync",
         "guard",
         "part",
+        "partial_copy",
         "unit_state",
         "packed",
         "reduction",

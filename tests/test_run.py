@@ -84,9 +84,9 @@ def _peak_against_the_model(mesh: dict[str, int], strategy: Any, micro: int) -> 
         assert run is not None
         copies.append(
             sum(
-                u.partial_bytes(part)
+                u.partial.nbytes(part)
                 for u in run.units.values()
-                if u.partial_held
+                if u.partial.held
                 for part in u.parts
             )
         )

@@ -22,6 +22,7 @@ from funcshard._src.plan.hardware import HARDWARE, Hardware, get_hardware
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.planner import plan
 from funcshard._src.plan.precision import MixedPrecision
+from funcshard._src.plan.quantize import Quantized
 from funcshard._src.plan.sizes import describe_size, format_bytes, parse_bytes, table
 from funcshard._src.spec.mesh import Mesh
 
@@ -145,7 +146,12 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
             workload=workload,
             hardware=hardware,
         )
-    model = dataclasses.replace(model, micro_batches=args.micro_batches, accumulate=args.accumulate)
+    model = dataclasses.replace(
+        model,
+        micro_batches=args.micro_batches,
+        accumulate=args.accumulate,
+        quantize=_quantize(args.quantize, args.quantize_block),
+    )
     if args.reserve is not None:
         model = dataclasses.replace(model, reserve=parse_reserve(args.reserve))
     usable = None if budget is None else usable_budget(budget, model)
@@ -282,4 +288,20 @@ def parse_reserve(text: str, /) -> Reserve:
         raise UsageError(
             f"--reserve {text!r}: write a percentage and/or a size, e.g. '5%+1GiB', '10%', "
             f"'2GiB' or '0' ({e})"
+        ) from None
+
+
+def _quantize(which: str, block: int, /) -> Quantized | None:
+    """``--quantize`` and ``--quantize-block`` as a :class:`Quantized`, or ``None``.
+
+    Raises:
+        UsageError: a block that is not a positive multiple of 4.
+    """
+    if which == "none":
+        return None
+    try:
+        return Quantized(weights=which != "gradients", gradients=which != "weights", block=block)
+    except ValueError:
+        raise UsageError(
+            f"--quantize-block {block}: give a positive multiple of 4 elements per scale, e.g. 256"
         ) from None

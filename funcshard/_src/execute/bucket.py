@@ -80,7 +80,9 @@ def _eligible(unit: UnitRuntime) -> bool:
         unit.unit.is_root
         or any(p.in_place and not p.by_leaf for p in unit.parts)
         or not unit.parts
-        or unit.partial_lifetime is not None  # its partial copy is per unit
+        or unit.partial.lifetime is not None  # its partial copy is per unit
+        or unit.weight_block  # quantized collectives are per unit
+        or unit.grad_block
     ):
         return False
     if unit.group_size > 1:

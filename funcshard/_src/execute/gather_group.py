@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from funcshard._src.comm import all_gather as _ag
-from funcshard._src.comm import collectives
+from funcshard._src.comm import collectives, quantized
 from funcshard._src.comm.pending import Pending
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.group_reduce import ReducingGroup
@@ -97,7 +97,7 @@ class GatherGroup(ReducingGroup):
             if not keep:
                 unit.free()
             if not keep_partial:
-                unit.free_partial()
+                unit.partial.free(unit.parts)
 
     def drop_unused(self, unit: UnitRuntime, /) -> None:
         """Frees ``unit`` if it was prefetched but no call holds it (GATHERING/GATHERED -> SHARDED)."""
@@ -112,14 +112,14 @@ class GatherGroup(ReducingGroup):
 
         With ``keep`` (a micro-batch before the step's last), members that
         :attr:`~UnitRuntime.keeps_for_step` and are GATHERED stay so, and those that
-        :attr:`~UnitRuntime.keeps_partial_for_step` keep their partial copy.
+        keep their partial copy for the step (``partial.for_step``).
         """
         for unit in self.members:
             unit.drop_holders()
             if not (keep and unit.keeps_for_step and unit.state is UnitState.GATHERED):
                 self.drop_unused(unit)
-            if not (keep and unit.keeps_partial_for_step):
-                unit.free_partial()
+            if not (keep and unit.partial.for_step):
+                unit.partial.free(unit.parts)
 
     def discard(self) -> list[Pending]:
         """After an error: drops collectives in flight without waiting (returns them), frees storage, forgets rounds."""
@@ -149,8 +149,8 @@ class GatherGroup(ReducingGroup):
         instead of its shard over every shard axis: the same rows, fewer ranks (see
         [Note: partial copies] in ``plan/strategy.py``).
         """
-        partial = unit.partial_held
-        axes = unit.regather_axes if partial else self.axes
+        partial = unit.partial.held
+        axes = unit.partial.regather_axes if partial else self.axes
         for part, flat in zip(unit.parts, unit.flats):
             if part.aliased:
                 continue
@@ -172,6 +172,18 @@ class GatherGroup(ReducingGroup):
                 self.group_size * part.layout.numel, local.dtype, local.device
             )
             self.memory.add(out.numel() * out.element_size())
+            if unit.weight_block and not partial and local.dtype.is_floating_point:
+                # int8 blocks: [Note: quantized collectives] in plan/quantize.py
+                part.inflight = quantized.all_gather(
+                    local,
+                    self.bound,
+                    axes,
+                    block=unit.weight_block,
+                    out=out,
+                    ledger=self.ledger,
+                    tag=unit.name,
+                )
+                continue
             part.inflight = collectives.all_gather(
                 local, self.bound, axes, out=out, ledger=self.ledger, tag=unit.name
             )
@@ -251,21 +263,21 @@ class GatherGroup(ReducingGroup):
                 if part.in_place:
                     unit.forget(part)
                 raise
-            if unit.partial_lifetime is not None and not unit.from_partial:
+            if unit.partial.lifetime is not None and not unit.partial.in_flight:
                 # the rows are the part's storage when gathered in place (flat, or one leaf)
                 rows = part.full if part.in_place else gathered
                 assert rows is not None
-                unit.keep_partial(part, rows.view(self.group_size, -1))
-            if part.in_place and not unit.from_partial:  # the collective filled part.full
+                unit.partial.keep(part, rows.view(self.group_size, -1))
+            if part.in_place and not unit.partial.in_flight:  # the collective filled part.full
                 assert part.version is not None
                 part.version.__exit__(None, None, None)
                 part.version = None
                 continue
             full = unit.materialize(part)
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
-                if not unit.from_partial:
+                if not unit.partial.in_flight:
                     unpack_into(part.layout, gathered, part.views, self.axes)
-                else:  # rows row-major over regather_order: [Note: partial copies]
+                else:  # [Note: a partial copy on the executor]
                     _unpack_regathered(unit, part, full, gathered)
             self.memory.sub(gathered.numel() * gathered.element_size())
             if isinstance(inflight, Share):
@@ -290,15 +302,16 @@ def _unpack_regathered(
 ) -> None:
     """Fills ``part``'s full leaves from an all-gather of partial copies; mutates ``full``.
 
-    The rows come row-major over ``unit.regather_order`` (the last mesh axis
-    major). A part gathered in place elsewhere is its rows in mesh order: one
-    transposing copy; any other part is unpacked in the regather order.
+    The rows come row-major over ``unit.partial.order`` (the last mesh axis
+    major). A flat part, or one gathered in place elsewhere, is its rows in mesh
+    order: one transposing copy; any other part is unpacked in the regather order.
     """
-    if part.in_place:
+    copy = unit.partial
+    if part.in_place or part.layout.flat:
         n = part.layout.numel
-        full.view(unit.copy_rows, unit.regather_size, n).copy_(
-            gathered.view(unit.regather_size, unit.copy_rows, n).transpose(0, 1)
+        full.view(copy.rows, copy.regather_size, n).copy_(
+            gathered.view(copy.regather_size, copy.rows, n).transpose(0, 1)
         )
     else:
         rows = gathered.view(unit.group_size, -1)
-        unpack_into(part.layout, rows, part.views, unit.regather_order)
+        unpack_into(part.layout, rows, part.views, copy.order)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from funcshard._src.comm import collectives
+from funcshard._src.comm import collectives, quantized
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.packed import Columns, Round
 from funcshard._src.execute.part import Part
@@ -83,6 +83,18 @@ class ReducingGroup:
             )
             then: tuple[str, ...] = ()
             staging = None  # reduced in place: it becomes the gradient
+        elif unit.grad_block:  # [Note: quantized collectives] in plan/quantize.py
+            stage = quantized.reduce_scatter(
+                rows,
+                self.bound,
+                self.axes,
+                block=unit.grad_block,
+                out=out,
+                ledger=self.ledger,
+                tag=unit.name,
+            )
+            then = replica
+            staging = rows if keep_rows else None
         else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter
             stage = collectives.reduce_scatter(
                 rows, self.bound, self.axes, out=out, ledger=self.ledger, tag=unit.name

@@ -23,4 +23,4 @@ def keeps_partial(
     unit: UnitRuntime, /, *, after_forward: bool, evaluation: bool, last: bool
 ) -> bool:
     """Whether a release of ``unit`` keeps its partial copy: for its backward, or for the step's next micro-batch."""
-    return (after_forward and not evaluation) or (not last and unit.keeps_partial_for_step)
+    return (after_forward and not evaluation) or (not last and unit.partial.for_step)

@@ -59,8 +59,8 @@ class Part:
     views: list[torch.Tensor] = field(default_factory=list)
     inflight: InFlight | None = None  # this part's all-gather, while the unit is GATHERING
     version: torch.autograd._unsafe_preserve_version_counter | None = None  # in_place, GATHERING
-    # the partial copy, (copy_rows * numel,) in the compute dtype: [Note: partial copies] in
-    # plan/strategy.py; kept across frees like ``full``, its storage resized to zero
+    # the partial copy, (copy rows * numel,) in the compute dtype: [Note: a partial copy on the executor] in
+    # partial_copy.py; kept across frees like ``full``, its storage resized to zero
     partial: torch.Tensor | None = None
 
     @property

@@ -229,7 +229,7 @@ class Reducer:
             rows = spare.view(1, -1)  # no_shard: reduced in place, this becomes the gradient
             spare = None
         else:
-            if unit.group_size > 1 and not defer and device.type == "cpu":
+            if unit.group_size > 1 and not defer and device.type == "cpu" and not unit.grad_block:
                 # packed straight into shared memory, which the reduce-scatter sends as it is
                 shared = inputs.reduce_scatter_input(
                     unit.bound, unit.axes, layout.numel, part.grad_dtype

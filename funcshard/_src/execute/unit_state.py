@@ -32,15 +32,8 @@ a gather in flight; the unit forgets it (:meth:`UnitRuntime.forget`), and the
 pending collectives keep it alive until drained.
 
 A ``partial_reshard`` or ``hybrid_shard_optimizer`` unit also keeps a partial
-copy (``Part.partial``; [Note: partial copies] in ``plan/strategy.py``), the
-gathered rows of the ranks that share its coordinate on the last mesh axis. It is
-taken from the first gather's rows (:meth:`UnitRuntime.keep_partial`), outlives
-:meth:`~UnitRuntime.free`, and later gathers all-gather it over the last axis
-alone (:attr:`~UnitRuntime.partial_held`), through a staging buffer whose rows
-come the last axis major (``regather_order``): a part gathered in place is
-filled from it by one transposing copy, any other unpacked from it in that
-order. Such units never gather leaf by leaf, so the rows of the first gather are
-always there to copy the partial copy from.
+copy (:attr:`UnitRuntime.partial`; [Note: a partial copy on the executor] in
+``partial_copy.py``).
 
 [Note: aliased units]
 A part that needs no collective and no cast (``no_shard`` without mixed
@@ -63,12 +56,12 @@ from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute.memory import GatheredMemory
 from funcshard._src.execute.part import Part
+from funcshard._src.execute.partial_copy import PartialCopy
 from funcshard._src.plan.precision import MixedPrecision
+from funcshard._src.plan.quantize import Quantized
 from funcshard._src.plan.strategy import (
     LEAF_GATHERS,
     keeps_for_step,
-    keeps_partial_copy,
-    partial_axes,
     reshards_after_forward,
     shard_axes,
 )
@@ -107,6 +100,7 @@ class UnitRuntime:
         precision: MixedPrecision,
         ledger: Ledger | None,
         memory: GatheredMemory,
+        quantize: Quantized | None = None,
     ) -> None:
         self.unit = unit
         self.bound = bound
@@ -122,30 +116,18 @@ class UnitRuntime:
         # what gradients are all-reduced over after (or, for no_shard, instead of) the
         # reduce-scatter: the replica axes, none where there is one replica
         self.all_reduce_axes = self.replica_axes if self.replica_size > 1 else ()
-        # the partial copy: [Note: partial copies] in plan/strategy.py
-        regather, replicated = partial_axes(unit.strategy, mesh)
-        self.regather_axes = regather
-        self.copy_rows = collectives.group_size(bound, replicated)  # shards in the copy
-        self.partial_lifetime = (
-            keeps_partial_copy(unit.strategy)
-            if self.copy_rows > 1 and self.group_size > 1 and not unit.is_root
-            else None
-        )
-        coords = bound.coords
-        # this rank's copy is the rows of the ranks with its coordinate on regather_axes
-        # rows are row-major over the mesh axes, the last (regather) axis minor: this
-        # rank's copy is the rows of its index on it, and a regather gives the rows
-        # row-major over regather_order
-        self.regather_size = collectives.group_size(bound, regather)
-        self.copy_index = coords[regather[0]] if regather else 0
-        self.regather_order = regather + replicated
-        self.partial_held = False
-        self.from_partial = False  # the all-gather in flight is of the partial copy
+        self.partial = PartialCopy(unit, bound, self.group_size, memory)
+        # [Note: quantized collectives] in plan/quantize.py: the block of int8 gathers from
+        # shards (floating parts) and of int8 reductions (0: exact)
+        q = quantize if self.group_size > 1 else None
+        self.weight_block = q.block if q is not None and q.weights else 0
+        self.grad_block = q.block if q is not None and q.gradients else 0
         backend = str(dist.get_backend()) if bound.distributed else ""
         leafwise = self.leafwise = (
-            backend,
-            self.group_size,
-        ) in LEAF_GATHERS and self.partial_lifetime is None
+            (backend, self.group_size) in LEAF_GATHERS
+            and self.partial.lifetime is None
+            and not self.weight_block
+        )
         self.parts = [
             Part(
                 layout,
@@ -154,6 +136,9 @@ class UnitRuntime:
                 aliased=self.group_size == 1
                 and precision.compute_dtype(layout.dtype) == layout.dtype,
                 in_place=self.group_size > 1
+                and not (
+                    self.weight_block and precision.compute_dtype(layout.dtype).is_floating_point
+                )
                 and (
                     gathers_in_place(layout, self.axes)
                     or (leafwise and leaves_gather_in_place(layout, self.axes))
@@ -193,11 +178,6 @@ class UnitRuntime:
         return keeps_for_step(self.unit.strategy)
 
     @property
-    def keeps_partial_for_step(self) -> bool:
-        """Whether the unit keeps its partial copy across micro-batches (``hybrid_shard_optimizer``)."""
-        return self.partial_lifetime == "step"
-
-    @property
     def gathered_bytes(self) -> int:
         """Bytes of this unit's full leaves when gathered (aliased parts hold none of their own)."""
         return sum(p.full_bytes for p in self.parts)
@@ -234,7 +214,7 @@ class UnitRuntime:
         """Uses ``flats`` (one per part, same layouts) as this step's shards; mutates.
 
         A unit kept gathered from the step's last micro-batch (:attr:`keeps_for_step`),
-        or keeping its partial copy (:attr:`keeps_partial_for_step`), is bound again
+        or keeping its partial copy (``partial.for_step``), is bound again
         to the same shards.
 
         Raises:
@@ -242,7 +222,7 @@ class UnitRuntime:
                 kept gathered from other shards than ``flats``.
         """
         kept = self.state is UnitState.GATHERED and self.keeps_for_step and not self._holders
-        if kept or self.partial_held:
+        if kept or self.partial.held:
             if len(flats) != len(self.flats) or any(a is not b for a, b in zip(flats, self.flats)):
                 raise UnitStateError(
                     f"internal error: unit {self.name!r} is kept gathered from other shards "
@@ -272,19 +252,19 @@ class UnitRuntime:
     def mark_gathering(self, *, from_partial: bool = False) -> None:
         """SHARDED -> GATHERING, once every part's all-gather (or share of one) is in flight.
 
-        ``from_partial``: the all-gathers are of the partial copy, over ``regather_axes``.
+        ``from_partial``: the all-gathers are of the partial copy, over its regather axes.
         """
         self.expect(UnitState.SHARDED, "start gathering")
         self.memory.log("start", self.name)
-        self.from_partial = from_partial
+        self.partial.in_flight = from_partial
         self.state = UnitState.GATHERING
 
     def mark_gathered(self) -> None:
         """GATHERING -> GATHERED, once every full leaf is filled (and any partial copy kept)."""
         self.expect(UnitState.GATHERING, "finish gathering")
         self.memory.log("finish", self.name)
-        self.partial_held = self.partial_lifetime is not None
-        self.from_partial = False
+        self.partial.held = self.partial.lifetime is not None
+        self.partial.in_flight = False
         self.state = UnitState.GATHERED
 
     def hold(self) -> None:
@@ -323,7 +303,7 @@ class UnitRuntime:
             if not part.aliased and part.full is not None and part.full.untyped_storage().size():
                 part.free(self.name)
                 self.memory.sub(part.full_bytes)
-        self.free_partial()
+        self.partial.free(self.parts)
         self._holders = 0
         self.state = UnitState.SHARDED
 
@@ -344,36 +324,6 @@ class UnitRuntime:
             part.full.untyped_storage().resize_(part.full_bytes)
         self.memory.add(part.full_bytes)
         return part.full
-
-    def keep_partial(self, part: Part, rows: torch.Tensor, /) -> None:
-        """Copies this rank's partial copy out of ``part``'s gathered ``(group_size, numel)`` rows; mutates.
-
-        See [Note: partial copies] in ``plan/strategy.py``. The unit holds the
-        copy once every part has one (:meth:`mark_gathered`).
-        """
-        n = self.copy_rows * part.layout.numel
-        if part.partial is None:
-            part.partial = torch.empty(n, dtype=part.compute_dtype, device=rows.device)
-        elif part.partial.untyped_storage().size() == 0:
-            part.partial.untyped_storage().resize_(n * part.compute_dtype.itemsize)
-        grid = rows.view(self.copy_rows, self.regather_size, -1)
-        with torch.no_grad():
-            part.partial.view(self.copy_rows, -1).copy_(grid[:, self.copy_index])
-        self.memory.add(self.partial_bytes(part))
-
-    def free_partial(self) -> None:
-        """Releases every part's partial copy, if held; mutates."""
-        for part in self.parts:
-            if part.partial is not None and part.partial.untyped_storage().size():
-                part.partial.untyped_storage().resize_(0)
-                self.memory.sub(self.partial_bytes(part))
-        if self.partial_held:
-            self.memory.log("free_partial", self.name)
-        self.partial_held = False
-
-    def partial_bytes(self, part: Part, /) -> int:
-        """Bytes of ``part``'s partial copy (``copy_rows`` shards in the compute dtype)."""
-        return self.copy_rows * part.layout.numel * part.compute_dtype.itemsize
 
     def forget(self, part: Part, /) -> None:
         """Drops an in-place part's storage without freeing it: a collective may still write into it."""

@@ -29,6 +29,7 @@ from funcshard._src.execute.step_params import shards_by_unit
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
+from funcshard._src.plan.quantize import Quantized
 from funcshard._src.shard.flat import FlatLayout
 from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.shard.shard import plan_layouts
@@ -59,7 +60,11 @@ class Step:
         prefetch: int,
         donate_grads: bool = False,
         bucket_bytes: int | None = None,
+        quantize: Quantized | None = None,
     ) -> None:
+        if quantize is not None and not isinstance(quantize, Quantized):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(f"quantize must be a fs.Quantized(...) or None, got {quantize!r}")
+        self.quantize = quantize
         if prefetch < 0:
             raise ValueError(f"prefetch must be at least 0, got {prefetch}")
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or bucket_bytes < 0):
@@ -212,6 +217,9 @@ class Step:
                     self.mixed_precision,
                     self.ledger,
                     self.memory,
+                    self.quantize
+                    if self.quantize and self.quantize.applies_to(unit.name)
+                    else None,
                 )
                 for unit in self.plan.units
             ]
@@ -318,6 +326,7 @@ def value_and_grad(
     prefetch: int = 1,
     donate_grads: bool = False,
     bucket_bytes: int | None = None,
+    quantize: Quantized | None = None,
 ) -> Step:
     """A training step ``step(sparams, *args) -> (loss, grads)`` for the pure ``loss_fn(params, *args)``.
 
@@ -351,6 +360,11 @@ def value_and_grad(
             all-reduces), which cuts the latency of small units; ``0`` turns it off.
             ``None`` is the backend's default (4 MiB on gloo, off on NCCL). Gathered
             parameters alive at once are then bounded by buckets instead of units.
+        quantize: int8 all-gathers of parameters and int8 reductions of gradients,
+            per block with an fp32 scale, for the units it names (ZeRO++'s qwZ and
+            qgZ; see ``fs.Quantized``): about a quarter of fp32's bytes, each value
+            within ``max|block| / 254`` of the exact one. Shards, optimizer state and
+            the update stay exact. ``CostModel(quantize=...)`` counts the same bytes.
 
     Returns:
         A :class:`Step`; also see :meth:`Step.accumulate` for several micro-batches.
@@ -372,4 +386,5 @@ def value_and_grad(
         prefetch=prefetch,
         donate_grads=donate_grads,
         bucket_bytes=bucket_bytes,
+        quantize=quantize,
     )

@@ -87,6 +87,21 @@ def estimate(
         "allocates them (one reduction in flight)",
         "communication: bandwidth-optimal (ring) algorithms, bytes sent per rank",
     ]
+    q = model.quantize
+    if q is not None:
+        what = " and ".join(
+            w
+            for w, on in (
+                ("parameter gathers from shards", q.weights),
+                ("gradient reductions", q.gradients),
+            )
+            if on
+        )
+        units = ", ".join(repr(u) if isinstance(u, str) else u.pattern for u in q.units)
+        assumptions.append(
+            f"quantized: {what} as int8 with an fp32 scale per {q.block} elements, for units "
+            f"{units} (bytes as sent)"
+        )
     workload = model.workload
     if workload is not None:
         activations, logits = activation_parts(

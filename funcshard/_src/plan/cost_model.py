@@ -10,6 +10,7 @@ from typing import Literal, TypeAlias
 from funcshard._src.plan.activations import Workload
 from funcshard._src.plan.hardware import Hardware
 from funcshard._src.plan.precision import MixedPrecision
+from funcshard._src.plan.quantize import Quantized
 from funcshard._src.plan.sizes import format_bytes, parse_bytes
 from funcshard._src.plan.step_time import StepTime, step_time
 from funcshard._src.spec.mesh import Mesh
@@ -115,6 +116,9 @@ class CostModel:
         buffers: bytes every rank holds whole besides the params (an
             ``nn.Module``'s buffers, ``apply.state``), for planning;
             ``fs.cost.estimate(..., state=...)`` counts them from the tensors instead.
+        quantize: block-quantized int8 collectives for the units it names, as
+            ``fs.value_and_grad(..., quantize=...)`` runs them ([Note: quantized
+            collectives] in ``quantize.py``): bytes sent and staging counted as sent.
         async_checkpoint: checkpoints are saved with ``fs.checkpoint.AsyncCheckpointer``,
             whose host staging buffers hold a copy of this rank's params, frozen params
             and optimizer state (``Estimate.checkpoint_staging``; host memory, not
@@ -137,6 +141,7 @@ class CostModel:
     buffers: int = 0
     backend: Literal["nccl", "gloo"] = "nccl"
     async_checkpoint: bool = False
+    quantize: Quantized | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -145,6 +150,10 @@ class CostModel:
             )
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
+        if self.quantize is not None and not isinstance(self.quantize, Quantized):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(
+                f"CostModel.quantize must be a Quantized(...) or None, got {self.quantize!r}"
+            )
         if self.accumulate not in ("sharded", "unsharded"):
             raise ValueError(
                 f"accumulate must be 'sharded' or 'unsharded', got {self.accumulate!r}"

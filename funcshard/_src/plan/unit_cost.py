@@ -25,6 +25,7 @@ from funcshard._src.plan.cost_model import (
 from funcshard._src.plan.estimates import Key, Memory
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
+from funcshard._src.plan.quantize import quantized_bytes
 from funcshard._src.plan.strategy import (
     LEAF_GATHERS,
     Strategy,
@@ -102,7 +103,13 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     gather_buffer = reduce_buffer = partial_copy = 0
     comm: Counter[Key] = Counter()
     full = _numel_by_part(plan, unit, whole=True)
-    leafwise = (model.backend, g) in LEAF_GATHERS and not partial
+    # [Note: quantized collectives] in quantize.py: floating parts gathered from shards and
+    # trained parts reduced as int8 blocks, staged (never in place)
+    quantize = model.quantize if model.quantize and model.quantize.applies_to(unit.name) else None
+    block = quantize.block if quantize is not None and g > 1 else 0
+    weights = bool(block) and quantize is not None and quantize.weights
+    gradients = bool(block) and quantize is not None and quantize.gradients
+    leafwise = (model.backend, g) in LEAF_GATHERS and not partial and not weights
     in_place: set[tuple[torch.dtype, bool]] = (
         _gathers_in_place(plan, unit, axes, leafwise=leafwise) if g > 1 else set()
     )
@@ -129,8 +136,11 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
         if g > 1 or compute != dtype:  # else the full leaves alias the shard
             gathered += full[(dtype, is_frozen)] * compute.itemsize
             # See [Note: staging buffers]
-            staged = partial or (dtype, is_frozen) not in in_place
+            quantized = weights and compute.is_floating_point
+            staged = partial or quantized or (dtype, is_frozen) not in in_place
             gather_buffer += g * n * compute.itemsize if staged else 0
+            # the quantized shard sent and every rank's received
+            gather_buffer += (1 + g) * quantized_bytes(n, block) if quantized else 0
         if partial:
             partial_copy += copy_rows * n * compute.itemsize
         if trained:
@@ -138,15 +148,23 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
             deferred += g * n * grad.itemsize
             # no_shard reduces in place: its packed rows are the gradient unless cast
             reduce_buffer += g * n * grad.itemsize if g > 1 or grad != dtype else 0
+            # the quantized rows sent and received by the all-to-all
+            reduce_buffer += 2 * g * quantized_bytes(n, block) if gradients else 0
         if g > 1:
-            comm[("all_gather", axes)] += from_shards * (g - 1) * n * compute.itemsize
+            sent = (
+                quantized_bytes(n, block)
+                if weights and compute.is_floating_point
+                else n * compute.itemsize
+            )
+            comm[("all_gather", axes)] += from_shards * (g - 1) * sent
         if partial and regather > 1:
             copy = copy_rows * n * compute.itemsize
             comm[("all_gather", regather_axes)] += (gathers - from_shards) * (regather - 1) * copy
         if not trained:
             continue
         if g > 1:
-            comm[("reduce_scatter", axes)] += reductions * (g - 1) * n * grad.itemsize
+            sent = quantized_bytes(n, block) if gradients else n * grad.itemsize
+            comm[("reduce_scatter", axes)] += reductions * (g - 1) * sent
         if r > 1:
             comm[("all_reduce", replica)] += reductions * (2 * n * grad.itemsize * (r - 1) // r)
     return UnitCost(

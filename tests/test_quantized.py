@@ -1,0 +1,206 @@
+"""Block-quantized collectives ([Note: quantized collectives] in ``plan/quantize.py``).
+
+The format's per-block bound on one process; the int8 all-gather and all-to-all
+reduce-scatter against the exact collectives on 2 and 4 ranks; and a step with
+``quantize=`` that sends what the cost model says.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import funcshard as fs
+from funcshard._src.comm import collectives, groups, quantized
+from funcshard._src.comm.ledger import Ledger
+from funcshard._src.plan.cost import estimate
+from funcshard._src.plan.cost_model import CostModel
+from funcshard._src.plan.quantize import quantized_bytes
+from tests.models import Model
+
+# fp32 rounding of s = max|x| / 127 and of x / s, on top of the bound's s / 2
+SLACK = 1e-6
+
+
+def bound(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per element: ``max|x|`` over its block, / 254 (the format's bound)."""
+    n = x.numel()
+    blocks = -(-n // block)
+    padded = torch.zeros(blocks * block)
+    padded[:n] = x
+    amax = padded.view(blocks, block).abs().amax(dim=1)
+    return amax.repeat_interleave(block)[:n] / 254
+
+
+def roundtrip(x: torch.Tensor, block: int) -> torch.Tensor:
+    data = torch.empty(quantized_bytes(x.numel(), block), dtype=torch.uint8)
+    quantized.quantize_into(x, data, block)
+    out = torch.empty(x.numel())
+    quantized.dequantize_into(data, x.numel(), block, out)
+    return out
+
+
+@settings(max_examples=200)
+@given(
+    n=st.integers(1, 1500),
+    block=st.sampled_from([4, 8, 64, 256]),
+    scale=st.floats(1e-6, 1e6),
+    seed=st.integers(0, 2**31),
+)
+def test_every_value_is_within_its_block_bound(n, block, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * scale * torch.rand(n, generator=g).pow(4)
+    y = roundtrip(x, block)
+    assert torch.all((x - y).abs() <= bound(x, block) * (1 + SLACK) + 1e-30)
+
+
+def test_zeros_arrive_exact_and_a_non_finite_value_poisons_its_block_only():
+    x = torch.tensor(
+        [0.0] * 4 + [1.0, float("nan"), 2.0, 3.0] + [1.0, float("inf"), 0, 0] + [0.5] * 4
+    )
+    y = roundtrip(x, 4)
+    assert torch.equal(y[:4], torch.zeros(4))
+    assert torch.isnan(y[4:12]).all()  # a NaN or an infinity: the whole block is NaN
+    assert torch.allclose(y[12:], torch.full((4,), 0.5))
+
+
+def test_quantized_bytes_are_a_quarter_of_fp32_and_the_scales():
+    n = 4096
+    assert quantized_bytes(n, 256) == n + 4 * 16
+    assert quantized_bytes(n, 256) / (4 * n) == pytest.approx((1 + 4 / 256) / 4)
+    assert quantized_bytes(1, 256) == 260  # one padded block
+
+
+@pytest.mark.parametrize("block", [0, 6, -4, 2.5])
+def test_a_block_that_is_not_a_positive_multiple_of_4_is_refused(block):
+    with pytest.raises(ValueError, match="positive multiple of 4"):
+        fs.Quantized(block=block)
+
+
+def test_units_must_be_patterns():
+    with pytest.raises(TypeError, match="tuple of patterns"):
+        fs.Quantized(units="blocks/*")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="glob string"):
+        fs.Quantized(units=(3,))  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="Quantized"):
+        fs.value_and_grad(
+            lambda p: p["w"].sum(),
+            fs.plan({"w": torch.ones(2)}, fs.Mesh({"fsdp": 1})),
+            quantize="int8",
+        )  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="Quantized"):
+        CostModel(quantize="int8")  # pyright: ignore[reportArgumentType]
+
+
+def _collectives(mesh: dict[str, int], block: int) -> dict[str, Any]:
+    """Worker body: the int8 all-gather and reduce-scatter against the exact ones, with their bytes."""
+    bound_mesh = groups.bind(fs.Mesh(mesh))
+    axes = tuple(mesh)
+    size = math.prod(mesh.values())
+    g = torch.Generator().manual_seed(fs.rank())
+    n = 1024
+    shard = torch.randn(n, generator=g) * (1 + fs.rank())
+    ledger = Ledger()
+    rows = quantized.all_gather(
+        shard, bound_mesh, axes, block=block, out=torch.empty(size * n), ledger=ledger
+    ).wait()
+    exact = collectives.all_gather(shard, bound_mesh, axes).wait()
+    grads = torch.randn(size, n, generator=g)
+    bounds = collectives.all_gather(
+        torch.stack([bound(r, block) for r in grads]).view(-1), bound_mesh, axes
+    ).wait()
+    everyone = collectives.all_gather(grads.view(-1), bound_mesh, axes).wait()
+    me = fs.rank()  # the group is the whole mesh, in mesh order
+    summed = quantized.reduce_scatter(
+        grads.clone(), bound_mesh, axes, block=block, ledger=ledger
+    ).wait()
+    exact_sum = everyone.view(size, size, n)[:, me].sum(0)
+    allowed = bounds.view(size, size, n)[:, me].sum(0)
+    return {
+        "rows": rows.clone(),
+        "exact": exact.clone(),
+        "row_bounds": torch.stack([bound(r, block) for r in exact]),
+        "sum_error": (summed - exact_sum).abs(),
+        "sum_bound": allowed,
+        "ledger": dict(ledger.bytes_by_key),
+    }
+
+
+@pytest.mark.parametrize(("world_size", "mesh"), [(2, {"fsdp": 2}), (4, {"dp": 2, "fsdp": 2})])
+def test_the_int8_collectives_stay_within_the_bound_and_send_a_quarter(pools, world_size, mesh):
+    block = 64
+    results = pools.run(world_size, _collectives, mesh, block)
+    axes = tuple(mesh)
+    sent = (world_size - 1) * quantized_bytes(1024, block)
+    for r in results:
+        # every rank computes with the same values
+        assert torch.equal(r["rows"], results[0]["rows"])
+        assert torch.all((r["rows"] - r["exact"]).abs() <= r["row_bounds"] * (1 + SLACK))
+        assert torch.all(r["sum_error"] <= r["sum_bound"] * (1 + 1e-5) + 1e-6)
+        assert r["ledger"] == {("all_gather", axes): sent, ("reduce_scatter", axes): sent}
+        assert sent / ((world_size - 1) * 4 * 1024) == (1 + 4 / block) / 4
+
+
+def _quantized_step(
+    mesh: dict[str, int], strategy: Any, layout: Any, quantize: fs.Quantized, micro: int
+) -> dict[str, Any]:
+    """Worker body: one step exact and one quantized on the same shards; the ledgers and losses."""
+    model = Model(kind="transformer", vocab=64, width=32, hidden=64, layers=2, embed_unit=True)
+    params = model.init(0)
+    plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy=strategy, layout=layout)
+    sparams = fs.shard(params, plan)
+    batches = [model.batch_for(10 * fs.rank() + m) for m in range(micro)]
+    out: dict[str, Any] = {}
+    for name, q in (("exact", None), ("quantized", quantize)):
+        step = fs.value_and_grad(model.loss_fn, plan, quantize=q)
+        step.accumulate(sparams, batches)  # learns the call order
+        step.ledger.reset()
+        loss, grads = step.accumulate(sparams, batches)
+        cost = CostModel(micro_batches=micro, quantize=q, backend="gloo")
+        out[name] = {
+            "loss": float(loss),
+            "grads": fs.unshard(grads),
+            "ledger": dict(step.ledger.bytes_by_key),
+            "model": dict(estimate(plan, cost).comm),
+            "peak": step.stats.peak_gathered_bytes,
+            "bound": estimate(plan, cost).memory.gathered + estimate(plan, cost).memory.staging,
+        }
+    return out
+
+
+@pytest.mark.parametrize(
+    ("world_size", "mesh", "strategy"),
+    [
+        (2, {"fsdp": 2}, "full_shard"),
+        (4, {"fsdp": 4}, "shard_grad_op"),
+        (4, {"dp": 2, "fsdp": 2}, "hybrid_shard"),
+        (4, {"node": 2, "local": 2}, "partial_reshard"),
+        (4, {"dp": 2, "fsdp": 2}, "hybrid_shard_optimizer"),
+    ],
+)
+def test_a_quantized_step_sends_what_the_cost_model_says_and_stays_close(
+    pools, world_size, mesh, strategy
+):
+    """Every layout, weights and gradients alone and together, over 2 micro-batches: the ledger
+    equals ``CostModel(quantize=...)``; the loss and gradients stay close to the exact step."""
+    for layout in ("leaf", "flat"):
+        for q in (
+            fs.Quantized(block=64),
+            fs.Quantized(gradients=False, block=32),
+            fs.Quantized(weights=False, units=("blocks/*",)),
+        ):
+            for r in pools.run(world_size, _quantized_step, mesh, strategy, layout, q, 2):
+                exact, quant = r["exact"], r["quantized"]
+                assert quant["ledger"] == quant["model"], (layout, q)
+                assert exact["ledger"] == exact["model"], (layout, q)
+                assert sum(quant["ledger"].values()) < sum(exact["ledger"].values())
+                assert quant["peak"] <= quant["bound"]
+                assert quant["loss"] == pytest.approx(exact["loss"], rel=2e-2)
+                for a, b in zip(fs.tree.leaves(exact["grads"]), fs.tree.leaves(quant["grads"])):
+                    if a is not None:
+                        assert (a - b).abs().max() <= 0.05 * a.abs().max() + 1e-3, (layout, q)
