@@ -75,6 +75,8 @@ class PartialCopy:
 
     def free(self, parts: Sequence[Part], /) -> None:
         """Releases every part's copy, held or half taken (after an error); mutates."""
+        if self.lifetime is None:  # never taken: nothing to look at on the hot path
+            return
         for part in parts:
             if part.partial is not None and part.partial.untyped_storage().size():
                 part.partial.untyped_storage().resize_(0)
