@@ -154,13 +154,7 @@ PARTIAL = ["partial_reshard", "hybrid_shard_optimizer"]
 def test_the_ledger_of_partial_copies_equals_the_cost_model(pools, strategy, world_size, mesh):
     """Every layout, fp32 and bf16, one micro-batch and three in both modes: the gathers from
     the shards over every axis and the re-gathers of the partial copy over the last one."""
-    for bf16 in (False, True):
-        for model in (EVEN, UNEVEN):
-            for per_layout in pools.run(
-                world_size, _ledgers_of_every_layout, model, mesh, strategy, bf16
-            ):
-                for layout, (ledger, expected) in zip(LAYOUTS, per_layout):
-                    assert ledger == expected, layout
+    _check_every_layout(pools, world_size, mesh, strategy)
     for per_rank in pools.run(world_size, _accumulated_ledgers, mesh, strategy):
         for mode, ledger, expected in per_rank:
             assert ledger == expected, mode
@@ -254,6 +248,11 @@ LAYOUTS = ("leaf", "flat", "auto")
 )
 def test_ledger_equals_the_cost_model(pools, strategy, world_size, mesh):
     """On every layout: the leaf one, the flat one and layout="auto"'s mix of them."""
+    _check_every_layout(pools, world_size, mesh, strategy)
+
+
+def _check_every_layout(pools: Any, world_size: int, mesh: dict[str, int], strategy: Any) -> None:
+    """The ledger equals the cost model on every layout, fp32 and bf16, even and uneven dims."""
     for bf16 in (False, True):
         for model in (EVEN, UNEVEN):
             for per_layout in pools.run(

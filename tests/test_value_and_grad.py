@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import funcshard as fs
 from funcshard import P
+from funcshard._src.plan.strategy import STRATEGIES as ALL_STRATEGIES
 from funcshard.testing import assert_trees_close, reference_value_and_grad
 from tests.models import Model
 
@@ -173,15 +174,7 @@ def one_thread() -> Iterator[None]:
 
 
 MESHES = [(("fsdp", 1),), (("fsdp", 2),), (("fsdp", 4),), (("dp", 2), ("fsdp", 2))]
-STRATEGIES = [
-    "full_shard",
-    "shard_grad_op",
-    "shard_optimizer",
-    "no_shard",
-    "hybrid_shard",
-    "partial_reshard",
-    "hybrid_shard_optimizer",
-]
+STRATEGIES = list(ALL_STRATEGIES)  # every strategy, in every grid
 # meshes on which a partial copy is more than the shard ([Note: partial copies]): two ranks
 # whose copy is the whole unit (re-gathered over a group of one), 2x2, and three axes
 PARTIAL_MESHES = [

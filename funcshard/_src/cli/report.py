@@ -23,22 +23,13 @@ from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.planner import plan
 from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.quantize import Quantized
+from funcshard._src.plan.search import LADDER
 from funcshard._src.plan.sizes import describe_size, format_bytes, parse_bytes, table
 from funcshard._src.spec.mesh import Mesh
 
 SCHEMA_VERSION = 2  # of the --json output; 2 added schema_version, usable_memory, deepspeed
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-STRATEGIES = (
-    "all",
-    "no_shard",
-    "shard_grad_op",
-    "shard_optimizer",
-    "hybrid_shard",
-    "partial_reshard",
-    "hybrid_shard_optimizer",
-    "full_shard",
-    "auto",
-)
+STRATEGIES = ("all", *LADDER, "auto")  # --strategy's choices, most memory first
 
 
 class UsageError(ValueError):

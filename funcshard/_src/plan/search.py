@@ -25,6 +25,20 @@ from funcshard._src.plan.unit_cost import UnitCost, memory_of
 from funcshard._src.spec.mesh import Mesh
 
 MAX_EVALUATIONS = 20_000  # moves scored per search: bounds a plan with many unlike units
+# every strategy, most memory first at one micro-batch (ties: the first wins)
+LADDER: tuple[Strategy, ...] = (
+    "no_shard",
+    "shard_grad_op",
+    "shard_optimizer",
+    "hybrid_shard",
+    "partial_reshard",
+    "hybrid_shard_optimizer",
+    "full_shard",
+)
+# the strategies that are another one on a mesh of one axis (full_shard, for these)
+SEVERAL_AXES: frozenset[Strategy] = frozenset(
+    {"hybrid_shard", "partial_reshard", "hybrid_shard_optimizer"}
+)
 
 
 def ladder(mesh: Mesh, /) -> tuple[Strategy, ...]:
@@ -42,16 +56,8 @@ def ladder(mesh: Mesh, /) -> tuple[Strategy, ...]:
         'hybrid_shard'
     """
     if len(mesh.axis_names) > 1:
-        return (
-            "no_shard",
-            "shard_grad_op",
-            "shard_optimizer",
-            "hybrid_shard",
-            "partial_reshard",
-            "hybrid_shard_optimizer",
-            "full_shard",
-        )
-    return ("no_shard", "shard_grad_op", "shard_optimizer", "full_shard")
+        return LADDER
+    return tuple(s for s in LADDER if s not in SEVERAL_AXES)
 
 
 class Score(NamedTuple):

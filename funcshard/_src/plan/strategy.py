@@ -65,7 +65,7 @@ the memory the strategies trade for the gathers they keep inside the last axis.
 from __future__ import annotations
 
 import math
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, get_args
 
 from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.partition_spec import P
@@ -79,15 +79,7 @@ Strategy: TypeAlias = Literal[
     "partial_reshard",
     "hybrid_shard_optimizer",
 ]
-STRATEGIES: tuple[Strategy, ...] = (
-    "full_shard",
-    "shard_grad_op",
-    "shard_optimizer",
-    "no_shard",
-    "hybrid_shard",
-    "partial_reshard",
-    "hybrid_shard_optimizer",
-)
+STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 
 
 # what each strategy does, in one line, for explain()
