@@ -39,6 +39,14 @@ class Config:
     batch: int = 8  # per rank
 
 
+# the strategies that differ from full_shard only on a mesh of several axes, and why
+MESH_OF_TWO_AXES = {
+    "hybrid_shard": "shards over the last mesh axis and replicates over the others",
+    "partial_reshard": "keeps a copy sharded over the last mesh axis from forward to backward",
+    "hybrid_shard_optimizer": "keeps a copy sharded over the last mesh axis for the step",
+}
+
+
 def init_params(cfg: Config, gen: torch.Generator) -> dict[str, Any]:
     """GPT parameters: token and position embeddings, pre-norm blocks, a final norm and the head."""
 
@@ -123,7 +131,15 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument(
         "--strategy",
         default="full_shard",
-        choices=["full_shard", "shard_grad_op", "shard_optimizer", "no_shard", "hybrid_shard"],
+        choices=[
+            "full_shard",
+            "shard_grad_op",
+            "shard_optimizer",
+            "no_shard",
+            "hybrid_shard",
+            "partial_reshard",
+            "hybrid_shard_optimizer",
+        ],
     )
     parser.add_argument(
         "--bf16", action="store_true", help="gather and compute in bfloat16, reduce in float32"
@@ -146,10 +162,10 @@ def main(argv: list[str] | None = None) -> list[float]:
     fs.init()
     rank, world = fs.rank(), fs.world_size()
     mesh = _mesh(parser, args.mesh, world)
-    if args.strategy == "hybrid_shard" and len(mesh.axis_names) < 2:
+    if args.strategy in MESH_OF_TWO_AXES and len(mesh.axis_names) < 2:
         parser.error(
-            "hybrid_shard shards over the last mesh axis and replicates over the others, so it "
-            f"needs two axes (on one it is full_shard): pass e.g. --mesh dp=2,fsdp={world // 2 or 1}"
+            f"{args.strategy} {MESH_OF_TWO_AXES[args.strategy]}, so it needs two axes (on one "
+            f"it is full_shard): pass e.g. --mesh dp=2,fsdp={world // 2 or 1}"
         )
     params = init_params(cfg, torch.Generator().manual_seed(0))  # the same on every rank
     plan = fs.plan(

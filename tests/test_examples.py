@@ -56,7 +56,8 @@ def test_train_gpt_without_matplotlib_says_what_to_install(monkeypatch, capsys, 
     assert not (tmp_path / "loss.png").exists()
 
 
-def test_train_gpt_bf16_hybrid(pools):
+@pytest.mark.parametrize("strategy", ["hybrid_shard", "partial_reshard", "hybrid_shard_optimizer"])
+def test_train_gpt_bf16_on_two_axes(pools, strategy):
     argv = [
         "--steps",
         "3",
@@ -70,7 +71,7 @@ def test_train_gpt_bf16_hybrid(pools):
         "2",
         "--bf16",
         "--strategy",
-        "hybrid_shard",
+        strategy,
     ]
     four = pools.run(4, _train_gpt, [*argv, "--mesh", "dp=2,fsdp=2"])
     assert all(len(losses) == 3 for losses in four)
@@ -90,6 +91,8 @@ def test_train_gpt_refuses_hybrid_shard_on_one_axis_and_a_mesh_of_other_ranks(po
     for message in pools.run(2, _refused, ["--strategy", "hybrid_shard"]):
         assert "hybrid_shard shards over the last mesh axis" in message
         assert "--mesh dp=2,fsdp=1" in message
+    for message in pools.run(2, _refused, ["--strategy", "partial_reshard"]):
+        assert "partial_reshard keeps a copy sharded over the last mesh axis" in message
     for message in pools.run(2, _refused, ["--mesh", "dp=2,fsdp=2"]):
         assert "--mesh 'dp=2,fsdp=2' has 4 ranks, the run has 2" in message
 
