@@ -78,14 +78,8 @@ def _run(row: Row, variant: str, steps: int) -> dict[str, Any]:
         if row.refused is None:
             raise
         return {"error": _said(e), "step": 0}
-    strategy = "shard_grad_op" if variant == "shard_grad_op" else "full_shard"
-    plan = fs.plan(
-        params,
-        fs.Mesh({"fsdp": fs.world_size()}),
-        units=apply.units,
-        frozen=apply.frozen,
-        strategy=strategy,
-    )
+    strategy, mesh = _placement(variant)
+    plan = fs.plan(params, mesh, units=apply.units, frozen=apply.frozen, strategy=strategy)
     sparams = fs.shard(params, plan)
     del params
     opt = fs.optim.sgd(lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
@@ -162,14 +156,8 @@ def _verify(row: Row, variant: str, steps: int = 2) -> dict[str, Any]:
         if row.refused is None:
             raise
         return {"ok": False, "problems": [_said(e)]}
-    strategy = "shard_grad_op" if variant == "shard_grad_op" else "full_shard"
-    plan = fs.plan(
-        params,
-        fs.Mesh({"fsdp": fs.world_size()}),
-        units=apply.units,
-        frozen=apply.frozen,
-        strategy=strategy,
-    )
+    strategy, mesh = _placement(variant)
+    plan = fs.plan(params, mesh, units=apply.units, frozen=apply.frozen, strategy=strategy)
 
     def loss_fn(p: Any, b: Any) -> torch.Tensor:
         args, kwargs = b
@@ -186,6 +174,16 @@ def _verify(row: Row, variant: str, steps: int = 2) -> dict[str, Any]:
             mixed_precision=BF16 if variant == "bf16" else None,
         )
     return {"ok": report.ok, "problems": list(report.problems)}
+
+
+def _placement(variant: str) -> tuple[Any, fs.Mesh]:
+    """A variant's strategy and mesh: ``partial_reshard`` on ``{node: 2, local: W/2}`` (its
+    copy re-gathered over ``local``), else one axis of every rank."""
+    world = fs.world_size()
+    if variant == "partial_reshard":
+        return "partial_reshard", fs.Mesh({"node": 2, "local": world // 2})
+    strategy = "shard_grad_op" if variant == "shard_grad_op" else "full_shard"
+    return strategy, fs.Mesh({"fsdp": world})
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
