@@ -177,10 +177,8 @@ def _quantized_step(
     ("world_size", "mesh", "strategy"),
     [
         (2, {"fsdp": 2}, "full_shard"),
-        (4, {"fsdp": 4}, "shard_grad_op"),
         (4, {"dp": 2, "fsdp": 2}, "hybrid_shard"),
         (4, {"node": 2, "local": 2}, "partial_reshard"),
-        (4, {"dp": 2, "fsdp": 2}, "hybrid_shard_optimizer"),
     ],
 )
 def test_a_quantized_step_sends_what_the_cost_model_says_and_stays_close(

@@ -149,9 +149,16 @@ PARTIAL_MESHES = [
 PARTIAL = ["partial_reshard", "hybrid_shard_optimizer"]
 
 
-@pytest.mark.parametrize("strategy", PARTIAL)
-@pytest.mark.parametrize(("world_size", "mesh"), PARTIAL_MESHES)
-def test_the_ledger_of_partial_copies_equals_the_cost_model(pools, strategy, world_size, mesh):
+@pytest.mark.parametrize(
+    ("world_size", "mesh", "strategy"),
+    [
+        (*PARTIAL_MESHES[0], "partial_reshard"),
+        (*PARTIAL_MESHES[1], "partial_reshard"),
+        (*PARTIAL_MESHES[1], "hybrid_shard_optimizer"),
+        (*PARTIAL_MESHES[2], "hybrid_shard_optimizer"),
+    ],
+)
+def test_the_ledger_of_partial_copies_equals_the_cost_model(pools, world_size, mesh, strategy):
     """Every layout, fp32 and bf16, one micro-batch and three in both modes: the gathers from
     the shards over every axis and the re-gathers of the partial copy over the last one."""
     _check_every_layout(pools, world_size, mesh, strategy)

@@ -180,7 +180,6 @@ STRATEGIES = list(ALL_STRATEGIES)  # every strategy, in every grid
 PARTIAL_MESHES = [
     (("node", 2), ("local", 1)),
     (("node", 2), ("local", 2)),
-    (("node", 1), ("local", 2)),
     (("a", 2), ("b", 1), ("c", 2)),
 ]
 
