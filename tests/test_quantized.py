@@ -21,6 +21,7 @@ from funcshard._src.comm.ledger import Ledger
 from funcshard._src.plan.cost import estimate
 from funcshard._src.plan.cost_model import CostModel
 from funcshard._src.plan.quantize import quantized_bytes
+from funcshard.testing import held_bytes
 from tests.models import Model
 
 # fp32 rounding of s = max|x| / 127 and of x / s, on top of the bound's s / 2
@@ -162,13 +163,21 @@ def _quantized_step(
         step.ledger.reset()
         loss, grads = step.accumulate(sparams, batches)
         cost = CostModel(micro_batches=micro, quantize=q, backend="gloo")
+        predicted = estimate(plan, cost)
+        state = fs.optim.adamw(lr=1e-3).init(sparams)
         out[name] = {
             "loss": float(loss),
             "grads": fs.unshard(grads),
             "ledger": dict(step.ledger.bytes_by_key),
-            "model": dict(estimate(plan, cost).comm),
+            "model": dict(predicted.comm),
             "peak": step.stats.peak_gathered_bytes,
-            "bound": estimate(plan, cost).memory.gathered + estimate(plan, cost).memory.staging,
+            "bound": predicted.memory.gathered + predicted.memory.staging,
+            "held": (held_bytes(sparams), held_bytes(grads), held_bytes(state)),
+            "held_model": (
+                predicted.memory.params,
+                predicted.memory.grads,
+                predicted.memory.optimizer,
+            ),
         }
     return out
 
@@ -185,7 +194,8 @@ def test_a_quantized_step_sends_what_the_cost_model_says_and_stays_close(
     pools, world_size, mesh, strategy
 ):
     """Every layout, weights and gradients alone and together, over 2 micro-batches: the ledger
-    equals ``CostModel(quantize=...)``; the loss and gradients stay close to the exact step."""
+    equals ``CostModel(quantize=...)``, and the params, gradients and AdamW state held equal
+    it and the exact step's; the loss and gradients stay close to the exact step."""
     for layout in ("leaf", "flat"):
         for q in (
             fs.Quantized(block=64),
@@ -198,6 +208,7 @@ def test_a_quantized_step_sends_what_the_cost_model_says_and_stays_close(
                 assert exact["ledger"] == exact["model"], (layout, q)
                 assert sum(quant["ledger"].values()) < sum(exact["ledger"].values())
                 assert quant["peak"] <= quant["bound"]
+                assert quant["held"] == quant["held_model"] == exact["held"], (layout, q)
                 assert quant["loss"] == pytest.approx(exact["loss"], rel=2e-2)
                 for a, b in zip(fs.tree.leaves(exact["grads"]), fs.tree.leaves(quant["grads"])):
                     if a is not None:
