@@ -47,7 +47,7 @@ CI_VARIANTS = {
 
 # partial_reshard ([Note: partial copies]) on 4 ranks, {node: 2, local: 2}: every row that
 # trains, beside its own variants (the docs' table lists those); in CI, these
-PARTIAL_IN_CI = ("dtensor/Transformer-checkpointed", "share/unit-called-three-times")
+PARTIAL_IN_CI = ("dtensor/Transformer-checkpointed",)
 
 
 def _in_ci(name: str, variant: str) -> bool:
