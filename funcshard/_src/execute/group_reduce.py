@@ -83,21 +83,21 @@ class ReducingGroup:
             )
             then: tuple[str, ...] = ()
             staging = None  # reduced in place: it becomes the gradient
-        elif unit.grad_block:  # [Note: quantized collectives] in plan/quantize.py
-            stage = quantized.reduce_scatter(
-                rows,
-                self.bound,
-                self.axes,
-                block=unit.grad_block,
-                out=out,
-                ledger=self.ledger,
-                tag=unit.name,
-            )
-            then = replica
-            staging = rows if keep_rows else None
         else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter
-            stage = collectives.reduce_scatter(
-                rows, self.bound, self.axes, out=out, ledger=self.ledger, tag=unit.name
+            stage = (
+                quantized.reduce_scatter(  # [Note: quantized collectives] in plan/quantize.py
+                    rows,
+                    self.bound,
+                    self.axes,
+                    block=unit.grad_block,
+                    out=out,
+                    ledger=self.ledger,
+                    tag=unit.name,
+                )
+                if unit.grad_block
+                else collectives.reduce_scatter(
+                    rows, self.bound, self.axes, out=out, ledger=self.ledger, tag=unit.name
+                )
             )
             then = replica
             staging = rows if keep_rows else None

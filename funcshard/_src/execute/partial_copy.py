@@ -26,16 +26,14 @@ from funcshard._src.comm import collectives
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.execute.memory import GatheredMemory
 from funcshard._src.execute.part import Part
-from funcshard._src.plan.strategy import keeps_partial_copy, partial_axes
+from funcshard._src.plan.strategy import partial_axes, partial_copy_lifetime
 from funcshard._src.plan.units import Unit
 
 
 class PartialCopy:
     """One unit's partial copy on this rank; see [Note: a partial copy on the executor]."""
 
-    def __init__(
-        self, unit: Unit, bound: BoundMesh, group_size: int, memory: GatheredMemory
-    ) -> None:
+    def __init__(self, unit: Unit, bound: BoundMesh, memory: GatheredMemory) -> None:
         regather, replicated = partial_axes(unit.strategy, bound.mesh)
         self.name = unit.name
         self.memory = memory
@@ -43,11 +41,7 @@ class PartialCopy:
         self.rows = collectives.group_size(bound, replicated)  # the shards in the copy
         self.regather_size = collectives.group_size(bound, regather)
         # "call", "step", or None: the unit keeps no copy (the root, one axis, one rank)
-        self.lifetime = (
-            keeps_partial_copy(unit.strategy)
-            if self.rows > 1 and group_size > 1 and not unit.is_root
-            else None
-        )
+        self.lifetime = partial_copy_lifetime(unit.strategy, bound.mesh, is_root=unit.is_root)
         # the gathered rows are row-major over the mesh axes, the last (regather) one minor:
         # the copy is the rows of this rank's index on it; a regather's rows come row-major
         # over ``order``

@@ -4,9 +4,9 @@ Forward: the root unit is gathered first and held until its backward; each
 ``fs.call`` acquires its unit (waiting for a prefetch when there is one),
 prefetches the next unit, runs the function and, for a unit that
 ``reshards_after_forward`` (``full_shard``, ``hybrid_shard``, ``partial_reshard``,
-``hybrid_shard_optimizer``), releases the unit, keeping any partial copy. Backward: a hook on a call's outputs fires
-before the call's backward runs and acquires the unit again (and prefetches the
-one before it); the unit's
+``hybrid_shard_optimizer``), releases the unit, keeping any partial copy.
+Backward: a hook on a call's outputs fires before the call's backward runs and
+acquires the unit again (and prefetches the one before it); the unit's
 gather node receives all gradients of its full leaves at once and hands them to
 the :class:`Reducer`. :meth:`Run.finish` reduces what no gradient reached and
 waits for every reduction. A call's phase (:class:`CallPhase`) says which unit
@@ -181,7 +181,7 @@ class Run:
         return record, list(GatherNode.apply(self.gathered_grads, record, self.dummy))
 
     def exit_call(self, record: CallRecord, out: Any) -> None:
-        """FORWARD -> WAITING (``full_shard``, ``hybrid_shard``: released) or KEPT; hooks the outputs for backward.
+        """FORWARD -> WAITING (a unit that frees after forward: released) or KEPT; hooks the outputs for backward.
 
         In an evaluation, FORWARD -> DONE: the unit is released whatever its
         strategy, as no backward will need it.

@@ -116,7 +116,7 @@ class UnitRuntime:
         # what gradients are all-reduced over after (or, for no_shard, instead of) the
         # reduce-scatter: the replica axes, none where there is one replica
         self.all_reduce_axes = self.replica_axes if self.replica_size > 1 else ()
-        self.partial = PartialCopy(unit, bound, self.group_size, memory)
+        self.partial = PartialCopy(unit, bound, memory)
         # [Note: quantized collectives] in plan/quantize.py: the block of int8 gathers from
         # shards (floating parts) and of int8 reductions (0: exact)
         q = quantize if self.group_size > 1 else None

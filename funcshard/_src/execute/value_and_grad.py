@@ -29,7 +29,7 @@ from funcshard._src.execute.step_params import shards_by_unit
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
-from funcshard._src.plan.quantize import Quantized
+from funcshard._src.plan.quantize import Quantized, quantize_for
 from funcshard._src.shard.flat import FlatLayout
 from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.shard.shard import plan_layouts
@@ -217,9 +217,7 @@ class Step:
                     self.mixed_precision,
                     self.ledger,
                     self.memory,
-                    self.quantize
-                    if self.quantize and self.quantize.applies_to(unit.name)
-                    else None,
+                    quantize_for(self.quantize, unit.name),
                 )
                 for unit in self.plan.units
             ]

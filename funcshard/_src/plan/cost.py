@@ -28,6 +28,7 @@ from funcshard._src.plan.cost_model import (
 from funcshard._src.plan.estimates import Estimate, Key
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import describe_precision
+from funcshard._src.plan.rules import pattern_repr
 from funcshard._src.plan.sizes import parse_bytes
 from funcshard._src.plan.step_time import describe as describe_time
 from funcshard._src.plan.unit_cost import (
@@ -97,7 +98,7 @@ def estimate(
             )
             if on
         )
-        units = ", ".join(repr(u) if isinstance(u, str) else u.pattern for u in q.units)
+        units = ", ".join(pattern_repr(u) for u in q.units)
         assumptions.append(
             f"quantized: {what} as int8 with an fp32 scale per {q.block} elements, for units "
             f"{units} (bytes as sent)"

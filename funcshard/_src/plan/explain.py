@@ -9,7 +9,13 @@ from funcshard._src.dtypes import dtype_name
 from funcshard._src.plan.estimates import Estimate
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.sizes import format_bytes, shape_text, table
-from funcshard._src.plan.strategy import MEANINGS, Strategy, partial_axes, shard_axes
+from funcshard._src.plan.strategy import (
+    MEANINGS,
+    Strategy,
+    partial_axes,
+    partial_copy_lifetime,
+    shard_axes,
+)
 from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.named_sharding import NamedSharding
 
@@ -88,7 +94,7 @@ def _on_this_mesh(strategy: Strategy, mesh: Mesh, /) -> str:
     regather, replicated = partial_axes(strategy, mesh)
     if not regather:
         return ""
-    if math.prod(mesh.axis_size(a) for a in replicated) == 1:
+    if partial_copy_lifetime(strategy, mesh) is None:
         return " (here the copy is the shard: gathered as full_shard)"
     names = ", ".join(repr(a) for a in replicated)
     return f" (here: re-gathered over {regather[0]!r}, replicated over {names})"

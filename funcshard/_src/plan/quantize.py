@@ -75,6 +75,16 @@ class Quantized:
         return (self.weights or self.gradients) and any(matches(p, unit) for p in self.units)
 
 
+def quantize_for(quantize: Quantized | None, unit: str, /) -> Quantized | None:
+    """``quantize`` where it applies to the unit named ``unit``, else ``None`` (exact collectives).
+
+    Example:
+        >>> quantize_for(Quantized(units=("blocks/*",)), "head") is None
+        True
+    """
+    return quantize if quantize is not None and quantize.applies_to(unit) else None
+
+
 def quantized_bytes(numel: int, block: int, /) -> int:
     """Bytes that carry ``numel`` elements quantized: an fp32 scale and ``block`` int8 values per block.
 

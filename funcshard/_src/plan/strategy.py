@@ -170,6 +170,29 @@ def partial_axes(strategy: Strategy, mesh: Mesh, /) -> tuple[tuple[str, ...], tu
     return mesh.axis_names[-1:], mesh.axis_names[:-1]
 
 
+def partial_copy_lifetime(
+    strategy: Strategy, mesh: Mesh, /, *, is_root: bool = False
+) -> Literal["call", "step"] | None:
+    """How long a unit of ``strategy`` on ``mesh`` keeps a partial copy (:func:`keeps_partial_copy`).
+
+    ``None`` also where it keeps none although its strategy would: the root unit,
+    and a mesh on which the copy is the shard (one row: the other axes have one
+    rank), where the unit is gathered as ``full_shard``'s. The executor and the cost
+    model both ask here; see [Note: partial copies].
+
+    Example:
+        >>> partial_copy_lifetime("partial_reshard", Mesh({"node": 2, "local": 4}))
+        'call'
+        >>> partial_copy_lifetime("partial_reshard", Mesh({"fsdp": 8})) is None
+        True
+    """
+    lifetime = keeps_partial_copy(strategy)
+    _, replicated = partial_axes(strategy, mesh)
+    if lifetime is None or is_root or math.prod(mesh.axis_size(a) for a in replicated) == 1:
+        return None
+    return lifetime
+
+
 def shard_axes(strategy: Strategy, mesh: Mesh, /) -> tuple[str, ...]:
     """The mesh axes that ``strategy`` may shard a leaf over, major first.
 

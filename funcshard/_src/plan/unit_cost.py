@@ -25,13 +25,14 @@ from funcshard._src.plan.cost_model import (
 from funcshard._src.plan.estimates import Key, Memory
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
-from funcshard._src.plan.quantize import quantized_bytes
+from funcshard._src.plan.quantize import quantize_for, quantized_bytes
 from funcshard._src.plan.strategy import (
     LEAF_GATHERS,
     Strategy,
     keeps_for_step,
     keeps_partial_copy,
     partial_axes,
+    partial_copy_lifetime,
     reshards_after_forward,
     shard_axes,
 )
@@ -96,7 +97,7 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     regather_axes, replicated = partial_axes(unit.strategy, mesh)
     copy_rows = math.prod(mesh.axis_size(a) for a in replicated)
     regather = math.prod(mesh.axis_size(a) for a in regather_axes)
-    partial = copy_rows > 1 and g > 1 and not unit.is_root
+    partial = partial_copy_lifetime(unit.strategy, mesh, is_root=unit.is_root) is not None
     from_shards = gathers_from_shards(unit, model) if partial else gathers
     copies = STATE_COPIES[model.optimizer]
     params = frozen = grads = optimizer = master = gathered = unreduced = deferred = 0
@@ -105,10 +106,10 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     full = _numel_by_part(plan, unit, whole=True)
     # [Note: quantized collectives] in quantize.py: floating parts gathered from shards and
     # trained parts reduced as int8 blocks, staged (never in place)
-    quantize = model.quantize if model.quantize and model.quantize.applies_to(unit.name) else None
-    block = quantize.block if quantize is not None and g > 1 else 0
-    weights = bool(block) and quantize is not None and quantize.weights
-    gradients = bool(block) and quantize is not None and quantize.gradients
+    quantize = quantize_for(model.quantize, unit.name) if g > 1 else None
+    block = quantize.block if quantize is not None else 0
+    weights = quantize is not None and quantize.weights
+    gradients = quantize is not None and quantize.gradients
     leafwise = (model.backend, g) in LEAF_GATHERS and not partial and not weights
     in_place: set[tuple[torch.dtype, bool]] = (
         _gathers_in_place(plan, unit, axes, leafwise=leafwise) if g > 1 else set()
@@ -118,6 +119,7 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     for (dtype, is_frozen), n in _numel_by_part(plan, unit, whole=False).items():
         compute, grad = mp.compute_dtype(dtype), mp.gradient_dtype(dtype)
         trained = dtype.is_floating_point and not is_frozen
+        quantized = weights and compute.is_floating_point  # its gathers from shards
         if is_frozen:
             frozen += n * dtype.itemsize  # no gradient, no optimizer state
         elif not dtype.is_floating_point:
@@ -136,7 +138,6 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
         if g > 1 or compute != dtype:  # else the full leaves alias the shard
             gathered += full[(dtype, is_frozen)] * compute.itemsize
             # See [Note: staging buffers]
-            quantized = weights and compute.is_floating_point
             staged = partial or quantized or (dtype, is_frozen) not in in_place
             gather_buffer += g * n * compute.itemsize if staged else 0
             # the quantized shard sent and every rank's received
@@ -151,11 +152,7 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
             # the quantized rows sent and received by the all-to-all
             reduce_buffer += 2 * g * quantized_bytes(n, block) if gradients else 0
         if g > 1:
-            sent = (
-                quantized_bytes(n, block)
-                if weights and compute.is_floating_point
-                else n * compute.itemsize
-            )
+            sent = quantized_bytes(n, block) if quantized else n * compute.itemsize
             comm[("all_gather", axes)] += from_shards * (g - 1) * sent
         if partial and regather > 1:
             copy = copy_rows * n * compute.itemsize
