@@ -170,7 +170,9 @@ def _funcshard(
     if quantize is not None:
         exact = fs.cost.estimate(plan, fs.cost.CostModel(micro_batches=micro_batches)).comm
         notes.append(
-            f"int8 blocks of {quantize.block}: {sum(comm.values()) / sum(exact.values()):.3f} x "
+            f"{quantize.weight_format or 'exact'} gathers and {quantize.gradient_format or 'exact'} "
+            f"reductions, blocks of {quantize.block}: "
+            f"{sum(comm.values()) / sum(exact.values()):.3f} x "
             f"the bytes of the same step unquantized"
         )
     if len(mesh.axis_names) > 1:  # where the bytes go: across the first axis, or inside the last
@@ -295,6 +297,16 @@ MODES: dict[str, Mode] = {
         "funcshard, full_shard, int8 all-gathers and reductions per block of 256 "
         "(fs.Quantized(): ZeRO++'s qwZ and qgZ)",
         functools.partial(_funcshard, "full_shard", quantize=fs.Quantized()),
+    ),
+    "funcshard/quantized_int4": Mode(
+        "funcshard, full_shard, int8 all-gathers and int4 reductions per block of 256 "
+        "(fs.Quantized(gradients='int4'): ZeRO++'s qgZ format)",
+        functools.partial(_funcshard, "full_shard", quantize=fs.Quantized(gradients="int4")),
+    ),
+    "funcshard/quantized_fp8": Mode(
+        "funcshard, full_shard, fp8 (e4m3) all-gathers and int8 reductions per block of 256 "
+        "(fs.Quantized(weights='fp8'))",
+        functools.partial(_funcshard, "full_shard", quantize=fs.Quantized(weights="fp8")),
     ),
     "funcshard/no_shard": Mode(
         "funcshard, no_shard (DDP-like)", functools.partial(_funcshard, "no_shard")

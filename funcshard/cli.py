@@ -35,6 +35,7 @@ from funcshard._src.cli.report import (
 )
 from funcshard._src.plan.hardware import HARDWARE
 from funcshard._src.plan.presets import PRESETS
+from funcshard._src.plan.quantize import FORMATS
 from funcshard._src.verify.launch import ScriptError, launch
 
 _DTYPES = DTYPES
@@ -138,11 +139,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantize",
         default="none",
         choices=["none", "weights", "gradients", "both"],
-        help="int8 collectives per block (fs.Quantized, ZeRO++'s qwZ and qgZ): all-gathers "
+        help="low-bit collectives per block (fs.Quantized, ZeRO++'s qwZ and qgZ): all-gathers "
         "of parameters, reductions of gradients, or both; bytes sent as sent",
     )
     p.add_argument(
         "--quantize-block", type=int, default=256, help="elements per fp32 scale (--quantize)"
+    )
+    p.add_argument(
+        "--weight-format",
+        default="int8",
+        choices=FORMATS,
+        help="the format of quantized parameter all-gathers (--quantize weights or both)",
+    )
+    p.add_argument(
+        "--gradient-format",
+        default="int8",
+        choices=FORMATS,
+        help="the format of quantized gradient reductions (--quantize gradients or both; "
+        "int4 is ZeRO++'s qgZ)",
     )
     p.add_argument("--json", type=Path, help="also write the numbers to this JSON file")
     p.add_argument("--plot", type=Path, help="also draw memory per strategy to this image")

@@ -308,6 +308,21 @@ def test_quantized_collectives_send_about_a_quarter_of_fp32(tmp_path):
     assert all(sent["weights"][k] == sent["none"][k] for k in reductions)
 
 
+def test_quantized_formats_send_their_bytes(tmp_path):
+    """--gradient-format int4 halves the reductions' values (qgZ: (0.5 + 4/256) / 4 of fp32);
+    --weight-format fp8 sends int8's bytes."""
+    argv = ["plan", "--model", "llama-7b", "--mesh", "fsdp=8", "--strategy", "full_shard"]
+    out = tmp_path / "plan.json"
+    formats = ["--weight-format", "fp8", "--gradient-format", "int4"]
+    assert cli.main([*argv, "--quantize", "both", *formats, "--json", str(out)]) == 0
+    quantized = json.loads(out.read_text())["strategies"]["full_shard"]["comm"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    exact = json.loads(out.read_text())["strategies"]["full_shard"]["comm"]
+    for key, n in exact.items():
+        ratio = (0.5 + 4 / 256) / 4 if key.startswith("reduce_scatter") else (1 + 4 / 256) / 4
+        assert quantized[key] / n == pytest.approx(ratio, rel=1e-3), key
+
+
 def test_a_quantize_block_that_is_not_a_multiple_of_4_is_refused(capsys):
     argv = ["plan", "--model", "llama-7b", "--mesh", "fsdp=8", "--quantize", "both"]
     assert cli.main([*argv, "--quantize-block", "6"]) == 2

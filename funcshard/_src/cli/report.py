@@ -141,7 +141,7 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
         model,
         micro_batches=args.micro_batches,
         accumulate=args.accumulate,
-        quantize=_quantize(args.quantize, args.quantize_block),
+        quantize=_quantize(args),
     )
     if args.reserve is not None:
         model = dataclasses.replace(model, reserve=parse_reserve(args.reserve))
@@ -282,16 +282,21 @@ def parse_reserve(text: str, /) -> Reserve:
         ) from None
 
 
-def _quantize(which: str, block: int, /) -> Quantized | None:
-    """``--quantize`` and ``--quantize-block`` as a :class:`Quantized`, or ``None``.
+def _quantize(args: argparse.Namespace, /) -> Quantized | None:
+    """``--quantize``, ``--quantize-block`` and the two formats as a :class:`Quantized`, or ``None``.
 
     Raises:
         UsageError: a block that is not a positive multiple of 4.
     """
+    which, block = args.quantize, args.quantize_block
     if which == "none":
         return None
     try:
-        return Quantized(weights=which != "gradients", gradients=which != "weights", block=block)
+        return Quantized(
+            weights=args.weight_format if which != "gradients" else None,
+            gradients=args.gradient_format if which != "weights" else None,
+            block=block,
+        )
     except ValueError:
         raise UsageError(
             f"--quantize-block {block}: give a positive multiple of 4 elements per scale, e.g. 256"

@@ -172,13 +172,14 @@ class GatherGroup(ReducingGroup):
                 self.group_size * part.layout.numel, local.dtype, local.device
             )
             self.memory.add(out.numel() * out.element_size())
-            if unit.weight_block and not partial and local.dtype.is_floating_point:
-                # int8 blocks: [Note: quantized collectives] in plan/quantize.py
+            if unit.weight_format and not partial and local.dtype.is_floating_point:
+                # blocks of a low-bit format: [Note: quantized collectives] in plan/quantize.py
                 part.inflight = quantized.all_gather(
                     local,
                     self.bound,
                     axes,
                     block=unit.weight_block,
+                    format=unit.weight_format,
                     out=out,
                     ledger=self.ledger,
                     tag=unit.name,

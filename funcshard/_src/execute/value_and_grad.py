@@ -358,11 +358,12 @@ def value_and_grad(
             all-reduces), which cuts the latency of small units; ``0`` turns it off.
             ``None`` is the backend's default (4 MiB on gloo, off on NCCL). Gathered
             parameters alive at once are then bounded by buckets instead of units.
-        quantize: int8 all-gathers of parameters and int8 reductions of gradients,
-            per block with an fp32 scale, for the units it names (ZeRO++'s qwZ and
-            qgZ; see ``fs.Quantized``): about a quarter of fp32's bytes, each value
-            within ``max|block| / 254`` of the exact one. Shards, optimizer state and
-            the update stay exact. ``CostModel(quantize=...)`` counts the same bytes.
+        quantize: low-bit all-gathers of parameters and reductions of gradients
+            (int8, int4 or fp8), per block with an fp32 scale, for the units it names
+            (ZeRO++'s qwZ and qgZ; see ``fs.Quantized``): int8 sends about a quarter
+            of fp32's bytes, each value within ``max|block| / 254`` of the exact one.
+            Shards, optimizer state and the update stay exact.
+            ``CostModel(quantize=...)`` counts the same bytes.
 
     Returns:
         A :class:`Step`; also see :meth:`Step.accumulate` for several micro-batches.

@@ -91,16 +91,16 @@ def estimate(
     q = model.quantize
     if q is not None:
         what = " and ".join(
-            w
-            for w, on in (
-                ("parameter gathers from shards", q.weights),
-                ("gradient reductions", q.gradients),
+            f"{w} as {fmt}"
+            for w, fmt in (
+                ("parameter gathers from shards", q.weight_format),
+                ("gradient reductions", q.gradient_format),
             )
-            if on
+            if fmt
         )
         units = ", ".join(pattern_repr(u) for u in q.units)
         assumptions.append(
-            f"quantized: {what} as int8 with an fp32 scale per {q.block} elements, for units "
+            f"quantized: {what}, with an fp32 scale per {q.block} elements, for units "
             f"{units} (bytes as sent)"
         )
     workload = model.workload
