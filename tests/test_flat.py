@@ -13,8 +13,10 @@ from funcshard._src.shard.flat import (
     gathers_in_place,
     layouts,
     pack_all,
+    pack_into,
     pack_local,
     padded_view,
+    row_order,
     unpack_gathered,
 )
 from funcshard._src.spec.mesh import Mesh
@@ -131,3 +133,31 @@ def test_gathers_in_place_examples(shape, spec, expected):
     assert gathers_in_place(layouts(p)[0]) is expected
     two = plan({**params, "b": torch.zeros(4)}, Mesh({"fsdp": 4}), rules=[("w", spec)])
     assert not gathers_in_place(layouts(two)[0])  # two leaves in one buffer
+
+
+@st.composite
+def reordered_params(draw):
+    params = draw(tensor_trees())
+    mesh = draw(meshes(max_axes=3).filter(lambda m: len(m.shape) >= 2))
+    layout = draw(st.sampled_from(["leaf", "flat"]))
+    p = plan(params, mesh, units=draw(units_for(params)), layout=layout)
+    names = list(mesh.axis_names)
+    return params, p, (names[-1], *names[:-1])
+
+
+@given(reordered_params(), st.sampled_from([1.0, 0.25]))
+def test_packing_with_the_last_axis_major_permutes_the_rows(case, scale):
+    """Packed over the axes with the last one first (a two-hop reduction's order), every
+    layout's rows are pack_all's rows at ``row_order``'s places, scaled; None packs as zeros."""
+    params, p, axes = case
+    leaves = tree.flatten(params)[0]
+    order = row_order(p.mesh, axes)
+    for layout in layouts(p):
+        members = [leaves[s.index] for s in layout.slots]
+        members[0] = None
+        expected = pack_all(layout, [torch.zeros_like(leaves[layout.slots[0].index]), *members[1:]])
+        s = scale if layout.dtype.is_floating_point else 1.0  # gradients are floating
+        out = torch.full_like(expected, 7)  # every element written over
+        pack_into(layout, members, out, axes, scale=s)
+        rows = out if order is None else out[list(order)]
+        assert torch.equal(rows, expected * s if s != 1.0 else expected)

@@ -170,7 +170,8 @@ def test_the_ledger_of_partial_copies_equals_the_cost_model(pools, world_size, m
 def test_partial_copies_keep_backward_inside_the_last_axis(pools):
     """On {"node": 2, "local": 2}, three micro-batches: partial_reshard gathers over both axes
     once per micro-batch (forward) and over "local" alone for backward; hybrid_shard_optimizer
-    crosses "node" once per step. full_shard crosses it in all six gathers."""
+    crosses "node" once per step, with its gathers and its gradients. full_shard crosses it in
+    all six gathers and three reductions."""
     mesh = {"node": 2, "local": 2}
     no_root = Model(kind="mlp", vocab=12, width=6, layers=3, embed_unit=True, head_unit=True)
     ledgers = {
@@ -189,6 +190,18 @@ def test_partial_copies_keep_backward_inside_the_last_axis(pools):
     one = full // 6  # one gather of every unit, from the shards: 3/4 of the parameters
     assert ledgers["partial_reshard"]["sharded"][local] == 3 * one * 2 // 3
     assert ledgers["hybrid_shard_optimizer"]["sharded"][local] == 5 * one * 2 // 3
+    # gradients ([Note: two-hop reductions]): full_shard and partial_reshard reduce-scatter over
+    # both axes each micro-batch, 3/4 of the unit; hybrid_shard_optimizer over "local" each
+    # micro-batch (1/2 of it) and over "node" once per step (1/2 of its partial gradient)
+    rs_both = ("reduce_scatter", ("node", "local"))
+    rs_local, rs_node = ("reduce_scatter", ("local",)), ("reduce_scatter", ("node",))
+    reduced = ledgers["full_shard"]["sharded"][rs_both]
+    assert ledgers["partial_reshard"]["sharded"][rs_both] == reduced
+    hfsdp = ledgers["hybrid_shard_optimizer"]
+    for mode, micro in (("sharded", 3), ("unsharded", 1)):
+        assert rs_both not in hfsdp[mode]
+        assert hfsdp[mode][rs_local] * 9 == micro * reduced * 2
+        assert hfsdp[mode][rs_node] * 9 == reduced
 
 
 @pytest.mark.parametrize("prefetch", [0, 1])

@@ -77,7 +77,7 @@ def test_a_config_is_planned_with_one_unit_per_decoder_layer(config, units, tmp_
     data = json.loads(out.read_text())
     assert data["n_params"] == _count(config)
     assert data["units"] == units
-    assert set(data["strategies"]) == {"no_shard", "shard_grad_op", "full_shard"}
+    assert set(data["strategies"]) == {"no_shard", "shard_grad_op", "shard_optimizer", "full_shard"}
     assert text.startswith(f"{config.model_type} (config.json): {_count(config):,} parameters")
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from funcshard._src.comm import collectives, quantized
+from funcshard._src.comm.pending import Pending
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.packed import Columns, Round
 from funcshard._src.execute.part import Part
@@ -83,22 +84,15 @@ class ReducingGroup:
             )
             then: tuple[str, ...] = ()
             staging = None  # reduced in place: it becomes the gradient
-        else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter
-            stage = (
-                quantized.reduce_scatter(  # [Note: quantized collectives] in plan/quantize.py
-                    rows,
-                    self.bound,
-                    self.axes,
-                    block=unit.grad_block,
-                    out=out,
-                    ledger=self.ledger,
-                    tag=unit.name,
-                )
-                if unit.grad_block
-                else collectives.reduce_scatter(
-                    rows, self.bound, self.axes, out=out, ledger=self.ledger, tag=unit.name
-                )
+        elif unit.two_hop:  # over the last axis: [Note: two-hop reductions] in reduce.py
+            copy = unit.partial
+            stage = self._reduce_scatter(
+                unit, rows.view(copy.regather_size, -1), copy.regather_axes, out=None
             )
+            then = ()
+            staging = rows if keep_rows else None
+        else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter
+            stage = self._reduce_scatter(unit, rows, self.axes, out=out)
             then = replica
             staging = rows if keep_rows else None
         self.memory.log("reduce", unit.name)
@@ -110,6 +104,47 @@ class ReducingGroup:
             staging,
             # an all-reduce in place through shared memory holds a copy of its input
             packed=self.group_size > 1 or stage.holds_copy,
+            first_hop=unit.two_hop,
+        )
+
+    def reduce_across(
+        self, unit: UnitRuntime, part: Part, sums: torch.Tensor, /, *, out: torch.Tensor | None
+    ) -> Reduction:
+        """Starts the second hop of a two-hop reduction: ``sums`` ``(copy rows * numel,)`` over the other axes.
+
+        See [Note: two-hop reductions] in ``reduce.py``; the result (into ``out``
+        where given) is this rank's gradient shard.
+        """
+        copy = unit.partial
+        replicated = tuple(a for a in self.axes if a not in copy.regather_axes)
+        stage = self._reduce_scatter(unit, sums.view(copy.rows, -1), replicated, out=out)
+        self.memory.log("reduce", unit.name)
+        layout = part.layout
+        return Reduction(((layout, 0, layout.numel),), stage, (), unit.name, None)
+
+    def _reduce_scatter(
+        self,
+        unit: UnitRuntime,
+        rows: torch.Tensor,
+        axes: tuple[str, ...],
+        /,
+        *,
+        out: torch.Tensor | None,
+    ) -> Pending:
+        """Starts a reduce-scatter of ``rows`` over ``axes``, quantized where the unit's gradients are."""
+        if unit.grad_format:  # [Note: quantized collectives] in plan/quantize.py
+            return quantized.reduce_scatter(
+                rows,
+                self.bound,
+                axes,
+                block=unit.grad_block,
+                format=unit.grad_format,
+                out=out,
+                ledger=self.ledger,
+                tag=unit.name,
+            )
+        return collectives.reduce_scatter(
+            rows, self.bound, axes, out=out, ledger=self.ledger, tag=unit.name
         )
 
     def columns(

@@ -15,6 +15,7 @@ call's results instead of fresh memory.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,22 @@ from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
 from funcshard._src.shard.flat_shard import FlatShard, concatenate_leaves
 from funcshard._src.shard.sharded import ShardedTensor
+
+# [Note: two-hop reductions]
+# A hybrid_shard_optimizer unit (HFSDP) keeps its partial copy, sharded over the last
+# mesh axis, for the whole step ([Note: partial copies] in plan/strategy.py); its
+# gradients are reduced the same way, so that only one reduction a step crosses the
+# other axes. Each micro-batch packs the unit's gradients with the last axis major
+# (``unit.partial.order``) and reduce-scatters them over the last axis alone: a rank
+# gets the sum over its last-axis group of the rows its copy holds, ``copy rows *
+# numel``, which it adds into a partial gradient in the stored dtype. After the step's
+# last micro-batch every partial gradient is reduce-scattered over the other axes (in
+# the reduce dtype), in the order the partial gradients were started, the same on every
+# rank: the result is the rank's shard of the mean, as one reduce-scatter over every
+# rank would give, and the two hops send its bytes, (g - 1) / g of the unit, with only
+# 1 / (last axis size) of them across the other axes, once a step. A partial gradient
+# is alive from its first micro-batch's reduction to the step's end. Quantized
+# gradients are quantized on both hops (qgZ's two hops).
 
 # reductions in flight that hold packed gradients (a staging buffer) when the next unit's
 # gradients are packed: the older ones are waited for first. One reducing while the next
@@ -64,6 +81,8 @@ class Reducer:
         # reductions in flight, oldest first, each with the group that waits for it
         self.pending: list[tuple[GatherGroup, Reduction]] = []
         self.open_rounds: list[tuple[GatherGroup, int]] = []  # buckets' rounds not yet reduced
+        # two-hop units' partial gradients, by layout: [Note: two-hop reductions]
+        self.partial_sums: dict[FlatLayout, _PartialSum] = {}
 
     def reduce(
         self,
@@ -105,13 +124,27 @@ class Reducer:
                 self.reduce(group, unit, [None] * len(unit.slots), defer=False)
         self.deferring.clear()
 
-    def finish(self) -> None:
-        """Reduces the buckets' open rounds, waits for every reduction and adds it into :attr:`grads`; mutates."""
+    def finish(self, *, last: bool = True) -> None:
+        """Reduces the buckets' open rounds, waits for every reduction and adds it into :attr:`grads`; mutates.
+
+        After the step's last micro-batch (``last``) the partial gradients take
+        their second hop ([Note: two-hop reductions]).
+        """
         while self.open_rounds:
             group, j = self.open_rounds[0]
             while self._staged() >= MAX_PENDING:
                 self._finish_oldest()
             self._flush(group, j)
+        while self.pending:
+            self._finish_oldest()
+        if not last:
+            return
+        partial, self.partial_sums = self.partial_sums, {}
+        for layout, p in partial.items():
+            sums = p.sums if p.sums.dtype == p.part.grad_dtype else p.sums.to(p.part.grad_dtype)
+            out = self.spares.pop(layout, None)
+            out = out if out is not None and out.dtype == p.part.grad_dtype else None
+            self.pending.append((p.group, p.group.reduce_across(p.unit, p.part, sums, out=out)))
         while self.pending:
             self._finish_oldest()
 
@@ -154,6 +187,7 @@ class Reducer:
         self.deferred.clear()
         self.deferring.clear()
         self.held.clear()
+        self.partial_sums.clear()
         self.open_rounds.clear()  # the groups forget their rounds in GatherGroup.discard
         return inflight
 
@@ -221,7 +255,8 @@ class Reducer:
                 return
             # a unit called twice in one step: add this call's gradients to a buffer
             self.grads[layout] = concatenate_leaves(layout, earlier)
-        spare = None if defer else self.spares.pop(layout, None)
+        # a two-hop unit's donated buffer receives its second hop ([Note: two-hop reductions])
+        spare = None if defer or unit.two_hop else self.spares.pop(layout, None)
         if spare is not None and spare.dtype != part.grad_dtype:
             spare = None
         shared = None
@@ -229,7 +264,13 @@ class Reducer:
             rows = spare.view(1, -1)  # no_shard: reduced in place, this becomes the gradient
             spare = None
         else:
-            if unit.group_size > 1 and not defer and device.type == "cpu" and not unit.grad_block:
+            if (
+                unit.group_size > 1
+                and not defer
+                and device.type == "cpu"
+                and not unit.grad_block
+                and not unit.two_hop
+            ):
                 # packed straight into shared memory, which the reduce-scatter sends as it is
                 shared = inputs.reduce_scatter_input(
                     unit.bound, unit.axes, layout.numel, part.grad_dtype
@@ -254,7 +295,9 @@ class Reducer:
             into = inputs.all_reduce_input(unit.bound, replica, layout.numel, dtype)
             packed = rows if into is None else into.view(1, -1)
         leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
-        pack_into(layout, leaves, packed, unit.axes, scale=1.0 / self.world_size if direct else 1.0)
+        # a two-hop unit's rows come last axis major ([Note: two-hop reductions])
+        order = unit.partial.order if unit.two_hop else unit.axes
+        pack_into(layout, leaves, packed, order, scale=1.0 / self.world_size if direct else 1.0)
         if kept is not None:
             packed.add_(kept)
             self.pool.give(kept)
@@ -278,6 +321,17 @@ class Reducer:
         buffer and no extra pass (cast to the stored dtype if need be)."""
         group, reduction = self.pending.pop(0)
         reduced = group.wait(reduction, self.pool)
+        if reduction.first_hop:  # into the partial gradient: [Note: two-hop reductions]
+            ((layout, _, _),) = reduction.pieces
+            partial = self.partial_sums.get(layout)
+            if partial is None:
+                unit = group.members[0]
+                part = unit.parts[[p.layout for p in unit.parts].index(layout)]
+                sums = reduced if reduced.dtype == layout.dtype else reduced.to(layout.dtype)
+                self.partial_sums[layout] = _PartialSum(group, unit, part, sums)
+            else:
+                partial.sums.add_(reduced)
+            return
         for layout, a, b in reduction.pieces:
             out = reduced if (a, b) == (0, reduced.numel()) else reduced[a:b]
             out = out if out.dtype == layout.dtype else out.to(layout.dtype)
@@ -285,6 +339,16 @@ class Reducer:
                 self.grads[layout].add_(out)
             else:
                 self.grads[layout] = out
+
+
+@dataclass
+class _PartialSum:
+    """A two-hop unit's partial gradient of one part, and who takes it across the other axes."""
+
+    group: GatherGroup
+    unit: UnitRuntime
+    part: Part
+    sums: torch.Tensor  # (copy rows * numel,), in the stored dtype
 
 
 def _held(

@@ -32,3 +32,6 @@ class Reduction:
     staging: torch.Tensor | None  # the packed input, for the pool once the stage is done
     per_piece: bool = False
     packed: bool = True  # holds packed gradients beside its result (not an all-reduce in place)
+    # the first hop of a two-hop reduction: its result is summed into a partial gradient,
+    # see [Note: two-hop reductions] in reduce.py
+    first_hop: bool = False

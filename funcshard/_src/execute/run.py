@@ -326,7 +326,7 @@ class Run:
             self.post_backward(record, [None] * len(record.unit.slots), agreed=True)
         if self.last:
             self.reducer.reduce_deferred()
-        self.reducer.finish()
+        self.reducer.finish(last=self.last)
         for group in self.groups:
             group.release_all(keep=not self.last)
         _STEP_RUN[0] = None

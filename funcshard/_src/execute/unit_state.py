@@ -58,7 +58,7 @@ from funcshard._src.execute.memory import GatheredMemory
 from funcshard._src.execute.part import Part
 from funcshard._src.execute.partial_copy import PartialCopy
 from funcshard._src.plan.precision import MixedPrecision
-from funcshard._src.plan.quantize import Quantized
+from funcshard._src.plan.quantize import Format, Quantized
 from funcshard._src.plan.strategy import (
     LEAF_GATHERS,
     keeps_for_step,
@@ -117,11 +117,17 @@ class UnitRuntime:
         # reduce-scatter: the replica axes, none where there is one replica
         self.all_reduce_axes = self.replica_axes if self.replica_size > 1 else ()
         self.partial = PartialCopy(unit, bound, memory)
-        # [Note: quantized collectives] in plan/quantize.py: the block of int8 gathers from
-        # shards (floating parts) and of int8 reductions (0: exact)
+        # [Note: two-hop reductions] in reduce.py: a copy kept for the step is reduced into
+        # over the last axis each micro-batch, and over the other axes once per step
+        copy = self.partial
+        self.two_hop = copy.for_step and copy.rows > 1 and copy.regather_size > 1
+        # [Note: quantized collectives] in plan/quantize.py: the block and format of
+        # quantized gathers from shards (floating parts) and of reductions (block 0: exact)
         q = quantize if self.group_size > 1 else None
-        self.weight_block = q.block if q is not None and q.weights else 0
-        self.grad_block = q.block if q is not None and q.gradients else 0
+        self.weight_format: Format | None = q.weight_format if q is not None else None
+        self.grad_format: Format | None = q.gradient_format if q is not None else None
+        self.weight_block = q.block if q is not None and self.weight_format else 0
+        self.grad_block = q.block if q is not None and self.grad_format else 0
         backend = str(dist.get_backend()) if bound.distributed else ""
         leafwise = self.leafwise = (
             (backend, self.group_size) in LEAF_GATHERS

@@ -101,9 +101,11 @@ class CostModel:
             twice per micro-batch, a ``shard_grad_op`` unit once, a ``shard_optimizer``
             unit once per step; a ``partial_reshard`` unit gathers from its shards once
             per micro-batch and a ``hybrid_shard_optimizer`` unit once per step, their
-            other gathers re-gathering a partial copy over the last axis; reductions run once per micro-batch with
-            ``accumulate="sharded"`` (once per step for ``shard_optimizer`` units),
-            else once per step. Compute time scales with it.
+            other gathers re-gathering a partial copy over the last axis; reductions run
+            once per micro-batch with ``accumulate="sharded"`` (once per step for
+            ``shard_optimizer`` units), else once per step, and a
+            ``hybrid_shard_optimizer`` unit's cross the other axes once per step.
+            Compute time scales with it.
         workload: batch and model shape, for activations and compute time.
         hardware: for the step-time estimate.
         reserve: device memory kept back from every budget for the runtime

@@ -28,8 +28,9 @@ class Memory:
             (``full_shard``, ``hybrid_shard``, ``partial_reshard``,
             ``hybrid_shard_optimizer``), one unit's unreduced gradients in the
             compute dtype (all of them with ``accumulate="unsharded"``; every
-            ``shard_optimizer`` unit's with several micro-batches), and every
-            unit's partial copy (``partial_reshard``, ``hybrid_shard_optimizer``).
+            ``shard_optimizer`` unit's with several micro-batches), every unit's
+            partial copy (``partial_reshard``, ``hybrid_shard_optimizer``) and
+            partial gradient (``hybrid_shard_optimizer``, in the stored dtype).
         activations: estimated from the workload (0 without one).
         frozen: sharded frozen parameters as stored (no gradient, no optimizer state).
         buffers: tensors every rank holds whole besides the params (buffers), when

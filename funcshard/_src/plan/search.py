@@ -45,9 +45,10 @@ def ladder(mesh: Mesh, /) -> tuple[Strategy, ...]:
     """The strategies ``strategy="auto"`` considers, most memory first at one micro-batch.
 
     Ties go to the first: ``shard_optimizer`` equals ``shard_grad_op`` at one
-    micro-batch, and wins on bytes sent with several (``CostModel.micro_batches``);
-    so do ``hybrid_shard_optimizer`` and ``partial_reshard`` on a mesh of several
-    axes (see [Note: partial copies] in ``strategy.py``).
+    micro-batch, and wins on bytes sent with several (``CostModel.micro_batches``).
+    On a mesh of several axes ``hybrid_shard_optimizer`` sends fewer bytes across the
+    other axes than ``partial_reshard`` and holds more (its partial gradients; see
+    [Note: partial copies] in ``strategy.py``).
 
     Example:
         >>> ladder(Mesh({"fsdp": 8}))

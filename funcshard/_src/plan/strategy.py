@@ -56,7 +56,12 @@ never cross the other axes (across nodes, when the last axis is a node's ranks).
   holds only its shards; the partial copy is made again from the updated shards
   at the next step's first gather, so it can never go stale.
 
-Gradients are reduce-scattered over every rank, as ``full_shard``'s. The root unit
+``partial_reshard``'s gradients are reduce-scattered over every rank, as
+``full_shard``'s. ``hybrid_shard_optimizer``'s take two hops: over the last axis each
+micro-batch, into a *partial gradient* sharded like the partial copy and held to
+the step's end, and over the other axes once a step ([Note: two-hop reductions] in
+``execute/reduce.py``), so that gradients too cross the other axes once a step,
+for 1/L of their bytes. The root unit
 and a unit on a mesh with one axis (the partial copy is the shard) are gathered as
 ``full_shard``'s. The partial copy of every unit is alive at the end of forward:
 the memory the strategies trade for the gathers they keep inside the last axis.
@@ -98,7 +103,8 @@ MEANINGS: dict[Strategy, str] = {
     "last mesh axis is kept, so backward re-gathers over that axis only",
     "hybrid_shard_optimizer": "HFSDP: stored as full_shard (optimizer state 1/N); a copy "
     "sharded over the last mesh axis is kept for the step, so only the step's first gather "
-    "crosses the other axes",
+    "crosses the other axes; gradients are reduced over that axis each micro-batch and "
+    "across the others once a step",
 }
 
 

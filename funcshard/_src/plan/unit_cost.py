@@ -81,6 +81,7 @@ class UnitCost:
     gather_buffer: int = 0  # the all-gather's output, (group_size * shard) in the compute dtype
     reduce_buffer: int = 0  # the reduce-scatter's input, (group_size * shard) in the reduce dtype
     partial: int = 0  # its partial copy, in the compute dtype ([Note: partial copies])
+    partial_grads: int = 0  # its partial gradient, in the stored dtype (two-hop reductions)
 
 
 def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
@@ -97,19 +98,23 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     regather_axes, replicated = partial_axes(unit.strategy, mesh)
     copy_rows = math.prod(mesh.axis_size(a) for a in replicated)
     regather = math.prod(mesh.axis_size(a) for a in regather_axes)
-    partial = partial_copy_lifetime(unit.strategy, mesh, is_root=unit.is_root) is not None
+    lifetime = partial_copy_lifetime(unit.strategy, mesh, is_root=unit.is_root)
+    partial = lifetime is not None
+    # [Note: two-hop reductions] in execute/reduce.py: over the last axis each reduction,
+    # into a partial gradient, and over the others once a step
+    two_hop = lifetime == "step" and regather > 1 and copy_rows > 1
     from_shards = gathers_from_shards(unit, model) if partial else gathers
     copies = STATE_COPIES[model.optimizer]
     params = frozen = grads = optimizer = master = gathered = unreduced = deferred = 0
-    gather_buffer = reduce_buffer = partial_copy = 0
+    gather_buffer = reduce_buffer = partial_copy = partial_grads = 0
     comm: Counter[Key] = Counter()
     full = _numel_by_part(plan, unit, whole=True)
     # [Note: quantized collectives] in quantize.py: floating parts gathered from shards and
     # trained parts reduced as int8 blocks, staged (never in place)
     quantize = quantize_for(model.quantize, unit.name) if g > 1 else None
     block = quantize.block if quantize is not None else 0
-    weights = quantize is not None and quantize.weights
-    gradients = quantize is not None and quantize.gradients
+    weights = quantize.weight_format if quantize is not None else None
+    gradients = quantize.gradient_format if quantize is not None else None
     leafwise = (model.backend, g) in LEAF_GATHERS and not partial and not weights
     in_place: set[tuple[torch.dtype, bool]] = (
         _gathers_in_place(plan, unit, axes, leafwise=leafwise) if g > 1 else set()
@@ -119,7 +124,8 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     for (dtype, is_frozen), n in _numel_by_part(plan, unit, whole=False).items():
         compute, grad = mp.compute_dtype(dtype), mp.gradient_dtype(dtype)
         trained = dtype.is_floating_point and not is_frozen
-        quantized = weights and compute.is_floating_point  # its gathers from shards
+        # the format of its gathers from shards, if quantized
+        quantized = weights if compute.is_floating_point else None
         if is_frozen:
             frozen += n * dtype.itemsize  # no gradient, no optimizer state
         elif not dtype.is_floating_point:
@@ -141,7 +147,7 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
             staged = partial or quantized or (dtype, is_frozen) not in in_place
             gather_buffer += g * n * compute.itemsize if staged else 0
             # the quantized shard sent and every rank's received
-            gather_buffer += (1 + g) * quantized_bytes(n, block) if quantized else 0
+            gather_buffer += (1 + g) * quantized_bytes(n, block, quantized) if quantized else 0
         if partial:
             partial_copy += copy_rows * n * compute.itemsize
         if trained:
@@ -150,17 +156,27 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
             # no_shard reduces in place: its packed rows are the gradient unless cast
             reduce_buffer += g * n * grad.itemsize if g > 1 or grad != dtype else 0
             # the quantized rows sent and received by the all-to-all
-            reduce_buffer += 2 * g * quantized_bytes(n, block) if gradients else 0
+            reduce_buffer += 2 * g * quantized_bytes(n, block, gradients) if gradients else 0
+            if two_hop:
+                partial_grads += copy_rows * n * dtype.itemsize
         if g > 1:
-            sent = quantized_bytes(n, block) if quantized else n * compute.itemsize
+            sent = quantized_bytes(n, block, quantized) if quantized else n * compute.itemsize
             comm[("all_gather", axes)] += from_shards * (g - 1) * sent
         if partial and regather > 1:
             copy = copy_rows * n * compute.itemsize
             comm[("all_gather", regather_axes)] += (gathers - from_shards) * (regather - 1) * copy
         if not trained:
             continue
-        if g > 1:
-            sent = quantized_bytes(n, block) if gradients else n * grad.itemsize
+        if two_hop:
+            within = copy_rows * n  # the partial gradient's elements
+            sent = (
+                quantized_bytes(within, block, gradients) if gradients else within * grad.itemsize
+            )
+            comm[("reduce_scatter", regather_axes)] += reductions * (regather - 1) * sent
+            sent = quantized_bytes(n, block, gradients) if gradients else n * grad.itemsize
+            comm[("reduce_scatter", replicated)] += (copy_rows - 1) * sent
+        elif g > 1:
+            sent = quantized_bytes(n, block, gradients) if gradients else n * grad.itemsize
             comm[("reduce_scatter", axes)] += reductions * (g - 1) * sent
         if r > 1:
             comm[("all_reduce", replica)] += reductions * (2 * n * grad.itemsize * (r - 1) // r)
@@ -181,6 +197,7 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
         gather_buffer,
         reduce_buffer,
         partial_copy,
+        partial_grads,
     )
 
 
@@ -365,8 +382,9 @@ def memory_of(costs: list[UnitCost], model: CostModel, /) -> Memory:
     grads_alive = sum(c.deferred_grads for c in costs if defers(c, model)) + max(
         (c.unreduced_grads for c in costs), default=0
     )
-    # every partial copy is alive at the end of forward ([Note: partial copies])
-    partial = sum(c.partial for c in costs)
+    # every partial copy is alive at the end of forward ([Note: partial copies]); every
+    # partial gradient at the end of backward ([Note: two-hop reductions])
+    partial = sum(c.partial for c in costs) + sum(c.partial_grads for c in costs)
     return Memory(
         staging=max((c.gather_buffer for c in costs), default=0)
         + max((c.reduce_buffer for c in costs), default=0),
