@@ -204,6 +204,35 @@ def test_partial_copies_keep_backward_inside_the_last_axis(pools):
         assert hfsdp[mode][rs_node] * 9 == reduced
 
 
+def _partial_gradients(mesh: dict[str, int], layout: Any) -> list[tuple[Any, int, int]]:
+    """Worker body: per accumulation, the most partial-gradient bytes alive and the cost model's."""
+    model = UNEVEN
+    params = model.init(0)
+    plan = fs.plan(
+        params, fs.Mesh(mesh), units=model.units, strategy="hybrid_shard_optimizer", layout=layout
+    )
+    sparams = fs.shard(params, plan)
+    out = []
+    for micro, mode in ((1, "sharded"), (3, "sharded"), (3, "unsharded")):
+        batches = [model.batch_for(10 * fs.rank() + m) for m in range(micro)]
+        step = fs.value_and_grad(model.loss_fn, plan)
+        step.accumulate(sparams, batches, mode=mode)
+        cost = CostModel(micro_batches=micro, accumulate=mode)
+        each = [unit_cost(plan, u, cost).partial_grads for u in plan.units]
+        expected = sum(each) if (micro, mode) == (3, "sharded") else max(each)
+        out.append(((micro, mode), step.stats.peak_partial_grad_bytes, expected))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["leaf", "flat"])
+def test_partial_gradients_alive_equal_the_cost_model(pools, layout):
+    """[Note: two-hop reductions] on 2x2: every unit's partial gradient between micro-batches,
+    one unit's at a time within one micro-batch or with accumulate="unsharded"."""
+    for per_rank in pools.run(4, _partial_gradients, {"node": 2, "local": 2}, layout):
+        for case, peak, expected in per_rank:
+            assert peak == expected > 0, case
+
+
 @pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("bucket_bytes", [600, 10_000])
 def test_buckets_bound_gathered_parameters_by_buckets(pools, prefetch, bucket_bytes):

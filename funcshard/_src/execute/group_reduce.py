@@ -120,7 +120,9 @@ class ReducingGroup:
         stage = self._reduce_scatter(unit, sums.view(copy.rows, -1), replicated, out=out)
         self.memory.log("reduce", unit.name)
         layout = part.layout
-        return Reduction(((layout, 0, layout.numel),), stage, (), unit.name, None)
+        # its input is the partial gradient, not packed rows: it does not count against
+        # the reductions that hold packed gradients (MAX_PENDING in reduce.py)
+        return Reduction(((layout, 0, layout.numel),), stage, (), unit.name, None, packed=False)
 
     def _reduce_scatter(
         self,

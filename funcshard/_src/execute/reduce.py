@@ -39,13 +39,18 @@ from funcshard._src.shard.sharded import ShardedTensor
 # other axes. Each micro-batch packs the unit's gradients with the last axis major
 # (``unit.partial.order``) and reduce-scatters them over the last axis alone: a rank
 # gets the sum over its last-axis group of the rows its copy holds, ``copy rows *
-# numel``, which it adds into a partial gradient in the stored dtype. After the step's
-# last micro-batch every partial gradient is reduce-scattered over the other axes (in
-# the reduce dtype), in the order the partial gradients were started, the same on every
-# rank: the result is the rank's shard of the mean, as one reduce-scatter over every
-# rank would give, and the two hops send its bytes, (g - 1) / g of the unit, with only
+# numel``, which it adds into a partial gradient in the stored dtype. Once the unit's
+# last reduction of the step is in (its last call's, in the last micro-batch: ``Run``
+# says which), the partial gradient is reduce-scattered over the other axes (in the
+# reduce dtype) while backward goes on; one whose unit was last called in an earlier
+# micro-batch goes at the step's end, in the order started. Every rank reduces the same
+# units in the same order, so every rank starts the same second hops in the same order.
+# The result is the rank's shard of the mean, as one reduce-scatter over every rank
+# would give, and the two hops send its bytes, (g - 1) / g of the unit, with only
 # 1 / (last axis size) of them across the other axes, once a step. A partial gradient
-# is alive from its first micro-batch's reduction to the step's end. Quantized
+# is alive from its first reduction of the step to its second hop: across micro-batches
+# every unit's, within one micro-batch (or with ``accumulate="unsharded"``) one unit's at
+# a time, since a second hop is waited for before the next first hop finishes. Quantized
 # gradients are quantized on both hops (qgZ's two hops).
 
 # reductions in flight that hold packed gradients (a staging buffer) when the next unit's
@@ -83,6 +88,8 @@ class Reducer:
         self.open_rounds: list[tuple[GatherGroup, int]] = []  # buckets' rounds not yet reduced
         # two-hop units' partial gradients, by layout: [Note: two-hop reductions]
         self.partial_sums: dict[FlatLayout, _PartialSum] = {}
+        self.partial_bytes = 0  # partial gradients alive (stored dtype), and their peak
+        self.partial_peak = 0
 
     def reduce(
         self,
@@ -92,11 +99,14 @@ class Reducer:
         /,
         *,
         defer: bool,
+        final: bool = False,
     ) -> None:
         """Packs one call's full gradients of ``unit`` (in its leaf order) and has ``group`` reduce them; mutates.
 
         With ``defer``, packs and keeps them (added to what earlier deferred calls
-        kept) to be reduced by a later call without ``defer``.
+        kept) to be reduced by a later call without ``defer``. ``final``: the
+        unit's last reduction of the step, after which a two-hop unit's partial
+        gradient takes its second hop ([Note: two-hop reductions]).
         """
         if defer:
             self.deferring[unit.name] = (group, unit)
@@ -107,7 +117,7 @@ class Reducer:
                 if group.shared and not defer:
                     self._reduce_in_round(group, unit, j, part, mine)
                 else:
-                    self._reduce_part(group, unit, part, mine, defer=defer)
+                    self._reduce_part(group, unit, part, mine, defer=defer, final=final)
 
     def reduce_deferred(self) -> None:
         """After the last micro-batch's calls: reduces what units kept and did not reduce since; mutates.
@@ -121,7 +131,7 @@ class Reducer:
         for name in sorted(self.deferring):
             group, unit = self.deferring[name]
             if any(p.layout in self.deferred for p in unit.parts):
-                self.reduce(group, unit, [None] * len(unit.slots), defer=False)
+                self.reduce(group, unit, [None] * len(unit.slots), defer=False, final=True)
         self.deferring.clear()
 
     def finish(self, *, last: bool = True) -> None:
@@ -139,14 +149,21 @@ class Reducer:
             self._finish_oldest()
         if not last:
             return
-        partial, self.partial_sums = self.partial_sums, {}
-        for layout, p in partial.items():
-            sums = p.sums if p.sums.dtype == p.part.grad_dtype else p.sums.to(p.part.grad_dtype)
-            out = self.spares.pop(layout, None)
-            out = out if out is not None and out.dtype == p.part.grad_dtype else None
-            self.pending.append((p.group, p.group.reduce_across(p.unit, p.part, sums, out=out)))
+        # units whose last reduction came in an earlier micro-batch, in the order started
+        for layout in list(self.partial_sums):
+            self._across(layout)
         while self.pending:
             self._finish_oldest()
+
+    def _across(self, layout: FlatLayout, /) -> None:
+        """Starts the second hop of ``layout``'s partial gradient ([Note: two-hop reductions]); mutates."""
+        p = self.partial_sums.pop(layout)
+        sums = p.sums if p.sums.dtype == p.part.grad_dtype else p.sums.to(p.part.grad_dtype)
+        out = self.spares.pop(layout, None)
+        out = out if out is not None and out.dtype == p.part.grad_dtype else None
+        reduction = p.group.reduce_across(p.unit, p.part, sums, out=out)
+        reduction.partial_bytes = p.sums.numel() * p.sums.element_size()
+        self.pending.append((p.group, reduction))
 
     def gradient_tree(
         self, sparams: Any, by_unit: dict[str, list[FlatShard]], /, *, micro_batches: int
@@ -238,6 +255,7 @@ class Reducer:
         mine: Sequence[torch.Tensor | None],
         *,
         defer: bool,
+        final: bool,
     ) -> None:
         """Packs one part of a group of one (or keeps it, deferred) and has ``group`` reduce it."""
         layout = part.layout
@@ -310,6 +328,7 @@ class Reducer:
         # step; shared rows belong to the group's regions
         keep = unit.group_size > 1 and not unit.unit.is_root and shared is None
         reduction = group.reduce(unit, part, rows, packed, out=spare, keep_rows=keep)
+        reduction.then_across = reduction.first_hop and final
         self.pending.append((group, reduction))
 
     def _staged(self) -> int:
@@ -321,6 +340,7 @@ class Reducer:
         buffer and no extra pass (cast to the stored dtype if need be)."""
         group, reduction = self.pending.pop(0)
         reduced = group.wait(reduction, self.pool)
+        self.partial_bytes -= reduction.partial_bytes
         if reduction.first_hop:  # into the partial gradient: [Note: two-hop reductions]
             ((layout, _, _),) = reduction.pieces
             partial = self.partial_sums.get(layout)
@@ -329,8 +349,12 @@ class Reducer:
                 part = unit.parts[[p.layout for p in unit.parts].index(layout)]
                 sums = reduced if reduced.dtype == layout.dtype else reduced.to(layout.dtype)
                 self.partial_sums[layout] = _PartialSum(group, unit, part, sums)
+                self.partial_bytes += sums.numel() * sums.element_size()
+                self.partial_peak = max(self.partial_peak, self.partial_bytes)
             else:
                 partial.sums.add_(reduced)
+            if reduction.then_across:
+                self._across(layout)
             return
         for layout, a, b in reduction.pieces:
             out = reduced if (a, b) == (0, reduced.numel()) else reduced[a:b]

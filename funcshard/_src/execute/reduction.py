@@ -35,3 +35,6 @@ class Reduction:
     # the first hop of a two-hop reduction: its result is summed into a partial gradient,
     # see [Note: two-hop reductions] in reduce.py
     first_hop: bool = False
+    # the unit's last first hop of the step: the second starts once it is in
+    then_across: bool = False
+    partial_bytes: int = 0  # a second hop: the bytes of the partial gradient it reduces

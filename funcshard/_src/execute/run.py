@@ -303,7 +303,18 @@ class Run:
             self._release(record.unit)
         unit = record.unit
         defer = self.defer or keeps_gathered(unit, last=self.last)
-        self.reducer.reduce(self.group_of[unit.name], unit, grads, defer=defer)
+        # the unit's last reduction of the step: a two-hop one crosses the other axes as soon
+        # as it is in ([Note: two-hop reductions] in reduce.py)
+        final = (
+            unit.two_hop
+            and self.last
+            and not defer
+            and not any(
+                c.unit is unit and c is not record and c.phase is not CallPhase.DONE
+                for c in self.calls
+            )
+        )
+        self.reducer.reduce(self.group_of[unit.name], unit, grads, defer=defer, final=final)
         record.phase = CallPhase.DONE
 
     def finish(self) -> None:

@@ -45,6 +45,8 @@ class StepStats:
     peak_gathered_bytes: int  # gathered parameters (and all-gather buffers) alive at once, at most
     unit_gathered_bytes: dict[str, int]  # per unit, bytes of its full leaves when gathered
     staging_bytes: int = 0  # staging buffers kept for the next call; see [Note: staging lifetimes]
+    # two-hop reductions' partial gradients alive at once, at most ([Note: two-hop reductions])
+    peak_partial_grad_bytes: int = 0
 
 
 class Step:
@@ -77,6 +79,7 @@ class Step:
         self.has_aux = has_aux
         self.mixed_precision = mixed_precision
         self.prefetch = prefetch
+        self._partial_peak = 0  # the last call's StepStats.peak_partial_grad_bytes
         self.donate_grads = donate_grads
         self.ledger = Ledger()
         self.memory = GatheredMemory()
@@ -100,6 +103,7 @@ class Step:
             self.memory.peak,
             {u.name: u.gathered_bytes for u in units},
             self.gather_pool.held_bytes + self.reduce_pool.held_bytes,
+            self._partial_peak,
         )
 
     def __call__(self, sparams: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -275,6 +279,7 @@ class Step:
                 raise
             losses.append(loss.detach())
             auxes.append(aux)
+        self._partial_peak = reducer.partial_peak
         sharded_grads = reducer.gradient_tree(sparams, by_unit, micro_batches=len(batches))
         if self.donate_grads:
             self._last = flats_of(sharded_grads)

@@ -29,8 +29,9 @@ class Memory:
             ``hybrid_shard_optimizer``), one unit's unreduced gradients in the
             compute dtype (all of them with ``accumulate="unsharded"``; every
             ``shard_optimizer`` unit's with several micro-batches), every unit's
-            partial copy (``partial_reshard``, ``hybrid_shard_optimizer``) and
-            partial gradient (``hybrid_shard_optimizer``, in the stored dtype).
+            partial copy (``partial_reshard``, ``hybrid_shard_optimizer``), and
+            ``hybrid_shard_optimizer`` units' partial gradients in the stored dtype
+            (every unit's with several micro-batches, else the largest).
         activations: estimated from the workload (0 without one).
         frozen: sharded frozen parameters as stored (no gradient, no optimizer state).
         buffers: tensors every rank holds whole besides the params (buffers), when

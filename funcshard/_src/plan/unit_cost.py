@@ -382,9 +382,14 @@ def memory_of(costs: list[UnitCost], model: CostModel, /) -> Memory:
     grads_alive = sum(c.deferred_grads for c in costs if defers(c, model)) + max(
         (c.unreduced_grads for c in costs), default=0
     )
-    # every partial copy is alive at the end of forward ([Note: partial copies]); every
-    # partial gradient at the end of backward ([Note: two-hop reductions])
-    partial = sum(c.partial for c in costs) + sum(c.partial_grads for c in costs)
+    # every partial copy is alive at the end of forward ([Note: partial copies]); partial
+    # gradients ([Note: two-hop reductions] in execute/reduce.py): every unit's between
+    # micro-batches, one unit's at a time within one
+    across = model.micro_batches > 1 and model.accumulate == "sharded"
+    partial_grads = [c.partial_grads for c in costs]
+    partial = sum(c.partial for c in costs) + (
+        sum(partial_grads) if across else max(partial_grads, default=0)
+    )
     return Memory(
         staging=max((c.gather_buffer for c in costs), default=0)
         + max((c.reduce_buffer for c in costs), default=0),
