@@ -58,6 +58,7 @@ ORDER = {
         "estimates",
         "explain",
         "resolve",
+        "step_counts",
         "unit_cost",
         "cost",
         "search",
