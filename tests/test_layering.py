@@ -117,6 +117,7 @@ ORDER = {
         "group_reduce",
         "gather_group",
         "bucket",
+        "partial_gradient",
         "reduce",
         "call_record",
         "local_calls",

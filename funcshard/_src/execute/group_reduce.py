@@ -84,7 +84,7 @@ class ReducingGroup:
             )
             then: tuple[str, ...] = ()
             staging = None  # reduced in place: it becomes the gradient
-        elif unit.two_hop:  # over the last axis: [Note: two-hop reductions] in reduce.py
+        elif unit.two_hop:  # over the last axis: [Note: two-hop reductions] in partial_gradient.py
             copy = unit.partial
             stage = self._reduce_scatter(
                 unit, rows.view(copy.regather_size, -1), copy.regather_axes, out=None
@@ -112,7 +112,7 @@ class ReducingGroup:
     ) -> Reduction:
         """Starts the second hop of a two-hop reduction: ``sums`` ``(copy rows * numel,)`` over the other axes.
 
-        See [Note: two-hop reductions] in ``reduce.py``; the result (into ``out``
+        See [Note: two-hop reductions] in ``partial_gradient.py``; the result (into ``out``
         where given) is this rank's gradient shard.
         """
         copy = unit.partial

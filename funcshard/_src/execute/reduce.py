@@ -15,7 +15,6 @@ call's results instead of fresh memory.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,32 +25,12 @@ from funcshard._src.comm.pending import Pending
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.gather_group import GatherGroup
 from funcshard._src.execute.part import Part
+from funcshard._src.execute.partial_gradient import PartialGradient
 from funcshard._src.execute.reduction import Reduction
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
 from funcshard._src.shard.flat_shard import FlatShard, concatenate_leaves
 from funcshard._src.shard.sharded import ShardedTensor
-
-# [Note: two-hop reductions]
-# A hybrid_shard_optimizer unit (HFSDP) keeps its partial copy, sharded over the last
-# mesh axis, for the whole step ([Note: partial copies] in plan/strategy.py); its
-# gradients are reduced the same way, so that only one reduction a step crosses the
-# other axes. Each micro-batch packs the unit's gradients with the last axis major
-# (``unit.partial.order``) and reduce-scatters them over the last axis alone: a rank
-# gets the sum over its last-axis group of the rows its copy holds, ``copy rows *
-# numel``, which it adds into a partial gradient in the stored dtype. Once the unit's
-# last reduction of the step is in (its last call's, in the last micro-batch: ``Run``
-# says which), the partial gradient is reduce-scattered over the other axes (in the
-# reduce dtype) while backward goes on; one whose unit was last called in an earlier
-# micro-batch goes at the step's end, in the order started. Every rank reduces the same
-# units in the same order, so every rank starts the same second hops in the same order.
-# The result is the rank's shard of the mean, as one reduce-scatter over every rank
-# would give, and the two hops send its bytes, (g - 1) / g of the unit, with only
-# 1 / (last axis size) of them across the other axes, once a step. A partial gradient
-# is alive from its first reduction of the step to its second hop: across micro-batches
-# every unit's, within one micro-batch (or with ``accumulate="unsharded"``) one unit's at
-# a time, since a second hop is waited for before the next first hop finishes. Quantized
-# gradients are quantized on both hops (qgZ's two hops).
 
 # reductions in flight that hold packed gradients (a staging buffer) when the next unit's
 # gradients are packed: the older ones are waited for first. One reducing while the next
@@ -87,7 +66,7 @@ class Reducer:
         self.pending: list[tuple[GatherGroup, Reduction]] = []
         self.open_rounds: list[tuple[GatherGroup, int]] = []  # buckets' rounds not yet reduced
         # two-hop units' partial gradients, by layout: [Note: two-hop reductions]
-        self.partial_sums: dict[FlatLayout, _PartialSum] = {}
+        self.partial_sums: dict[FlatLayout, PartialGradient] = {}
         self.partial_bytes = 0  # partial gradients alive (stored dtype), and their peak
         self.partial_peak = 0
 
@@ -106,7 +85,7 @@ class Reducer:
         With ``defer``, packs and keeps them (added to what earlier deferred calls
         kept) to be reduced by a later call without ``defer``. ``final``: the
         unit's last reduction of the step, after which a two-hop unit's partial
-        gradient takes its second hop ([Note: two-hop reductions]).
+        gradient takes its second hop ([Note: two-hop reductions] in ``partial_gradient.py``).
         """
         if defer:
             self.deferring[unit.name] = (group, unit)
@@ -348,7 +327,7 @@ class Reducer:
                 unit = group.members[0]
                 part = unit.parts[[p.layout for p in unit.parts].index(layout)]
                 sums = reduced if reduced.dtype == layout.dtype else reduced.to(layout.dtype)
-                self.partial_sums[layout] = _PartialSum(group, unit, part, sums)
+                self.partial_sums[layout] = PartialGradient(group, unit, part, sums)
                 self.partial_bytes += sums.numel() * sums.element_size()
                 self.partial_peak = max(self.partial_peak, self.partial_bytes)
             else:
@@ -363,16 +342,6 @@ class Reducer:
                 self.grads[layout].add_(out)
             else:
                 self.grads[layout] = out
-
-
-@dataclass
-class _PartialSum:
-    """A two-hop unit's partial gradient of one part, and who takes it across the other axes."""
-
-    group: GatherGroup
-    unit: UnitRuntime
-    part: Part
-    sums: torch.Tensor  # (copy rows * numel,), in the stored dtype
 
 
 def _held(

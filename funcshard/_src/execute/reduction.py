@@ -33,7 +33,7 @@ class Reduction:
     per_piece: bool = False
     packed: bool = True  # holds packed gradients beside its result (not an all-reduce in place)
     # the first hop of a two-hop reduction: its result is summed into a partial gradient,
-    # see [Note: two-hop reductions] in reduce.py
+    # see [Note: two-hop reductions] in partial_gradient.py
     first_hop: bool = False
     # the unit's last first hop of the step: the second starts once it is in
     then_across: bool = False

@@ -304,7 +304,7 @@ class Run:
         unit = record.unit
         defer = self.defer or keeps_gathered(unit, last=self.last)
         # the unit's last reduction of the step: a two-hop one crosses the other axes as soon
-        # as it is in ([Note: two-hop reductions] in reduce.py)
+        # as it is in ([Note: two-hop reductions] in partial_gradient.py)
         final = (
             unit.two_hop
             and self.last

@@ -117,7 +117,7 @@ class UnitRuntime:
         # reduce-scatter: the replica axes, none where there is one replica
         self.all_reduce_axes = self.replica_axes if self.replica_size > 1 else ()
         self.partial = PartialCopy(unit, bound, memory)
-        # [Note: two-hop reductions] in reduce.py: a copy kept for the step is reduced into
+        # [Note: two-hop reductions] in partial_gradient.py: a copy kept for the step is reduced into
         # over the last axis each micro-batch, and over the other axes once per step
         copy = self.partial
         self.two_hop = copy.for_step and copy.rows > 1 and copy.regather_size > 1

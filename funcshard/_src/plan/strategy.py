@@ -60,7 +60,7 @@ never cross the other axes (across nodes, when the last axis is a node's ranks).
 ``full_shard``'s. ``hybrid_shard_optimizer``'s take two hops: over the last axis each
 micro-batch, into a *partial gradient* sharded like the partial copy and held
 across micro-batches, and over the other axes once a step ([Note: two-hop
-reductions] in ``execute/reduce.py``), so that gradients too cross the other axes
+reductions] in ``execute/partial_gradient.py``), so that gradients too cross the other axes
 once a step, for 1/L of their bytes. The root unit
 and a unit on a mesh with one axis (the partial copy is the shard) are gathered as
 ``full_shard``'s. The partial copy of every unit is alive at the end of forward:

@@ -100,7 +100,7 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     regather = math.prod(mesh.axis_size(a) for a in regather_axes)
     lifetime = partial_copy_lifetime(unit.strategy, mesh, is_root=unit.is_root)
     partial = lifetime is not None
-    # [Note: two-hop reductions] in execute/reduce.py: over the last axis each reduction,
+    # [Note: two-hop reductions] in execute/partial_gradient.py: over the last axis each reduction,
     # into a partial gradient, and over the others once a step
     two_hop = lifetime == "step" and regather > 1 and copy_rows > 1
     from_shards = gathers_from_shards(unit, model) if partial else gathers
@@ -330,7 +330,7 @@ def memory_of(costs: list[UnitCost], model: CostModel, /) -> Memory:
         (c.unreduced_grads for c in costs), default=0
     )
     # every partial copy is alive at the end of forward ([Note: partial copies]); partial
-    # gradients ([Note: two-hop reductions] in execute/reduce.py): every unit's between
+    # gradients ([Note: two-hop reductions] in execute/partial_gradient.py): every unit's between
     # micro-batches, one unit's at a time within one
     across = model.micro_batches > 1 and model.accumulate == "sharded"
     partial_grads = [c.partial_grads for c in costs]
