@@ -4,8 +4,9 @@ Rows (``tests/conformance/``) are PyTorch's own FSDP test models, Hugging Face
 families, torchvision-shaped vision models and the constructs module code uses
 outside a plain forward (activation checkpoints, hooks, reads across units,
 parametrizations, attention, norms, compiled submodules, buffers). Each runs at
-W=2 under full_shard, shard_grad_op, remat and bf16 mixed precision (CI: see
-``CI_VARIANTS``; ``nox -s conformance`` runs all) against the
+W=2 under full_shard, shard_grad_op, remat and bf16 mixed precision, and under
+partial_reshard, hybrid_shard_optimizer and shard_optimizer (``LEVERS``; CI: see
+``CI_VARIANTS`` and ``LEVERS_IN_CI``; ``nox -s conformance`` runs all) against the
 reference of ``tests/conformance/harness.py``: the replicated module with
 all-reduced gradients in float64 (every parameter and buffer within 1e-10 after
 three steps), FSDP2 itself in bf16. A refused row must raise its funcshard error
@@ -45,14 +46,18 @@ CI_VARIANTS = {
 }
 
 
-# partial_reshard ([Note: partial copies]) on 4 ranks, {node: 2, local: 2}: every row that
-# trains, beside its own variants (the docs' table lists those); in CI, these
-PARTIAL_IN_CI = ("dtensor/Transformer-checkpointed",)
+# The levers stored like full_shard, on every row that trains, beside its own variants (the
+# docs' table lists those): partial_reshard and hybrid_shard_optimizer ([Note: partial
+# copies], [Note: two-hop reductions]) on 4 ranks, {node: 2, local: 2}; shard_optimizer on 2.
+# In CI, these rows.
+LEVERS = ("partial_reshard", "hybrid_shard_optimizer", "shard_optimizer")
+LEVERS_IN_CI = ("dtensor/Transformer-checkpointed",)
+FOUR_RANKS = ("partial_reshard", "hybrid_shard_optimizer")
 
 
 def _in_ci(name: str, variant: str) -> bool:
-    if variant == "partial_reshard":
-        return name in PARTIAL_IN_CI
+    if variant in LEVERS:
+        return name in LEVERS_IN_CI
     return variant == "full_shard" or name.startswith(CI_VARIANTS.get(variant, ()))
 
 
@@ -66,7 +71,7 @@ CASES = [
     for name, row in ROWS.items()
     for variant in (
         *row.variants,
-        *(("partial_reshard",) if row.refused is None and "shard_grad_op" in row.variants else ()),
+        *(LEVERS if row.refused is None and "shard_grad_op" in row.variants else ()),
     )
 ]
 
@@ -74,7 +79,7 @@ CASES = [
 @pytest.mark.parametrize(("name", "variant"), CASES)
 def test_row_trains_equal_to_its_reference_or_is_refused(pools: Any, name: str, variant: str):
     results = pools.run(
-        4 if variant == "partial_reshard" else 2, run_row, name, variant, timeout_s=300
+        4 if variant in FOUR_RANKS else 2, run_row, name, variant, timeout_s=300
     )
     row = ROWS[name]
     for rank, result in enumerate(results):

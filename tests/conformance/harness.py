@@ -177,12 +177,13 @@ def _verify(row: Row, variant: str, steps: int = 2) -> dict[str, Any]:
 
 
 def _placement(variant: str) -> tuple[Any, fs.Mesh]:
-    """A variant's strategy and mesh: ``partial_reshard`` on ``{node: 2, local: W/2}`` (its
-    copy re-gathered over ``local``), else one axis of every rank."""
+    """A variant's strategy and mesh: ``partial_reshard`` and ``hybrid_shard_optimizer`` on
+    ``{node: 2, local: W/2}`` (their copies re-gathered, and the latter's gradients reduced
+    first, over ``local``), else one axis of every rank."""
     world = fs.world_size()
-    if variant == "partial_reshard":
-        return "partial_reshard", fs.Mesh({"node": 2, "local": world // 2})
-    strategy = "shard_grad_op" if variant == "shard_grad_op" else "full_shard"
+    if variant in ("partial_reshard", "hybrid_shard_optimizer"):
+        return variant, fs.Mesh({"node": 2, "local": world // 2})
+    strategy = variant if variant in ("shard_grad_op", "shard_optimizer") else "full_shard"
     return strategy, fs.Mesh({"fsdp": world})
 
 
