@@ -147,16 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--weight-format",
-        default="int8",
         choices=FORMATS,
-        help="the format of quantized parameter all-gathers (--quantize weights or both)",
+        help="the format of quantized parameter all-gathers (--quantize weights or both; "
+        "default int8)",
     )
     p.add_argument(
         "--gradient-format",
-        default="int8",
         choices=FORMATS,
         help="the format of quantized gradient reductions (--quantize gradients or both; "
-        "int4 is ZeRO++'s qgZ)",
+        "default int8; int4 is ZeRO++'s qgZ)",
     )
     p.add_argument("--json", type=Path, help="also write the numbers to this JSON file")
     p.add_argument("--plot", type=Path, help="also draw memory per strategy to this image")

@@ -323,6 +323,22 @@ def test_quantized_formats_send_their_bytes(tmp_path):
         assert quantized[key] / n == pytest.approx(ratio, rel=1e-3), key
 
 
+@pytest.mark.parametrize(
+    ("quantize", "flag", "hint"),
+    [
+        ("none", "--weight-format", "--quantize weights"),
+        ("gradients", "--weight-format", "--quantize both"),
+        ("weights", "--gradient-format", "--quantize both"),
+    ],
+)
+def test_a_format_for_an_exact_direction_is_refused(capsys, quantize, flag, hint):
+    argv = ["plan", "--model", "llama-7b", "--mesh", "fsdp=8", "--quantize", quantize]
+    assert cli.main([*argv, flag, "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} fp8 with --quantize {quantize}" in err
+    assert hint in err
+
+
 def test_a_quantize_block_that_is_not_a_multiple_of_4_is_refused(capsys):
     argv = ["plan", "--model", "llama-7b", "--mesh", "fsdp=8", "--quantize", "both"]
     assert cli.main([*argv, "--quantize-block", "6"]) == 2

@@ -78,9 +78,7 @@ CASES = [
 
 @pytest.mark.parametrize(("name", "variant"), CASES)
 def test_row_trains_equal_to_its_reference_or_is_refused(pools: Any, name: str, variant: str):
-    results = pools.run(
-        4 if variant in FOUR_RANKS else 2, run_row, name, variant, timeout_s=300
-    )
+    results = pools.run(4 if variant in FOUR_RANKS else 2, run_row, name, variant, timeout_s=300)
     row = ROWS[name]
     for rank, result in enumerate(results):
         if "verify" in result:  # fs.verify of the row (its full_shard run)

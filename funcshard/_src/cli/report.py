@@ -286,15 +286,25 @@ def _quantize(args: argparse.Namespace, /) -> Quantized | None:
     """``--quantize``, ``--quantize-block`` and the two formats as a :class:`Quantized`, or ``None``.
 
     Raises:
-        UsageError: a block that is not a positive multiple of 4.
+        UsageError: a block that is not a positive multiple of 4, or a format for a
+            direction ``--quantize`` leaves exact.
     """
     which, block = args.quantize, args.quantize_block
+    for flag, fmt, needs in (
+        ("--weight-format", args.weight_format, ("weights", "both")),
+        ("--gradient-format", args.gradient_format, ("gradients", "both")),
+    ):
+        if fmt is not None and which not in needs:
+            raise UsageError(
+                f"{flag} {fmt} with --quantize {which}: that direction is exact; add "
+                f"--quantize {'both' if which != 'none' else needs[0]} to quantize it"
+            )
     if which == "none":
         return None
     try:
         return Quantized(
-            weights=args.weight_format if which != "gradients" else None,
-            gradients=args.gradient_format if which != "weights" else None,
+            weights=(args.weight_format or "int8") if which != "gradients" else None,
+            gradients=(args.gradient_format or "int8") if which != "weights" else None,
             block=block,
         )
     except ValueError:
