@@ -19,6 +19,7 @@ from funcshard._src.shard.flat import (
     row_order,
     unpack_gathered,
 )
+from funcshard._src.shard.flat_rows import pack_flat_columns
 from funcshard._src.spec.mesh import Mesh
 from tests.strategies import meshes, rules_for, tensor_trees, units_for
 
@@ -161,3 +162,30 @@ def test_packing_with_the_last_axis_major_permutes_the_rows(case, scale):
         pack_into(layout, members, out, axes, scale=s)
         rows = out if order is None else out[list(order)]
         assert torch.equal(rows, expected * s if s != 1.0 else expected)
+
+
+@st.composite
+def flat_columns(draw):
+    params = draw(tensor_trees())
+    mesh = draw(meshes(max_axes=2))
+    p = plan(params, mesh, units=draw(units_for(params)), layout="flat")
+    return params, p, draw(st.integers(0, 10**6)), draw(st.integers(1, 10**6))
+
+
+@given(flat_columns())
+def test_packing_a_range_of_columns_is_that_range_of_the_rows(case):
+    """A reduction in chunks ([Note: reductions in chunks]): columns [start, stop) of every
+    flat layout's packed rows, a None leaf as zeros, padding zeros."""
+    params, p, a, b = case
+    leaves = tree.flatten(params)[0]
+    for layout in layouts(p):
+        members = [leaves[s.index] for s in layout.slots]
+        members[-1] = None
+        rows = pack_all(layout, [*members[:-1], torch.zeros_like(leaves[layout.slots[-1].index])])
+        start = a % layout.numel if layout.numel else 0
+        width = 1 + b % max(layout.numel - start, 1)
+        if layout.numel == 0:
+            continue
+        out = torch.full((rows.shape[0], width), 7, dtype=rows.dtype)
+        pack_flat_columns(layout, members, out, start, 1.0)
+        assert torch.equal(out, rows[:, start : start + width])

@@ -96,6 +96,7 @@ ORDER = {
         "fans",
         "orthogonal",
         "layout",
+        "flat_rows",
         "flat",
         "flat_shard",
         "sharded",

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from funcshard._src.shard.flat_rows import pack_flat_rows, row_order, write_scaled
 from funcshard._src.shard.layout import FlatLayout as FlatLayout
 from funcshard._src.shard.layout import Slot as Slot
 from funcshard._src.shard.layout import layouts as layouts
@@ -39,7 +40,6 @@ from funcshard._src.shard.layout import piece_indices as piece_indices
 from funcshard._src.shard.layout import pieces as pieces
 from funcshard._src.shard.layout import whole_chunk as whole_chunk
 from funcshard._src.spec.flat_sharding import FlatSharding
-from funcshard._src.spec.mesh import Mesh
 from funcshard._src.spec.named_sharding import NamedSharding
 
 
@@ -205,7 +205,7 @@ def pack_into(
         if order is None:
             _pack_flat(layout, leaves, out.view(-1), scale)
         else:
-            _pack_flat_rows(layout, leaves, out.view(len(order), -1), order, scale)
+            pack_flat_rows(layout, leaves, out.view(len(order), -1), order, scale)
         return
     geos = geometry(layout, axes)
     if out.shape[0] == 1 and all(
@@ -213,7 +213,7 @@ def pack_into(
     ):  # a row is the leaves as they are
         row = out.view(-1)
         for geo, leaf in zip(geos, leaves):
-            _write(row[geo.start : geo.stop], leaf, scale)
+            write_scaled(row[geo.start : geo.stop], leaf, scale)
         return
     for geo, leaf in zip(geos, leaves):
         target = geo.grid(out)
@@ -238,72 +238,8 @@ def _pack_flat(
     end = 0
     for slot, leaf in zip(layout.slots, leaves):
         end = slot.offset + slot.numel
-        _write(row[slot.offset : end], leaf, scale)
+        write_scaled(row[slot.offset : end], leaf, scale)
     row[end:].zero_()  # the concatenation's end padding
-
-
-def row_order(mesh: Mesh, axes: Sequence[str], /) -> tuple[int, ...] | None:
-    """Where each row of a buffer row-major over ``axes`` in mesh order goes when row-major over ``axes`` as given.
-
-    ``None`` where the two orders are the same.
-
-    Example:
-        >>> row_order(Mesh({"node": 2, "local": 3}), ("local", "node"))
-        (0, 2, 4, 1, 3, 5)
-    """
-    ordered = [a for a in mesh.axis_names if a in axes]
-    if ordered == list(axes):
-        return None
-    sizes = {a: mesh.axis_size(a) for a in axes}
-    out: list[int] = []
-    for r in range(math.prod(sizes.values())):
-        coords: dict[str, int] = {}
-        for a in reversed(ordered):  # the row's coordinate on each axis, mesh order
-            r, coords[a] = divmod(r, sizes[a])
-        target = 0
-        for a in axes:
-            target = target * sizes[a] + coords[a]
-        out.append(target)
-    return tuple(out)
-
-
-def _pack_flat_rows(
-    layout: FlatLayout,
-    leaves: Sequence[torch.Tensor | None],
-    out: torch.Tensor,
-    order: Sequence[int],
-    scale: float,
-) -> None:
-    """The flat layout's rows (mesh order) written to ``out`` ``(group_size, numel)`` at rows ``order``; mutates ``out``.
-
-    A leaf that spans several rows is written piece by piece, so no buffer in mesh
-    order is needed.
-    """
-    n = out.shape[1]
-    ranges: list[tuple[int, int, torch.Tensor | None]] = [
-        (slot.offset, slot.offset + slot.numel, None if leaf is None else leaf.reshape(-1))
-        for slot, leaf in zip(layout.slots, leaves)
-    ]
-    end = ranges[-1][1] if ranges else 0
-    ranges.append((end, len(order) * n, None))  # the concatenation's end padding: zeros
-    for a, b, flat in ranges:
-        at = a
-        while at < b:
-            row, col = divmod(at, n)
-            stop = min(b, (row + 1) * n)
-            source = None if flat is None else flat[at - a : stop - a]
-            _write(out[order[row], col : col + stop - at], source, scale)
-            at = stop
-
-
-def _write(target: torch.Tensor, leaf: torch.Tensor | None, scale: float) -> None:
-    """``leaf * scale`` into the contiguous range ``target`` (zeros for ``None``); mutates ``target``."""
-    if leaf is None:
-        target.zero_()
-    elif scale == 1.0:
-        target.view_as(leaf).copy_(leaf)
-    else:
-        torch.mul(leaf, scale, out=target.view_as(leaf))
 
 
 @dataclass(frozen=True)
