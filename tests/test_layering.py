@@ -119,6 +119,7 @@ ORDER = {
         "gather_group",
         "bucket",
         "partial_gradient",
+        "chunks",
         "reduce",
         "call_record",
         "local_calls",

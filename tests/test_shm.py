@@ -49,6 +49,7 @@ def _many_in_flight(
     arena = shm.arena(group)
     assert arena is not None, "ranks of one host share memory"
     w, me = arena.w, arena.me
+    before = len(arena.regions)  # the worker's earlier tests may have left some
     gen = torch.Generator().manual_seed(bound.rank)
     wrong: list[str] = []
     held: list[int] = []
@@ -86,7 +87,7 @@ def _many_in_flight(
         dist.all_gather(everyone, buf, group=group)
         if not all(torch.equal(everyone[0], b) for b in everyone):
             wrong.append(f"all-reduce differs between ranks, round {it}")
-        held.append(len(arena.regions))
+        held.append(len(arena.regions) - before)
     peers = [view.data_ptr() for _, view in arena.peer_maps.values()]
     return {"wrong": wrong, "regions": held, "peer_resident": _resident_bytes(peers)}
 

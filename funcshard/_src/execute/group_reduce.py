@@ -124,6 +124,18 @@ class ReducingGroup:
         # the reductions that hold packed gradients (MAX_PENDING in reduce.py)
         return Reduction(((layout, 0, layout.numel),), stage, (), unit.name, None, packed=False)
 
+    def reduce_columns(
+        self, unit: UnitRuntime, rows: torch.Tensor, out: torch.Tensor, /, *, first: bool
+    ) -> Pending:
+        """Starts reducing one range of columns of a reduction in chunks into ``out``.
+
+        See [Note: reductions in chunks] in ``chunks.py``; the trace logs the unit's
+        reduction at its ``first`` range.
+        """
+        if first:
+            self.memory.log("reduce", unit.name)
+        return self._reduce_scatter(unit, rows, self.axes, out=out)
+
     def _reduce_scatter(
         self,
         unit: UnitRuntime,

@@ -23,6 +23,7 @@ from funcshard._src import tree
 from funcshard._src.comm import inputs
 from funcshard._src.comm.pending import Pending
 from funcshard._src.execute.buffers import BufferPool
+from funcshard._src.execute.chunks import chunk_columns, reduce_in_chunks
 from funcshard._src.execute.gather_group import GatherGroup
 from funcshard._src.execute.part import Part
 from funcshard._src.execute.partial_gradient import PartialGradient
@@ -51,8 +52,10 @@ class Reducer:
         spares: dict[FlatLayout, torch.Tensor],
         pool: BufferPool | None = None,
         hold_leaves: bool = False,
+        chunk_bytes: int = 0,
     ) -> None:
         self.world_size = world_size
+        self.chunk_bytes = chunk_bytes  # see [Note: reductions in chunks] in chunks.py
         # one micro-batch: a part that needs no communication keeps its gradients as
         # autograd made them, see [Note: gradients held as leaves] in shard/flat_shard.py
         self.hold_leaves = hold_leaves
@@ -256,6 +259,29 @@ class Reducer:
         spare = None if defer or unit.two_hop else self.spares.pop(layout, None)
         if spare is not None and spare.dtype != part.grad_dtype:
             spare = None
+        columns = chunk_columns(unit, part, self.chunk_bytes, defer=defer)
+        if columns:  # [Note: reductions in chunks] in chunks.py
+            while self.pending:  # the ranges reuse the regions these hold
+                self._finish_oldest()
+            kept = self.deferred.pop(layout, None)
+            dtype = part.grad_dtype
+            leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
+            pool = group.pool  # as the root's whole rows: not kept for the next step
+            reduced = reduce_in_chunks(
+                group,
+                unit,
+                part,
+                leaves,
+                kept,
+                pool,
+                out=spare,
+                columns=columns,
+                world_size=self.world_size,
+            )
+            if kept is not None:
+                self.pool.give(kept)
+            self._add(layout, reduced)
+            return
         shared = None
         if spare is not None and unit.group_size == 1:
             rows = spare.view(1, -1)  # no_shard: reduced in place, this becomes the gradient
@@ -336,12 +362,15 @@ class Reducer:
                 self._across(layout)
             return
         for layout, a, b in reduction.pieces:
-            out = reduced if (a, b) == (0, reduced.numel()) else reduced[a:b]
-            out = out if out.dtype == layout.dtype else out.to(layout.dtype)
-            if layout in self.grads:
-                self.grads[layout].add_(out)
-            else:
-                self.grads[layout] = out
+            self._add(layout, reduced if (a, b) == (0, reduced.numel()) else reduced[a:b])
+
+    def _add(self, layout: FlatLayout, reduced: torch.Tensor, /) -> None:
+        """Adds a reduced gradient of ``layout`` into :attr:`grads`; the first becomes it; mutates."""
+        out = reduced if reduced.dtype == layout.dtype else reduced.to(layout.dtype)
+        if layout in self.grads:
+            self.grads[layout].add_(out)
+        else:
+            self.grads[layout] = out
 
 
 def _held(

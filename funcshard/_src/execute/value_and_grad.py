@@ -13,6 +13,7 @@ from funcshard._src.comm import groups
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute.bucket import default_bucket_bytes, make_groups
 from funcshard._src.execute.buffers import BufferPool
+from funcshard._src.execute.chunks import chunk_bytes_for
 from funcshard._src.execute.desync import (
     check_end,
     check_start,
@@ -248,6 +249,7 @@ class Step:
             spares=self._take_donated(),
             pool=self.reduce_pool,
             hold_leaves=len(batches) == 1,
+            chunk_bytes=chunk_bytes_for(self._runtimes()),
         )
         losses: list[torch.Tensor] = []
         auxes: list[Any] = []
