@@ -117,8 +117,8 @@ class UnitRuntime:
         # reduce-scatter: the replica axes, none where there is one replica
         self.all_reduce_axes = self.replica_axes if self.replica_size > 1 else ()
         self.partial = PartialCopy(unit, bound, memory)
-        # [Note: two-hop reductions] in partial_gradient.py: a copy kept for the step is reduced into
-        # over the last axis each micro-batch, and over the other axes once per step
+        # [Note: two-hop reductions] in partial_gradient.py: a unit that keeps its copy for
+        # the step reduces over the last axis each micro-batch, over the others once a step
         copy = self.partial
         self.two_hop = copy.for_step and copy.rows > 1 and copy.regather_size > 1
         # [Note: quantized collectives] in plan/quantize.py: the block and format of
