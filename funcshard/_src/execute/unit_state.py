@@ -62,6 +62,7 @@ from funcshard._src.plan.quantize import Format, Quantized
 from funcshard._src.plan.strategy import (
     LEAF_GATHERS,
     keeps_for_step,
+    reduces_in_two_hops,
     reshards_after_forward,
     shard_axes,
 )
@@ -119,8 +120,7 @@ class UnitRuntime:
         self.partial = PartialCopy(unit, bound, memory)
         # [Note: two-hop reductions] in partial_gradient.py: a unit that keeps its copy for
         # the step reduces over the last axis each micro-batch, over the others once a step
-        copy = self.partial
-        self.two_hop = copy.for_step and copy.rows > 1 and copy.regather_size > 1
+        self.two_hop = reduces_in_two_hops(unit.strategy, bound.mesh, is_root=unit.is_root)
         # [Note: quantized collectives] in plan/quantize.py: the block and format of
         # quantized gathers from shards (floating parts) and of reductions (block 0: exact)
         q = quantize if self.group_size > 1 else None

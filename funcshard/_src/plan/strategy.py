@@ -199,6 +199,27 @@ def partial_copy_lifetime(
     return lifetime
 
 
+def reduces_in_two_hops(strategy: Strategy, mesh: Mesh, /, *, is_root: bool = False) -> bool:
+    """Whether a unit of ``strategy`` on ``mesh`` reduces its gradients in two hops.
+
+    Over the last axis each reduction, then over the others once a step: a unit that
+    keeps its partial copy for the step where the copy is neither the shard nor the
+    whole unit. The executor and the cost model both ask here; see [Note: two-hop
+    reductions] in ``execute/partial_gradient.py``.
+
+    Example:
+        >>> reduces_in_two_hops("hybrid_shard_optimizer", Mesh({"node": 2, "local": 4}))
+        True
+        >>> reduces_in_two_hops("hybrid_shard_optimizer", Mesh({"node": 2, "local": 1}))
+        False
+    """
+    regather, _ = partial_axes(strategy, mesh)
+    return (
+        partial_copy_lifetime(strategy, mesh, is_root=is_root) == "step"
+        and math.prod(mesh.axis_size(a) for a in regather) > 1
+    )
+
+
 def shard_axes(strategy: Strategy, mesh: Mesh, /) -> tuple[str, ...]:
     """The mesh axes that ``strategy`` may shard a leaf over, major first.
 

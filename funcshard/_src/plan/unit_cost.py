@@ -33,6 +33,7 @@ from funcshard._src.plan.strategy import (
     keeps_for_step,
     partial_axes,
     partial_copy_lifetime,
+    reduces_in_two_hops,
     reshards_after_forward,
     shard_axes,
 )
@@ -102,7 +103,7 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     partial = lifetime is not None
     # [Note: two-hop reductions] in execute/partial_gradient.py: over the last axis each reduction,
     # into a partial gradient, and over the others once a step
-    two_hop = lifetime == "step" and regather > 1 and copy_rows > 1
+    two_hop = reduces_in_two_hops(unit.strategy, mesh, is_root=unit.is_root)
     from_shards = gathers_from_shards(unit, model) if partial else gathers
     copies = STATE_COPIES[model.optimizer]
     params = frozen = grads = optimizer = master = gathered = unreduced = deferred = 0
