@@ -141,8 +141,7 @@ class Reducer:
         """Starts the second hop of ``layout``'s partial gradient ([Note: two-hop reductions]); mutates."""
         p = self.partial_sums.pop(layout)
         sums = p.sums if p.sums.dtype == p.part.grad_dtype else p.sums.to(p.part.grad_dtype)
-        out = self.spares.pop(layout, None)
-        out = out if out is not None and out.dtype == p.part.grad_dtype else None
+        out = self._spare(layout, p.part.grad_dtype)
         reduction = p.group.reduce_across(p.unit, p.part, sums, out=out)
         reduction.partial_bytes = p.sums.numel() * p.sums.element_size()
         self.pending.append((p.group, reduction))
@@ -256,9 +255,7 @@ class Reducer:
             # a unit called twice in one step: add this call's gradients to a buffer
             self.grads[layout] = concatenate_leaves(layout, earlier)
         # a two-hop unit's donated buffer receives its second hop ([Note: two-hop reductions])
-        spare = None if defer or unit.two_hop else self.spares.pop(layout, None)
-        if spare is not None and spare.dtype != part.grad_dtype:
-            spare = None
+        spare = None if defer or unit.two_hop else self._spare(layout, part.grad_dtype)
         columns = chunk_columns(unit, part, self.chunk_bytes, defer=defer)
         if columns:  # [Note: reductions in chunks] in chunks.py
             while self.pending:  # the ranges reuse the regions these hold
@@ -335,6 +332,11 @@ class Reducer:
         reduction = group.reduce(unit, part, rows, packed, out=spare, keep_rows=keep)
         reduction.then_across = reduction.first_hop and final
         self.pending.append((group, reduction))
+
+    def _spare(self, layout: FlatLayout, dtype: torch.dtype, /) -> torch.Tensor | None:
+        """The buffer the last call donated for ``layout``, if it holds ``dtype``; mutates (taken)."""
+        spare = self.spares.pop(layout, None)
+        return spare if spare is not None and spare.dtype == dtype else None
 
     def _staged(self) -> int:
         """Reductions in flight that hold packed gradients beside their result."""

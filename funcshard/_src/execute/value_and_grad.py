@@ -90,6 +90,7 @@ class Step:
         self._layouts = plan_layouts(plan)
         self._units: list[UnitRuntime] | None = None
         self._groups: list[GatherGroup] = []  # every unit's, made with the units
+        self._chunk_bytes = 0  # [Note: reductions in chunks] in chunks.py, made with the units
         self._last: list[FlatShard] = []  # the gradients last returned, with donate_grads
         # the call order of the last step, which forward prefetches follow; none before the
         # first (the plan's tree order is a guess, wrong for {"embed", "blocks", "head"}
@@ -231,6 +232,7 @@ class Step:
                 default_bucket_bytes(backend) if self.bucket_bytes is None else self.bucket_bytes
             )
             self._groups = make_groups(self._units, limit, self.gather_pool, self.reduce_pool)
+            self._chunk_bytes = chunk_bytes_for(self._units)
         return self._units
 
     def _run(
@@ -249,7 +251,7 @@ class Step:
             spares=self._take_donated(),
             pool=self.reduce_pool,
             hold_leaves=len(batches) == 1,
-            chunk_bytes=chunk_bytes_for(self._runtimes()),
+            chunk_bytes=self._chunk_bytes,
         )
         losses: list[torch.Tensor] = []
         auxes: list[Any] = []
