@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.nn.functional as F
@@ -131,15 +131,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument(
         "--strategy",
         default="full_shard",
-        choices=[
-            "full_shard",
-            "shard_grad_op",
-            "shard_optimizer",
-            "no_shard",
-            "hybrid_shard",
-            "partial_reshard",
-            "hybrid_shard_optimizer",
-        ],
+        choices=get_args(fs.sharding.Strategy),
     )
     parser.add_argument(
         "--bf16", action="store_true", help="gather and compute in bfloat16, reduce in float32"
