@@ -231,13 +231,13 @@ def test_clipping_and_the_finiteness_check_read_held_leaves_without_concatenatin
 
 def test_a_gradient_given_for_two_leaves_is_held_once_per_leaf():
     """Clipping scales held leaves in place: one tensor for two leaves would be scaled twice."""
-    from funcshard._src.execute.reduce import _held
+    from funcshard._src.shard.flat_shard import held_leaves
 
     _, _, sparams = _setup()
     layout = sparams["blocks"][0]["norm"]["bias"].flat.layout
     g = torch.ones(layout.slots[0].shape)
     same = [g if s.shape == g.shape else torch.zeros(s.shape) for s in layout.slots]
-    held = _held(layout, same, torch.device("cpu"))
+    held = held_leaves(layout, same, torch.device("cpu"))
     assert len({id(t) for t in held}) == len(held)
     assert held[0] is g  # the first use keeps autograd's tensor
 

@@ -254,3 +254,50 @@ def _socket_all_reduce_into_out(monkeypatch_env: str) -> list[float]:
 def test_an_all_reduce_on_sockets_gives_its_sum_to_out_too(pools):
     for r in pools.run(2, _socket_all_reduce_into_out, "0"):
         assert r == [3.0, 3.0]
+
+
+def _own_row_apart(mesh: dict[str, int], axes: tuple[str, ...]) -> dict[str, Any]:
+    """A reduce-scatter whose own row is made when summed ([Note: the own row from the leaves])."""
+    bound = groups.bind(fs.Mesh(mesh))
+    group = bound.group(axes)
+    assert group is not None
+    collectives.all_gather(torch.ones(4), bound, axes).wait()  # the group shares memory now
+    arena = regions.existing(group)
+    assert arena is not None
+    w, n, me = arena.w, 301, arena.me
+    gen = torch.Generator().manual_seed(bound.rank)
+    wrong = []
+    for it in range(3):
+        grads = torch.randn(w, n, generator=gen)
+        rows = inputs.reduce_scatter_input(bound, axes, n, torch.float32)
+        assert rows is not None
+        rows.copy_(grads * 0.5)
+        whole = collectives.reduce_scatter(rows, bound, axes).wait().clone()
+        rows = inputs.reduce_scatter_input(bound, axes, n, torch.float32)
+        assert rows is not None
+        rows.fill_(float("nan"))
+        rows[[r for r in range(w) if r != me]] = grads[[r for r in range(w) if r != me]] * 0.5
+
+        def own(out: torch.Tensor, base: torch.Tensor | None, row=grads[me]) -> None:
+            if base is None:
+                torch.mul(row, 0.5, out=out)
+            else:
+                torch.add(base, row, alpha=0.5, out=out)
+
+        apart = collectives.reduce_scatter(rows, bound, axes, own=own).wait()
+        if not torch.equal(apart, whole):
+            wrong.append(f"round {it}")
+    try:
+        collectives.reduce_scatter(torch.zeros(w, n), bound, axes, own=own).wait()
+        wrong.append("own with rows outside a region was accepted")
+    except ValueError as e:
+        if "reduce_scatter_input" not in str(e):
+            wrong.append(f"unclear error: {e}")
+    return {"wrong": wrong}
+
+
+@pytest.mark.parametrize("name", ["world2", "world4"])
+def test_a_reduce_scatter_with_its_own_row_apart_gives_the_same_bits(pools, name):
+    mesh, axes = MESHES[name]
+    for rank, r in enumerate(pools.run(fs.Mesh(mesh).size, _own_row_apart, mesh, axes)):
+        assert r["wrong"] == [], f"rank {rank}: {r['wrong']}"

@@ -172,6 +172,7 @@ def reduce_scatter(
     ledger: Ledger | None = None,
     tag: str = "",
     algorithm: Algorithm | None = None,
+    own: shm.OwnTerm | None = None,
 ) -> Pending:
     """Sums ``rows`` ``(group_size, numel)`` over the group; group rank ``i`` gets row ``i``'s sum.
 
@@ -187,14 +188,20 @@ def reduce_scatter(
         tag: the unit, for errors.
         algorithm: see ``reduce_scatter.py``; ``None`` is ``FUNCSHARD_REDUCE_SCATTER``, else ``"auto"``.
             Every rank must use the same. Anything but gloo always runs ``"native"``.
+        own: makes this rank's row when summed, which ``rows`` then need not hold:
+            ``rows`` from ``inputs.reduce_scatter_input`` only ([Note: the own row
+            from the leaves] in ``shard/own_row.py``).
 
     Raises:
         CollectiveError: the collective could not start.
-        ValueError: ``algorithm`` is unknown.
+        ValueError: ``algorithm`` is unknown, or ``own`` is given where the
+            collective does not run through shared memory.
     """
     size = group_size(bound, axes)
     group = bound.group(axes)
     if group is None:
+        if own is not None:
+            raise ValueError("a reduce-scatter with its own row apart runs through shared memory")
         result = rows.view(-1) if out is None else out.copy_(rows.view(-1))
         return Pending(result)
     if out is None:
@@ -205,11 +212,23 @@ def reduce_scatter(
     requested = _rs.default_algorithm() if algorithm is None else algorithm
     chosen = _rs.resolve(requested, backend, size, nbytes)
     gloo = backend == "gloo"
+    if own is not None:
+        arena = shm.existing(group) if gloo and chosen == "shm" else None
+        if arena is None or arena.owner(rows) is None:
+            raise ValueError(
+                "a reduce-scatter with its own row apart needs rows from "
+                "inputs.reduce_scatter_input, sent through shared memory"
+            )
 
     def call() -> Any:  # nccl: the backend's own, exactly as before
         if gloo:
             return _rs.start(
-                chosen, rows, target, group, fallback_to=_rs.fallback(requested, size, nbytes)
+                chosen,
+                rows,
+                target,
+                group,
+                fallback_to=_rs.fallback(requested, size, nbytes),
+                own=own,
             )
         return _reduce_scatter_single(target, rows.view(-1), group=group, async_op=True)
 

@@ -59,3 +59,9 @@ def _shared(bound: BoundMesh, axes: tuple[str, ...], /) -> shm.Arena | None:
     if group is None or dist.get_backend(group) != "gloo":
         return None
     return shm.existing(group)
+
+
+def group_rank(bound: BoundMesh, axes: tuple[str, ...], /) -> int:
+    """This rank's index in the group over ``axes``: the row of a reduce-scatter's input it gets the sum of."""
+    group = bound.group(axes)
+    return 0 if group is None else dist.get_group_rank(group, dist.get_rank())

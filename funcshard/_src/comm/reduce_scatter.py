@@ -139,6 +139,7 @@ def start(
     *,
     pieces: int | None = None,
     fallback_to: Algorithm = "all_reduce",
+    own: shm.OwnTerm | None = None,
 ) -> Any:
     """Starts a reduce-scatter of ``rows`` ``(W, n)`` into ``out`` ``(n,)``; may overwrite ``rows``.
 
@@ -149,13 +150,22 @@ def start(
     ``"ring_pipelined"`` cuts a row into. ``"shm"`` is collective the first time
     it runs on ``group`` (``shm.arena``); where the group's ranks cannot share
     memory it runs ``fallback_to`` (:func:`fallback`), the same on every rank.
+    ``own`` makes this rank's own row when summed (``shm.reduce_scatter``): shared
+    memory only, with ``rows`` from ``shm.input_rows``.
+
+    Raises:
+        ValueError: ``own`` is given and the collective does not go through shared memory.
     """
     me = dist.get_group_rank(group, dist.get_rank())
     if algorithm == "shm":
         arena = shm.arena(group)
         if arena is not None:
-            return shm.reduce_scatter(arena, rows, out)
+            return shm.reduce_scatter(arena, rows, out, own=own)
         algorithm = fallback_to
+    if own is not None:
+        raise ValueError(
+            f"a reduce-scatter with its own row apart runs through shared memory, not {algorithm!r}"
+        )
     if algorithm == "native":
         return _Native(reduce_scatter_single(out, rows.view(-1), group=group, async_op=True))
     if algorithm == "all_reduce":

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -69,6 +69,7 @@ __all__ = [
     "MIN_BYTES",
     "Arena",
     "Exchange",
+    "OwnTerm",
     "all_gather",
     "all_gather_pieces",
     "all_reduce",
@@ -78,6 +79,12 @@ __all__ = [
     "input_rows",
     "reduce_scatter",
 ]
+
+
+class OwnTerm(Protocol):
+    """This rank's own row of a reduce-scatter, made when summed: ``out = base + row`` (``row`` for ``None``)."""
+
+    def __call__(self, out: torch.Tensor, base: torch.Tensor | None, /) -> None: ...
 
 
 class Exchange:
@@ -180,25 +187,37 @@ def all_gather_pieces(
     return op
 
 
-def reduce_scatter(a: Arena, rows: torch.Tensor, out: torch.Tensor, /) -> Exchange:
+def reduce_scatter(
+    a: Arena, rows: torch.Tensor, out: torch.Tensor, /, *, own: OwnTerm | None = None
+) -> Exchange:
     """Starts summing ``rows`` ``(W, n)`` over the group into ``out`` ``(n,)``: group rank ``i`` gets row ``i``'s sum.
 
     This rank publishes every row but its own (a copy), or, where ``rows`` is a
     region held for it (:func:`input_rows`), all of them as they are; it sums its
-    peers' copies of its row and its own in group-rank order.
+    peers' copies of its row and its own in group-rank order. With ``own``,
+    ``rows`` must be such a region, its own row is never read, and ``own``
+    supplies that term when the sum is made (``shard/own_row.py``).
+
+    Raises:
+        ValueError: ``own`` is given and ``rows`` is not a region held for it.
     """
     me, w = a.me, a.w
     whole = a.owner(rows) is not None
+    if own is not None and not whole:
+        raise ValueError("a reduce-scatter with its own row apart needs rows from input_rows")
     parts = [rows] if whole else [p for p in (rows[:me], rows[me + 1 :]) if p.numel()]
 
     def finish(views: list[torch.Tensor | None], layouts: list[int]) -> None:
         terms = [
-            rows[me]
+            None
             if v is None
             else (v.view(w, -1)[me] if layouts[r] else v.view(w - 1, -1)[me if me < r else me - 1])
             for r, v in enumerate(views)
         ]
-        _sum_in_order(terms, out)
+        if own is not None:
+            _sum_with_own(terms, me, own, out)
+            return
+        _sum_in_order([rows[me] if t is None else t for t in terms], out)
 
     return Exchange(
         a,
@@ -224,6 +243,26 @@ def _sum_in_order(terms: Sequence[torch.Tensor], out: torch.Tensor, /) -> None:
     """``out = terms[0] + terms[1] + ...``, left to right: the same bits on every rank; mutates ``out``."""
     torch.add(terms[0], terms[1], out=out)
     for t in terms[2:]:
+        out.add_(t)
+
+
+def _sum_with_own(
+    terms: Sequence[torch.Tensor | None], me: int, own: OwnTerm, out: torch.Tensor, /
+) -> None:
+    """:func:`_sum_in_order` where ``own`` makes term ``me``: the same additions, the same bits; mutates ``out``.
+
+    The first addition is commutative, so where ``me`` is 0 or 1 ``own`` adds its
+    row to the other of the first two terms in one pass.
+    """
+    rest = [t for t in terms if t is not None]
+    if me <= 1:
+        own(out, rest[0])
+        for t in rest[1:]:
+            out.add_(t)
+        return
+    _sum_in_order(rest[:me], out)
+    own(out, out)
+    for t in rest[me:]:
         out.add_(t)
 
 

@@ -31,9 +31,9 @@ from funcshard._src.comm import inputs
 from funcshard._src.comm.arena import LARGE_BYTES
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.gather_group import GatherGroup
+from funcshard._src.execute.pack import pack_rows
 from funcshard._src.execute.part import Part
 from funcshard._src.execute.unit_state import UnitRuntime
-from funcshard._src.shard.flat_rows import pack_flat_columns
 
 
 def _input_bytes(unit: UnitRuntime, part: Part, /) -> int:
@@ -105,10 +105,14 @@ def reduce_in_chunks(
         if rows is None:  # no shared memory: a buffer of the pool's
             staged = rows = pool.take(g * width, dtype, device).view(g, width)
         scale = 1.0 / world_size if kept is None else 1.0
-        pack_flat_columns(layout, leaves, rows, start, scale)
+        shared = staged is None and kept is None
+        own = pack_rows(
+            unit, layout, leaves, rows, unit.axes, scale=scale, shared=shared, start=start
+        )
         if kept is not None:
             rows.add_(kept[:, start : start + width]).div_(world_size)
-        group.reduce_columns(unit, rows, result[start : start + width], first=start == 0).wait()
+        into = result[start : start + width]
+        group.reduce_columns(unit, rows, into, first=start == 0, own=own).wait()
         if staged is not None:
             pool.give(staged)
     return result

@@ -21,6 +21,7 @@ from funcshard._src.execute.packed import Columns, Round
 from funcshard._src.execute.part import Part
 from funcshard._src.execute.reduction import Reduction
 from funcshard._src.execute.unit_state import UnitRuntime
+from funcshard._src.shard.own_row import OwnRow
 
 
 class ReducingGroup:
@@ -63,13 +64,16 @@ class ReducingGroup:
         *,
         out: torch.Tensor | None,
         keep_rows: bool,
+        own: OwnRow | None = None,
     ) -> Reduction:
         """Starts reducing one part of a group of one, packed in ``packed`` (``rows``, or shared memory).
 
         ``no_shard``: all-reduces ``packed`` into ``rows``, which become the gradient.
         Otherwise reduce-scatters ``rows`` (into ``out`` where given), and then, for
         ``hybrid_shard``, :meth:`wait` all-reduces across replicas. With ``keep_rows``
-        the rows go back to the reduce pool once reduced.
+        the rows go back to the reduce pool once reduced. With ``own``, ``rows``
+        (shared memory) lack this rank's row, which ``own`` adds when summed
+        ([Note: the own row from the leaves] in ``shard/own_row.py``).
         """
         layout = part.layout
         replica = self.all_reduce_axes
@@ -92,7 +96,7 @@ class ReducingGroup:
             then = ()
             staging = rows if keep_rows else None
         else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter
-            stage = self._reduce_scatter(unit, rows, self.axes, out=out)
+            stage = self._reduce_scatter(unit, rows, self.axes, out=out, own=own)
             then = replica
             staging = rows if keep_rows else None
         self.memory.log("reduce", unit.name)
@@ -125,7 +129,14 @@ class ReducingGroup:
         return Reduction(((layout, 0, layout.numel),), stage, (), unit.name, None, packed=False)
 
     def reduce_columns(
-        self, unit: UnitRuntime, rows: torch.Tensor, out: torch.Tensor, /, *, first: bool
+        self,
+        unit: UnitRuntime,
+        rows: torch.Tensor,
+        out: torch.Tensor,
+        /,
+        *,
+        first: bool,
+        own: OwnRow | None = None,
     ) -> Pending:
         """Starts reducing one range of columns of a reduction in chunks into ``out``.
 
@@ -134,7 +145,7 @@ class ReducingGroup:
         """
         if first:
             self.memory.log("reduce", unit.name)
-        return self._reduce_scatter(unit, rows, self.axes, out=out)
+        return self._reduce_scatter(unit, rows, self.axes, out=out, own=own)
 
     def _reduce_scatter(
         self,
@@ -144,6 +155,7 @@ class ReducingGroup:
         /,
         *,
         out: torch.Tensor | None,
+        own: OwnRow | None = None,
     ) -> Pending:
         """Starts a reduce-scatter of ``rows`` over ``axes``, quantized where the unit's gradients are."""
         if unit.grad_format:  # [Note: quantized collectives] in plan/quantize.py
@@ -158,7 +170,7 @@ class ReducingGroup:
                 tag=unit.name,
             )
         return collectives.reduce_scatter(
-            rows, self.bound, axes, out=out, ledger=self.ledger, tag=unit.name
+            rows, self.bound, axes, out=out, ledger=self.ledger, tag=unit.name, own=own
         )
 
     def columns(

@@ -25,12 +25,13 @@ from funcshard._src.comm.pending import Pending
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.chunks import chunk_columns, reduce_in_chunks
 from funcshard._src.execute.gather_group import GatherGroup
+from funcshard._src.execute.pack import pack_rows
 from funcshard._src.execute.part import Part
 from funcshard._src.execute.partial_gradient import PartialGradient
 from funcshard._src.execute.reduction import Reduction
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
-from funcshard._src.shard.flat_shard import FlatShard, concatenate_leaves
+from funcshard._src.shard.flat_shard import FlatShard, concatenate_leaves, held_leaves
 from funcshard._src.shard.sharded import ShardedTensor
 
 # reductions in flight that hold packed gradients (a staging buffer) when the next unit's
@@ -250,7 +251,7 @@ class Reducer:
         ):
             earlier = self.held.pop(layout, None)
             if earlier is None:
-                self.held[layout] = _held(layout, mine, device)
+                self.held[layout] = held_leaves(layout, mine, device)
                 return
             # a unit called twice in one step: add this call's gradients to a buffer
             self.grads[layout] = concatenate_leaves(layout, earlier)
@@ -317,7 +318,10 @@ class Reducer:
         leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
         # a two-hop unit's rows come last axis major ([Note: two-hop reductions])
         order = unit.partial.order if unit.two_hop else unit.axes
-        pack_into(layout, leaves, packed, order, scale=1.0 / self.world_size if direct else 1.0)
+        scale = 1.0 / self.world_size if direct else 1.0
+        own = pack_rows(
+            unit, layout, leaves, packed, order, scale=scale, shared=direct and shared is not None
+        )
         if kept is not None:
             packed.add_(kept)
             self.pool.give(kept)
@@ -329,7 +333,7 @@ class Reducer:
         # over one rank, rows is the result; the root's rows are not kept for the next
         # step; shared rows belong to the group's regions
         keep = unit.group_size > 1 and not unit.unit.is_root and shared is None
-        reduction = group.reduce(unit, part, rows, packed, out=spare, keep_rows=keep)
+        reduction = group.reduce(unit, part, rows, packed, out=spare, keep_rows=keep, own=own)
         reduction.then_across = reduction.first_hop and final
         self.pending.append((group, reduction))
 
@@ -373,27 +377,3 @@ class Reducer:
             self.grads[layout].add_(out)
         else:
             self.grads[layout] = out
-
-
-def _held(
-    layout: FlatLayout, grads: Sequence[torch.Tensor | None], device: torch.device, /
-) -> tuple[torch.Tensor, ...]:
-    """A one-rank part's gradients as its leaves: autograd's tensors where they are whole and their own.
-
-    A view (of some other tensor autograd or the caller may hold), a
-    non-contiguous gradient or one given for two leaves (autograd hands ``x + w``'s
-    gradient to both) is copied, so that each leaf's tensor is its own (clipping
-    scales them in place); a missing one is zeros.
-    """
-    out: list[torch.Tensor] = []
-    seen: set[int] = set()
-    for slot, g in zip(layout.slots, grads):
-        if g is None:
-            g = torch.zeros(slot.shape, dtype=layout.dtype, device=device)
-        elif g.dtype != layout.dtype:
-            g = g.to(layout.dtype)
-        elif g._base is not None or not g.is_contiguous() or id(g) in seen:
-            g = g.clone(memory_format=torch.contiguous_format)
-        seen.add(id(g))
-        out.append(g)
-    return tuple(out)

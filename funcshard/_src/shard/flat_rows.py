@@ -90,11 +90,15 @@ def pack_flat_columns(
     start: int,
     scale: float,
     /,
+    *,
+    skip: int | None = None,
 ) -> None:
     """Columns ``[start, start + out.shape[1])`` of the flat layout's rows (mesh order), times ``scale``, into ``out``; mutates ``out``.
 
     ``out`` is ``(rows, width)`` for a layout of ``numel`` elements a row; a
-    ``None`` leaf and the end padding are written as zeros.
+    ``None`` leaf and the end padding are written as zeros. Row ``skip`` is left
+    as it is: a reduce-scatter sums this rank's own row from the leaves
+    (``own_row.py``).
 
     Example:
         >>> from funcshard._src.plan.planner import plan
@@ -110,6 +114,8 @@ def pack_flat_columns(
     rows, width = out.shape
     n = layout.numel
     for row in range(rows):
+        if row == skip:
+            continue
         lo, hi = row * n + start, row * n + start + width  # this row's columns, concatenated
         at = lo
         for slot, leaf in zip(layout.slots, leaves):

@@ -180,3 +180,27 @@ class FlatShard:
 def concatenate_leaves(layout: FlatLayout, leaves: Sequence[torch.Tensor], /) -> torch.Tensor:
     """The flat buffer of ``leaves`` held by :meth:`FlatShard.of_leaves`: the one row a one-rank group packs."""
     return pack_all(layout, leaves).view(-1)
+
+
+def held_leaves(
+    layout: FlatLayout, grads: Sequence[torch.Tensor | None], device: torch.device, /
+) -> tuple[torch.Tensor, ...]:
+    """A one-rank part's gradients as its leaves: autograd's tensors where they are whole and their own.
+
+    A view (of some other tensor autograd or the caller may hold), a
+    non-contiguous gradient or one given for two leaves (autograd hands ``x + w``'s
+    gradient to both) is copied, so that each leaf's tensor is its own (clipping
+    scales them in place); a missing one is zeros.
+    """
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for slot, g in zip(layout.slots, grads):
+        if g is None:
+            g = torch.zeros(slot.shape, dtype=layout.dtype, device=device)
+        elif g.dtype != layout.dtype:
+            g = g.to(layout.dtype)
+        elif g._base is not None or not g.is_contiguous() or id(g) in seen:
+            g = g.clone(memory_format=torch.contiguous_format)
+        seen.add(id(g))
+        out.append(g)
+    return tuple(out)
