@@ -76,6 +76,7 @@ ORDER = {
         "ledger",
         "groups",
         "algorithm",
+        "cross_memory",
         "arena",
         "shm",
         "reduce_scatter",

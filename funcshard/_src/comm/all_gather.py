@@ -160,6 +160,7 @@ def start(
     /,
     *,
     fallback_to: Algorithm = "ring_overlapped",
+    stable: bool = False,
 ) -> Any:
     """Starts gathering every group rank's ``flat`` ``(n,)`` into ``rows`` ``(W, n)``; writes ``rows``.
 
@@ -168,7 +169,8 @@ def start(
 
     ``"shm"`` is collective the first time it runs on ``group`` (``shm.arena``);
     where the group's ranks cannot share memory it runs ``fallback_to``
-    (:func:`fallback`), the same on every rank.
+    (:func:`fallback`), the same on every rank. ``stable``: see
+    ``collectives.all_gather``.
 
     Raises:
         ValueError: ``algorithm`` is not resolved, or a ring's ``rows`` overlaps
@@ -178,7 +180,7 @@ def start(
     if algorithm == "shm":
         arena = shm.arena(group)
         if arena is not None:
-            return shm.all_gather(arena, flat.view(-1), rows)
+            return shm.all_gather(arena, flat.view(-1), rows, stable=stable)
         algorithm = fallback_to
     if algorithm == "native":
         return all_gather_single(rows.view(-1), flat, group=group, async_op=True)

@@ -14,6 +14,7 @@ import mmap
 import os
 import platform
 import secrets
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from funcshard._src.comm import runtime
+from funcshard._src.comm import cross_memory, runtime
 from funcshard._src.comm.algorithm import Timeout, wait_work
 from funcshard._src.comm.channel import all_gather_single
 from funcshard._src.comm.runtime import CollectiveError
@@ -62,6 +63,7 @@ _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 # the region is written, is the order x86's memory model keeps for plain loads and stores
 # (TSO); elsewhere only the descriptors' marks are used.
 _ORDERED_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686"})
+_SETTLE_POLL_S = 50e-6  # Arena.settle: how often a peer's read mark is looked at again
 
 
 def enabled() -> bool:
@@ -75,7 +77,7 @@ def enabled() -> bool:
 
 
 @dataclass(eq=False)
-class _Region:
+class Region:
     """One shared file of this rank: its fd, bytes, the mapping as a tensor, and the last collective that wrote it."""
 
     fd: int
@@ -94,13 +96,17 @@ class Arena:
     me: int
     w: int
     pids: list[int]
-    regions: list[_Region] = field(default_factory=list)
+    regions: list[Region] = field(default_factory=list)
     peer_maps: dict[tuple[int, int], tuple[mmap.mmap, torch.Tensor]] = field(default_factory=dict)
     seq: int = 0  # collectives started on this arena: equal on every rank in step
     unread: set[int] = field(default_factory=set)  # started here, peers' regions not yet read
     marks: list[int] = field(default_factory=list)  # per group rank: its read mark, as last heard
     # per group rank: its probe page, word 1 its read mark as it stands (see [Note: read marks])
     pages: list[torch.Tensor] = field(default_factory=list)
+    # whether peers read stable inputs in place ([Note: shards read in place] in cross_memory.py)
+    readv: bool = False
+    # (sequence number, tensor) published in place, kept until every peer has read it
+    exposed: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         weakref.finalize(self, _release, self.regions, self.marks, self.me)
@@ -121,7 +127,52 @@ class Arena:
             if r != self.me:
                 self.marks[r] = max(self.marks[r], int(page[8:16].view(torch.int64)[0]))
 
-    def region(self, nbytes: int) -> _Region:
+    def _peers_done(self) -> int:
+        """The lowest sequence number some peer has not finished reading, as last heard."""
+        self._heard()
+        return min((m for r, m in enumerate(self.marks) if r != self.me), default=self.seq)
+
+    def expose(self, seq: int, t: torch.Tensor, /) -> None:
+        """Keeps ``t``, published in place by collective ``seq``, until every peer has read it; mutates."""
+        done = self._peers_done()
+        self.exposed = [(q, kept) for q, kept in self.exposed if q >= done]
+        self.exposed.append((seq, t))
+
+    def settle(self) -> None:
+        """Returns once every peer has read what this rank published in place; mutates.
+
+        See [Note: shards read in place] in ``cross_memory.py``: called before an
+        evaluation returns, so that the caller may write its shards. In training the
+        peers are done already; otherwise this waits for a slower peer's last gather.
+
+        Raises:
+            CollectiveError: a peer exited, or has not read within the collective timeout.
+        """
+        deadline: float | None = None
+        while self.exposed:
+            done = self._peers_done()
+            self.exposed = [(q, kept) for q, kept in self.exposed if q >= done]
+            if not self.exposed:
+                return
+            seq = self.exposed[0][0]
+            late = [r for r, m in enumerate(self.marks) if r != self.me and m <= seq]
+            for r in late:
+                if not _alive(self.pids[r]):
+                    raise CollectiveError(
+                        f"group rank {r} (pid {self.pids[r]}) exited before it read this "
+                        f"rank's shard of shared-memory collective {seq}"
+                    )
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + (runtime.collective_timeout() or runtime.DEFAULT_TIMEOUT_S)
+            elif now > deadline:
+                raise CollectiveError(
+                    f"group rank(s) {late} have not read this rank's shard of shared-memory "
+                    f"collective {seq} in time: the ranks are out of step"
+                )
+            time.sleep(_SETTLE_POLL_S)
+
+    def region(self, nbytes: int) -> Region:
         """A region of at least ``nbytes`` that every peer has finished reading; a new one if none is."""
         # free once every peer has read it, and this rank too: an all-reduce reads its own copy
         self._heard()
@@ -149,7 +200,7 @@ class Arena:
         region.last_seq = self.seq  # the next collective's: no other takes it before
         return region.data[:nbytes]
 
-    def owner(self, t: torch.Tensor, /) -> _Region | None:
+    def owner(self, t: torch.Tensor, /) -> Region | None:
         """The region ``t`` starts, held for the next collective (:meth:`reserve`), or ``None``."""
         ptr = t.data_ptr()
         return next(
@@ -189,7 +240,7 @@ _ARENAS: weakref.WeakKeyDictionary[Any, Arena | None] = weakref.WeakKeyDictionar
 _KEPT: list[int] = []  # fds of dropped arenas' regions a peer may not have mapped yet
 
 
-def _release(regions: list[_Region], marks: list[int], me: int) -> None:
+def _release(regions: list[Region], marks: list[int], me: int) -> None:
     """Closes a dropped arena's regions that every peer has read (and so mapped).
 
     A peer maps a region when it first reads it, in its wait, which may come
@@ -202,6 +253,17 @@ def _release(regions: list[_Region], marks: list[int], me: int) -> None:
             os.close(g.fd)
         else:
             _KEPT.append(g.fd)
+
+
+def settle_all() -> None:
+    """:meth:`Arena.settle` for every group's arena on this rank.
+
+    Raises:
+        CollectiveError: as :meth:`Arena.settle`.
+    """
+    for made in list(_ARENAS.values()):
+        if made is not None:
+            made.settle()
 
 
 def existing(group: Any, /) -> Arena | None:
@@ -230,12 +292,17 @@ def _probe(group: Any) -> Arena | None:
     probe = _new_region(PROBE_BYTES)
     try:
         probe.data[:8].view(torch.int64)[0] = nonce
-        mine = torch.tensor([MAGIC, os.getpid(), probe.fd, nonce, 0, 0, 0, 0], dtype=torch.int64)
+        address = probe.data.data_ptr()
+        mine = torch.tensor(
+            [MAGIC, os.getpid(), probe.fd, nonce, address, 0, 0, 0], dtype=torch.int64
+        )
         every = torch.zeros(w * WORDS, dtype=torch.int64)
         timeout = _timeout()
         wait_work(all_gather_single(every, mine, group=group, async_op=True), timeout)
         rows = every.view(w, WORDS).tolist()
         ok = 1
+        shared_marks = platform.machine().lower() in _ORDERED_MACHINES
+        readv = int(shared_marks and cross_memory.offered())
         pages: list[torch.Tensor] = []
         for r, row in enumerate(rows):
             if r == me:
@@ -247,14 +314,15 @@ def _probe(group: Any) -> Arena | None:
                 pages.append(seen)
             except OSError:
                 ok = 0
-        agreed = torch.tensor([ok], dtype=torch.int64)
+            if readv:  # [Note: shards read in place] in cross_memory.py
+                readv &= cross_memory.probe(int(row[1]), int(row[4]), int(row[3]))
+        agreed = torch.tensor([ok, readv], dtype=torch.int64)
         reduced = dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group, async_op=True)
         wait_work(reduced, timeout)
     finally:  # every peer has mapped the probe or failed to once the all-reduce is past
         os.close(probe.fd)
     if not int(agreed[0]):
         return None
-    shared_marks = platform.machine().lower() in _ORDERED_MACHINES
     return Arena(
         group,
         me,
@@ -262,7 +330,18 @@ def _probe(group: Any) -> Arena | None:
         [int(row[1]) for row in rows],
         marks=[0] * w,
         pages=pages if shared_marks else [],
+        readv=bool(int(agreed[1])),
     )
+
+
+def _alive(pid: int, /) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def _timeout() -> Timeout:
@@ -270,7 +349,7 @@ def _timeout() -> Timeout:
     return None if seconds is None else datetime.timedelta(seconds=seconds)
 
 
-def _new_region(nbytes: int) -> _Region:
+def _new_region(nbytes: int) -> Region:
     size = -(-nbytes // _ALIGN) * _ALIGN
     fd = os.memfd_create("funcshard-shm", os.MFD_CLOEXEC)
     try:
@@ -279,7 +358,7 @@ def _new_region(nbytes: int) -> _Region:
     except BaseException:
         os.close(fd)
         raise
-    return _Region(fd, size, mapping, torch.frombuffer(mapping, dtype=torch.uint8))
+    return Region(fd, size, mapping, torch.frombuffer(mapping, dtype=torch.uint8))
 
 
 def _give_back(mapping: mmap.mmap, nbytes: int, advice: int | None) -> None:

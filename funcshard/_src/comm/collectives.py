@@ -51,6 +51,7 @@ def all_gather(
     ledger: Ledger | None = None,
     tag: str = "",
     algorithm: _ag.Algorithm | None = None,
+    stable: bool = False,
 ) -> Pending:
     """Gathers every group member's ``flat`` into ``(group_size, numel)``, row = group rank.
 
@@ -68,6 +69,9 @@ def all_gather(
         algorithm: see ``all_gather.py``; ``None`` is ``FUNCSHARD_ALL_GATHER``, else
             ``"auto"``. Every rank must use the same. Anything but gloo always runs
             ``"native"``.
+        stable: the caller promises that nothing frees or writes ``flat`` until its
+            evaluation ends and :func:`settle` has returned; peers may then read it
+            in place ([Note: shards read in place] in ``cross_memory.py``).
 
     Raises:
         CollectiveError: the collective could not start.
@@ -95,6 +99,7 @@ def all_gather(
                 target.view(size, -1),
                 group,
                 fallback_to=_ag.fallback(requested, size, nbytes),
+                stable=stable,
             )
         return _all_gather_single(target.view(-1), flat, group=group, async_op=True)
 
@@ -115,6 +120,7 @@ def all_gather_pieces(
     *,
     ledger: Ledger | None = None,
     tag: str = "",
+    stable: bool = False,
 ) -> Pending:
     """Gathers pieces of every group member's ``flat``, each into its own rows; writes them.
 
@@ -123,7 +129,7 @@ def all_gather_pieces(
     into its full storage. Through shared memory (``shm.py``) it is one
     collective for all of them; elsewhere one all-gather per piece, with
     ``all_gather.leaf_algorithm()`` on gloo. The ledger counts every piece as
-    an all-gather of its rows.
+    an all-gather of its rows. ``stable``: as for :func:`all_gather`.
 
     Raises:
         CollectiveError: the collective could not start.
@@ -144,7 +150,7 @@ def all_gather_pieces(
     def call() -> Any:
         arena = shm.arena(group) if gloo and chosen == "shm" else None
         if arena is not None:
-            return shm.all_gather_pieces(arena, flat, pieces)
+            return shm.all_gather_pieces(arena, flat, pieces, stable=stable)
         algorithm = chosen if chosen != "shm" else _ag.fallback(requested, size, nbytes)
         each = []
         for lo, rows in pieces:
@@ -160,6 +166,22 @@ def all_gather_pieces(
         for _, rows in pieces:
             ledger.record("all_gather", axes, group_size=size, full_bytes=rows.numel() * itemsize)
     return pending
+
+
+def settle() -> None:
+    """Returns once every peer has read what this rank's gathers published in place.
+
+    Called when an evaluation ends, before its caller may write the shards it
+    gathered ([Note: shards read in place] in ``cross_memory.py``); at once where
+    nothing was.
+
+    Raises:
+        CollectiveError: a peer exited, or has not read within the collective timeout.
+
+    Example:
+        >>> settle()
+    """
+    shm.settle_all()
 
 
 def reduce_scatter(

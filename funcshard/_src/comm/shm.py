@@ -46,10 +46,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from funcshard._src.comm import cross_memory
 from funcshard._src.comm.algorithm import Timeout, wait_work
 from funcshard._src.comm.arena import (
     ENV,
@@ -57,9 +59,11 @@ from funcshard._src.comm.arena import (
     MIN_BYTES,
     WORDS,
     Arena,
+    Region,
     arena,
     enabled,
     existing,
+    settle_all,
 )
 from funcshard._src.comm.channel import all_gather_single
 from funcshard._src.comm.runtime import CollectiveError
@@ -78,7 +82,35 @@ __all__ = [
     "existing",
     "input_rows",
     "reduce_scatter",
+    "settle_all",
 ]
+
+
+READ_IN_PLACE = 2  # a descriptor's layout word: its fd word is the address of a stable input
+
+
+@dataclass(frozen=True)
+class Remote:
+    """A peer's input published in place: ``nbytes`` at ``address`` in process ``pid``."""
+
+    pid: int
+    address: int
+    nbytes: int
+
+    def read(self, targets: list[tuple[int, torch.Tensor]], /) -> None:
+        """Copies the bytes at each ``offset`` into its ``target``; mutates the targets.
+
+        Raises:
+            CollectiveError: a target reaches past the published bytes (the ranks
+                are out of step), or the read failed.
+        """
+        for offset, target in targets:
+            if offset + target.numel() * target.element_size() > self.nbytes:
+                raise CollectiveError(
+                    f"a peer published {self.nbytes} bytes in place, fewer than this rank "
+                    f"reads: the ranks are out of step"
+                )
+        cross_memory.read(self.pid, self.address, targets)
 
 
 class OwnTerm(Protocol):
@@ -105,29 +137,38 @@ class Exchange:
         size: int | None = None,
         layout: int = 0,
         in_place: bool = False,
+        stable: bool = False,
     ) -> None:
         dtype = parts[0].dtype
         nbytes = sum(p.numel() for p in parts) * parts[0].element_size()
-        held = a.owner(parts[0]) if in_place else None
-        if in_place and held is None:
-            raise ValueError(f"{what}: its input is not a region held for it (input_rows)")
-        region = held if held is not None else a.region(nbytes)
-        if nbytes and held is None:
-            flat = region.data[:nbytes].view(dtype)
-            at = 0
-            for p in parts:
-                flat[at : at + p.numel()].view(p.shape).copy_(p)
-                at += p.numel()
         # size: what every rank's descriptor must agree on (a row's bytes for a
         # reduce-scatter, whose ranks may publish all rows or all but their own)
         self.size = nbytes if size is None else size
-        self.arena, self.region, self.seq, self.nbytes, self.dtype = a, region, a.seq, nbytes, dtype
+        self.arena, self.seq, self.nbytes, self.dtype = a, a.seq, nbytes, dtype
         self.finish, self.what = finish, what
-        region.last_seq = a.seq
+        self.region: Region | None = None
+        whole = parts[0]
+        if stable and a.readv and len(parts) == 1 and whole.is_contiguous() and whole.is_cpu:
+            # read in place by the peers: [Note: shards read in place] in cross_memory.py
+            a.expose(a.seq, whole)
+            where, layout = whole.data_ptr(), READ_IN_PLACE
+        else:
+            held = a.owner(whole) if in_place else None
+            if in_place and held is None:
+                raise ValueError(f"{what}: its input is not a region held for it (input_rows)")
+            region = held if held is not None else a.region(nbytes)
+            if nbytes and held is None:
+                flat = region.data[:nbytes].view(dtype)
+                at = 0
+                for p in parts:
+                    flat[at : at + p.numel()].view(p.shape).copy_(p)
+                    at += p.numel()
+            region.last_seq = a.seq
+            self.region, where = region, region.fd
         a.unread.add(a.seq)
         a.seq += 1
         mine = torch.tensor(
-            [MAGIC, self.seq, os.getpid(), region.fd, nbytes, a.read_mark(), layout, self.size],
+            [MAGIC, self.seq, os.getpid(), where, nbytes, a.read_mark(), layout, self.size],
             dtype=torch.int64,
         )
         self.every = torch.zeros(a.w * WORDS, dtype=torch.int64)
@@ -136,7 +177,7 @@ class Exchange:
     def wait(self, timeout: Timeout = None) -> bool:
         wait_work(self.work, timeout)
         a = self.arena
-        views: list[torch.Tensor | None] = []
+        views: list[torch.Tensor | Remote | None] = []
         rows = self.every.view(a.w, WORDS).tolist()
         for r, row in enumerate(rows):
             if row[0] != MAGIC or row[1] != self.seq or row[2] != a.pids[r] or row[7] != self.size:
@@ -146,39 +187,59 @@ class Exchange:
                     f"{self.size} bytes): the ranks are out of step"
                 )
             a.marks[r] = max(a.marks[r], int(row[5]))
-            views.append(
-                None if r == a.me else a.peer(r, int(row[3]), int(row[4])).view(self.dtype)
-            )
+            if r == a.me:
+                views.append(None)
+            elif row[6] == READ_IN_PLACE:
+                views.append(Remote(a.pids[r], int(row[3]), int(row[4])))
+            else:
+                views.append(a.peer(r, int(row[3]), int(row[4])).view(self.dtype))
         self.finish(views, [int(row[6]) for row in rows])
         a.finished(self.seq)
         for r, row in enumerate(rows):
-            if r != a.me:
+            if r != a.me and row[6] != READ_IN_PLACE:
                 a.unmap_read(r, int(row[3]), int(row[4]))
         return True
 
 
-def all_gather(a: Arena, flat: torch.Tensor, rows: torch.Tensor, /) -> Exchange:
-    """Starts gathering every group rank's ``flat`` ``(n,)`` into ``rows`` ``(W, n)``; writes ``rows``."""
-    return all_gather_pieces(a, flat, [(0, rows)])
+def all_gather(
+    a: Arena, flat: torch.Tensor, rows: torch.Tensor, /, *, stable: bool = False
+) -> Exchange:
+    """Starts gathering every group rank's ``flat`` ``(n,)`` into ``rows`` ``(W, n)``; writes ``rows``.
+
+    See :func:`all_gather_pieces` for ``stable``.
+    """
+    return all_gather_pieces(a, flat, [(0, rows)], stable=stable)
 
 
 def all_gather_pieces(
-    a: Arena, flat: torch.Tensor, pieces: Sequence[tuple[int, torch.Tensor]], /
+    a: Arena,
+    flat: torch.Tensor,
+    pieces: Sequence[tuple[int, torch.Tensor]],
+    /,
+    *,
+    stable: bool = False,
 ) -> Exchange:
     """Starts gathering pieces of every group rank's ``flat``, in one collective; writes each piece's rows.
 
     A piece ``(offset, rows)``, ``rows`` of shape ``(W, n)``, gets group rank
     ``j``'s ``flat[offset : offset + n]`` in row ``j``: the leaves of a unit's
     shard, each into its own full storage, with one descriptor for them all.
+    With ``stable`` the caller promises that nothing frees or writes ``flat``
+    until its evaluation ends and :meth:`Arena.settle` has returned: where the
+    arena allows it, peers then read it in place ([Note: shards read in place]
+    in ``cross_memory.py``).
     """
+    itemsize = flat.element_size()
 
-    def finish(views: list[torch.Tensor | None], _: list[int]) -> None:
+    def finish(views: list[torch.Tensor | Remote | None], _: list[int]) -> None:
         for r, v in enumerate(views):
-            if v is not None:
+            if isinstance(v, Remote):
+                v.read([(lo * itemsize, rows[r]) for lo, rows in pieces])
+            elif v is not None:
                 for lo, rows in pieces:
                     rows[r].copy_(v[lo : lo + rows.shape[1]])
 
-    op = Exchange(a, [flat], finish, "shared-memory all-gather")
+    op = Exchange(a, [flat], finish, "shared-memory all-gather", stable=stable)
     for lo, rows in pieces:
         own = rows[a.me]
         mine = flat[lo : lo + rows.shape[1]]
@@ -207,7 +268,8 @@ def reduce_scatter(
         raise ValueError("a reduce-scatter with its own row apart needs rows from input_rows")
     parts = [rows] if whole else [p for p in (rows[:me], rows[me + 1 :]) if p.numel()]
 
-    def finish(views: list[torch.Tensor | None], layouts: list[int]) -> None:
+    def finish(published: list[torch.Tensor | Remote | None], layouts: list[int]) -> None:
+        views = _mapped(published)
         terms = [
             None
             if v is None
@@ -237,6 +299,15 @@ def input_rows(a: Arena, w: int, n: int, dtype: torch.dtype, /) -> torch.Tensor:
     collective on the group: the region is held for the next one.
     """
     return a.reserve(w * n * dtype.itemsize).view(dtype).view(w, n)
+
+
+def _mapped(views: list[torch.Tensor | Remote | None], /) -> list[torch.Tensor | None]:
+    """``views`` with none read in place: only an all-gather's inputs are; else out of step."""
+    if any(isinstance(v, Remote) for v in views):
+        raise CollectiveError(
+            "a peer published a gather's input where this rank reduces: the ranks are out of step"
+        )
+    return [v if isinstance(v, torch.Tensor) else None for v in views]
 
 
 def _sum_in_order(terms: Sequence[torch.Tensor], out: torch.Tensor, /) -> None:
@@ -278,9 +349,11 @@ def all_reduce(a: Arena, buf: torch.Tensor, /, *, out: torch.Tensor | None = Non
     held = out is not None and a.owner(flat) is not None
     holder: list[torch.Tensor] = []
 
-    def finish(views: list[torch.Tensor | None], _: list[int]) -> None:
+    def finish(published: list[torch.Tensor | Remote | None], _: list[int]) -> None:
+        views = _mapped(published)
         _sum_in_order([holder[0] if v is None else v for v in views], dest)
 
     op = Exchange(a, [flat], finish, "shared-memory all-reduce", in_place=held)
+    assert op.region is not None  # an all-reduce is never read in place
     holder.append(op.region.data[: op.nbytes].view(flat.dtype))
     return op

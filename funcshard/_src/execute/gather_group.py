@@ -185,8 +185,16 @@ class GatherGroup(ReducingGroup):
                     tag=unit.name,
                 )
                 continue
+            # a shard (or its cast) is stable until the evaluation settles; a partial copy
+            # is freed by its unit ([Note: shards read in place] in comm/cross_memory.py)
             part.inflight = collectives.all_gather(
-                local, self.bound, axes, out=out, ledger=self.ledger, tag=unit.name
+                local,
+                self.bound,
+                axes,
+                out=out,
+                ledger=self.ledger,
+                tag=unit.name,
+                stable=not partial,
             )
         unit.mark_gathering(from_partial=partial)
 
@@ -208,6 +216,7 @@ class GatherGroup(ReducingGroup):
                 ledger=self.ledger,
                 tag=unit.name,
                 algorithm=algorithm,
+                stable=True,  # the unit's shard, or its cast
             )
             return [pending]
         pieces = [
@@ -215,7 +224,7 @@ class GatherGroup(ReducingGroup):
             for slot, view in zip(part.layout.slots, part.views)
         ]
         pending = collectives.all_gather_pieces(
-            local, self.bound, self.axes, pieces, ledger=self.ledger, tag=unit.name
+            local, self.bound, self.axes, pieces, ledger=self.ledger, tag=unit.name, stable=True
         )
         return [pending]
 

@@ -38,6 +38,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 
 from funcshard._src import tree
+from funcshard._src.comm import collectives
 from funcshard._src.comm.agree import Agreement
 from funcshard._src.comm.pending import Pending
 from funcshard._src.execute.call_record import CallPhase, CallRecord
@@ -341,12 +342,14 @@ class Run:
         for group in self.groups:
             group.release_all(keep=not self.last)
         _STEP_RUN[0] = None
+        collectives.settle()  # the caller may write the shards next
 
     def close_evaluation(self) -> None:
         """After an evaluation's forward: frees every unit (the root unit's hold included)."""
         for group in self.groups:
             group.release_all()
         _STEP_RUN[0] = None
+        collectives.settle()  # the caller may write the shards next
 
     def abort(self) -> list[Pending]:
         """After an error: leaves the forward context and drops everything, waiting for nothing.
