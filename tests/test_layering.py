@@ -77,6 +77,7 @@ ORDER = {
         "groups",
         "algorithm",
         "cross_memory",
+        "board",
         "arena",
         "shm",
         "reduce_scatter",

@@ -24,13 +24,14 @@ import torch.distributed as dist
 
 from funcshard._src.comm import cross_memory, runtime
 from funcshard._src.comm.algorithm import Timeout, wait_work
+from funcshard._src.comm.board import PAGE_BYTES, Board, alive
 from funcshard._src.comm.channel import all_gather_single
 from funcshard._src.comm.runtime import CollectiveError
 
 ENV = "FUNCSHARD_SHM"
 MAGIC = 0x6673_73686D  # "fsshm"
 WORDS = 8  # a descriptor: (WORDS,) int64
-PROBE_BYTES = 4096
+PROBE_BYTES = PAGE_BYTES
 # collectives of fewer bytes keep gloo's own. 0: every collective of a group that shares
 # memory goes through it, though a tiny one costs its descriptor exchange (a gloo all-gather
 # and Python: 258 us per ring step measured against 71 us on sockets); buckets keep those
@@ -101,8 +102,9 @@ class Arena:
     seq: int = 0  # collectives started on this arena: equal on every rank in step
     unread: set[int] = field(default_factory=set)  # started here, peers' regions not yet read
     marks: list[int] = field(default_factory=list)  # per group rank: its read mark, as last heard
-    # per group rank: its probe page, word 1 its read mark as it stands (see [Note: read marks])
-    pages: list[torch.Tensor] = field(default_factory=list)
+    # every group rank's probe page, word 1 its read mark as it stands (see [Note: read marks]),
+    # and the descriptors ([Note: descriptors on the board] in board.py); None: not shared live
+    board: Board | None = None
     # whether peers read stable inputs in place ([Note: shards read in place] in cross_memory.py)
     readv: bool = False
     # (sequence number, tensor) published in place, kept until every peer has read it
@@ -118,14 +120,15 @@ class Arena:
     def finished(self, seq: int, /) -> None:
         """Records that this rank has read every peer's data of collective ``seq``; mutates the arena."""
         self.unread.discard(seq)
-        if self.pages:
-            self.pages[self.me][8:16].view(torch.int64)[0] = self.read_mark()
+        if self.board is not None:
+            self.board.set_mark(self.read_mark())
 
     def _heard(self) -> None:
         """Takes in the peers' read marks from their pages (where shared marks are used)."""
-        for r, page in enumerate(self.pages):
-            if r != self.me:
-                self.marks[r] = max(self.marks[r], int(page[8:16].view(torch.int64)[0]))
+        if self.board is not None:
+            for r in range(self.w):
+                if r != self.me:
+                    self.marks[r] = max(self.marks[r], self.board.mark(r))
 
     def _peers_done(self) -> int:
         """The lowest sequence number some peer has not finished reading, as last heard."""
@@ -157,7 +160,7 @@ class Arena:
             seq = self.exposed[0][0]
             late = [r for r, m in enumerate(self.marks) if r != self.me and m <= seq]
             for r in late:
-                if not _alive(self.pids[r]):
+                if not alive(self.pids[r]):
                     raise CollectiveError(
                         f"group rank {r} (pid {self.pids[r]}) exited before it read this "
                         f"rank's shard of shared-memory collective {seq}"
@@ -303,15 +306,16 @@ def _probe(group: Any) -> Arena | None:
         ok = 1
         shared_marks = platform.machine().lower() in _ORDERED_MACHINES
         readv = int(shared_marks and cross_memory.offered())
-        pages: list[torch.Tensor] = []
+        pages: list[mmap.mmap] = []
         for r, row in enumerate(rows):
             if r == me:
-                pages.append(probe.data)
+                pages.append(probe.mapping)
                 continue
             try:
-                seen = torch.frombuffer(_map_peer(int(row[1]), int(row[2])), dtype=torch.uint8)
+                page = _map_peer(int(row[1]), int(row[2]))
+                seen = torch.frombuffer(page, dtype=torch.uint8)
                 ok &= int(seen[:8].view(torch.int64)[0]) == int(row[3])
-                pages.append(seen)
+                pages.append(page)
             except OSError:
                 ok = 0
             if readv:  # [Note: shards read in place] in cross_memory.py
@@ -323,25 +327,16 @@ def _probe(group: Any) -> Arena | None:
         os.close(probe.fd)
     if not int(agreed[0]):
         return None
+    pids = [int(row[1]) for row in rows]
     return Arena(
         group,
         me,
         w,
-        [int(row[1]) for row in rows],
+        pids,
         marks=[0] * w,
-        pages=pages if shared_marks else [],
+        board=Board(pages, me, pids) if shared_marks else None,
         readv=bool(int(agreed[1])),
     )
-
-
-def _alive(pid: int, /) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 def _timeout() -> Timeout:

@@ -51,7 +51,7 @@ from typing import Any, Protocol
 
 import torch
 
-from funcshard._src.comm import cross_memory
+from funcshard._src.comm import cross_memory, runtime
 from funcshard._src.comm.algorithm import Timeout, wait_work
 from funcshard._src.comm.arena import (
     ENV,
@@ -167,18 +167,22 @@ class Exchange:
             self.region, where = region, region.fd
         a.unread.add(a.seq)
         a.seq += 1
-        mine = torch.tensor(
-            [MAGIC, self.seq, os.getpid(), where, nbytes, a.read_mark(), layout, self.size],
-            dtype=torch.int64,
-        )
+        self.mine = [MAGIC, self.seq, os.getpid(), where, nbytes, a.read_mark(), layout, self.size]
+        if a.board is not None:  # [Note: descriptors on the board] in board.py
+            a.board.post(self.seq, self.mine, _seconds(None))
+            return
         self.every = torch.zeros(a.w * WORDS, dtype=torch.int64)
+        mine = torch.tensor(self.mine, dtype=torch.int64)
         self.work = all_gather_single(self.every, mine, group=a.group, async_op=True)
 
     def wait(self, timeout: Timeout = None) -> bool:
-        wait_work(self.work, timeout)
         a = self.arena
+        if a.board is not None:
+            rows = a.board.collect(self.seq, self.mine, _seconds(timeout))
+        else:
+            wait_work(self.work, timeout)
+            rows = self.every.view(a.w, WORDS).tolist()
         views: list[torch.Tensor | Remote | None] = []
-        rows = self.every.view(a.w, WORDS).tolist()
         for r, row in enumerate(rows):
             if row[0] != MAGIC or row[1] != self.seq or row[2] != a.pids[r] or row[7] != self.size:
                 raise CollectiveError(
@@ -199,6 +203,13 @@ class Exchange:
             if r != a.me and row[6] != READ_IN_PLACE:
                 a.unmap_read(r, int(row[3]), int(row[4]))
         return True
+
+
+def _seconds(timeout: Timeout, /) -> float:
+    """A wait's limit in seconds: ``timeout``, else the collective timeout, else the default."""
+    if timeout is not None:
+        return timeout.total_seconds()
+    return runtime.collective_timeout() or runtime.DEFAULT_TIMEOUT_S
 
 
 def all_gather(
