@@ -109,6 +109,7 @@ ORDER = {
     "execute": [
         "reference",
         "memory",
+        "huge_pages",
         "loss",
         "buffers",
         "desync",

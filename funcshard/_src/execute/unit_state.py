@@ -54,6 +54,7 @@ import torch.distributed as dist
 from funcshard._src.comm import collectives
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
+from funcshard._src.execute import huge_pages
 from funcshard._src.execute.memory import GatheredMemory
 from funcshard._src.execute.part import Part
 from funcshard._src.execute.partial_copy import PartialCopy
@@ -326,8 +327,10 @@ class UnitRuntime:
                 n = math.prod(slot.shape)
                 part.views.append(part.full[offset : offset + n].view(slot.shape))
                 offset += n
+            huge_pages.advise(part.full)
         elif part.full.untyped_storage().size() == 0:
             part.full.untyped_storage().resize_(part.full_bytes)
+            huge_pages.advise(part.full)  # [Note: huge pages for gathered storage]
         self.memory.add(part.full_bytes)
         return part.full
 
