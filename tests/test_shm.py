@@ -194,14 +194,20 @@ def test_the_transport_is_off_under_funcshard_shm_0(monkeypatch):
     assert ag.leaf_algorithm() == "ring_overlapped"
 
 
-def _inputs_in_regions(mesh: dict[str, int], axes: tuple[str, ...]) -> dict[str, Any]:
-    """Reduce-scatter and all-reduce inputs packed straight into regions: sent as they are."""
+def _sharing(mesh: dict[str, int], axes: tuple[str, ...]) -> tuple[Any, Any, shm.Arena]:
+    """The bound mesh, the group over ``axes`` and its arena, once the group shares memory."""
     bound = groups.bind(fs.Mesh(mesh))
     group = bound.group(axes)
     assert group is not None
     collectives.all_gather(torch.ones(4), bound, axes).wait()  # the group shares memory now
     arena = regions.existing(group)
     assert arena is not None
+    return bound, group, arena
+
+
+def _inputs_in_regions(mesh: dict[str, int], axes: tuple[str, ...]) -> dict[str, Any]:
+    """Reduce-scatter and all-reduce inputs packed straight into regions: sent as they are."""
+    bound, group, arena = _sharing(mesh, axes)
     w, n = arena.w, 301
     gen = torch.Generator().manual_seed(bound.rank)
     wrong = []
@@ -258,12 +264,7 @@ def test_an_all_reduce_on_sockets_gives_its_sum_to_out_too(pools):
 
 def _own_row_apart(mesh: dict[str, int], axes: tuple[str, ...]) -> dict[str, Any]:
     """A reduce-scatter whose own row is made when summed ([Note: the own row from the leaves])."""
-    bound = groups.bind(fs.Mesh(mesh))
-    group = bound.group(axes)
-    assert group is not None
-    collectives.all_gather(torch.ones(4), bound, axes).wait()  # the group shares memory now
-    arena = regions.existing(group)
-    assert arena is not None
+    bound, _, arena = _sharing(mesh, axes)
     w, n, me = arena.w, 301, arena.me
     gen = torch.Generator().manual_seed(bound.rank)
     wrong = []

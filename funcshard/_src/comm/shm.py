@@ -12,13 +12,18 @@ its peers map through ``/proc/<pid>/fd/<fd>``, and a collective is:
 1. start: the rank copies what its peers need into a free region of its own
    (an all-gather: its shard; a reduce-scatter: every row but its own; an
    all-reduce: its buffer), unless the caller packed it into one already
-   (``inputs.py``), then issues an all-gather of a 64-byte *descriptor*
-   (magic, sequence number, pid, fd, bytes, read mark, layout, size) on the
-   group, asynchronously;
+   (``inputs.py``), then publishes a 64-byte *descriptor* (magic, sequence
+   number, pid, fd, bytes, read mark, layout, size): in a slot of its probe
+   page where the ranks' pages are shared live ([Note: descriptors on the
+   board] in ``board.py``), else by an all-gather on the group, asynchronously.
+   A gather of a stable input where the ranks may read each other's memory
+   copies nothing: its descriptor carries the input's address instead
+   ([Note: shards read in place] in ``cross_memory.py``);
 2. wait: once every rank's descriptor is in, the data has been written; the
-   rank reads its peers' regions straight into the result (a copy for a
-   gather, an add for a reduction, in group-rank order so that every rank of
-   an all-reduce sums in the same order and gets the same bits).
+   rank reads its peers' regions (or their inputs, in place) straight into the
+   result (a copy for a gather, an add for a reduction, in group-rank order so
+   that every rank of an all-reduce sums in the same order and gets the same
+   bits).
 
 A region is reused only once every peer has read it. A rank's *read mark* is
 the lowest sequence number whose reads it has not finished; every descriptor
@@ -28,7 +33,7 @@ finds no free region of its size makes a new one, so no rank blocks on a
 peer's progress outside a collective's own wait. In steady state the same
 sizes recur every step and the regions are warm pages reused step after step.
 
-Descriptors travel on the group itself, issued at the collective's start,
+Descriptors are numbered by the collective's sequence number on the group,
 which every rank reaches in the same order (the same order the ring
 algorithms rely on). A descriptor with the wrong magic, sequence number, pid
 or size means the ranks are out of step: :class:`CollectiveError`, never a read of
