@@ -257,13 +257,13 @@ class Reducer:
             self.grads[layout] = concatenate_leaves(layout, earlier)
         # a two-hop unit's donated buffer receives its second hop ([Note: two-hop reductions])
         spare = None if defer or unit.two_hop else self._spare(layout, part.grad_dtype)
+        kept = self.deferred.pop(layout, None)  # packed by earlier micro-batches' calls
+        dtype = part.grad_dtype
+        leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
         columns = chunk_columns(unit, part, self.chunk_bytes, defer=defer)
         if columns:  # [Note: reductions in chunks] in chunks.py
             while self.pending:  # the ranges reuse the regions these hold
                 self._finish_oldest()
-            kept = self.deferred.pop(layout, None)
-            dtype = part.grad_dtype
-            leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
             pool = group.pool  # as the root's whole rows: not kept for the next step
             reduced = reduce_in_chunks(
                 group,
@@ -293,29 +293,24 @@ class Reducer:
                 and not unit.two_hop
             ):
                 # packed straight into shared memory, which the reduce-scatter sends as it is
-                shared = inputs.reduce_scatter_input(
-                    unit.bound, unit.axes, layout.numel, part.grad_dtype
-                )
+                shared = inputs.reduce_scatter_input(unit.bound, unit.axes, layout.numel, dtype)
             pool = group.pool if unit.unit.is_root else self.pool  # the root's: not kept
             rows = (
                 shared
                 if shared is not None
-                else pool.take(unit.group_size * layout.numel, part.grad_dtype, device).view(
+                else pool.take(unit.group_size * layout.numel, dtype, device).view(
                     unit.group_size, layout.numel
                 )
             )
-        kept = self.deferred.pop(layout, None)
         # the mean over every data-parallel rank: divide while packing, unless gradients
         # kept from earlier micro-batches are still to be added
         direct = kept is None and not defer
-        dtype = part.grad_dtype
         replica = unit.all_reduce_axes
         packed = rows
         if unit.group_size == 1 and replica and not defer and device.type == "cpu":
             # no_shard: packed straight into shared memory, summed from there into rows
             into = inputs.all_reduce_input(unit.bound, replica, layout.numel, dtype)
             packed = rows if into is None else into.view(1, -1)
-        leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
         # a two-hop unit's rows come last axis major ([Note: two-hop reductions])
         order = unit.partial.order if unit.two_hop else unit.axes
         scale = 1.0 / self.world_size if direct else 1.0
