@@ -14,7 +14,6 @@ import mmap
 import os
 import platform
 import secrets
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 from funcshard._src.comm import cross_memory, runtime
 from funcshard._src.comm.algorithm import Timeout, wait_work
-from funcshard._src.comm.board import PAGE_BYTES, Board, alive
+from funcshard._src.comm.board import PAGE_BYTES, Board
 from funcshard._src.comm.channel import all_gather_single
 from funcshard._src.comm.runtime import CollectiveError
 
@@ -64,7 +63,6 @@ _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 # the region is written, is the order x86's memory model keeps for plain loads and stores
 # (TSO); elsewhere only the descriptors' marks are used.
 _ORDERED_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686"})
-_SETTLE_POLL_S = 50e-6  # Arena.settle: how often a peer's read mark is looked at again
 
 
 def enabled() -> bool:
@@ -151,29 +149,30 @@ class Arena:
         Raises:
             CollectiveError: a peer exited, or has not read within the collective timeout.
         """
-        deadline: float | None = None
-        while self.exposed:
+        if not self.exposed:
+            return
+        assert self.board is not None  # reading in place needs the live marks of a board
+
+        def read() -> bool:
             done = self._peers_done()
             self.exposed = [(q, kept) for q, kept in self.exposed if q >= done]
-            if not self.exposed:
-                return
-            seq = self.exposed[0][0]
-            late = [r for r, m in enumerate(self.marks) if r != self.me and m <= seq]
-            for r in late:
-                if not alive(self.pids[r]):
-                    raise CollectiveError(
-                        f"group rank {r} (pid {self.pids[r]}) exited before it read this "
-                        f"rank's shard of shared-memory collective {seq}"
-                    )
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + (runtime.collective_timeout() or runtime.DEFAULT_TIMEOUT_S)
-            elif now > deadline:
-                raise CollectiveError(
-                    f"group rank(s) {late} have not read this rank's shard of shared-memory "
-                    f"collective {seq} in time: the ranks are out of step"
-                )
-            time.sleep(_SETTLE_POLL_S)
+            return not self.exposed
+
+        def late() -> list[int]:
+            return [r for r, m in enumerate(self.marks) if r != self.me and m <= self.exposed[0][0]]
+
+        seq = self.exposed[0][0]
+        timeout_s = runtime.wait_limit_s()
+        what = f"it read this rank's shard of shared-memory collective {seq}"
+        try:
+            self.board.wait_until(read, late, timeout_s, what)
+        except CollectiveError:  # a peer exited
+            raise
+        except RuntimeError as e:  # timed out
+            raise CollectiveError(
+                f"group rank(s) {late()} have not read this rank's shard of shared-memory "
+                f"collective {self.exposed[0][0]} in time: the ranks are out of step"
+            ) from e
 
     def region(self, nbytes: int) -> Region:
         """A region of at least ``nbytes`` that every peer has finished reading; a new one if none is."""

@@ -67,7 +67,7 @@ class Board:
         """
         if seq >= SLOTS:
             reused = seq - SLOTS
-            self._wait(
+            self.wait_until(
                 lambda: all(self.mark(r) > reused for r in self._peers()),
                 lambda: [r for r in self._peers() if self.mark(r) <= reused],
                 timeout_s,
@@ -87,7 +87,7 @@ class Board:
             CollectiveError: that peer's process exited.
         """
         at = HEADER + (seq % SLOTS) * WORDS
-        self._wait(
+        self.wait_until(
             lambda: all(self.words[r][at + 1] == seq + 1 for r in self._peers()),
             lambda: [r for r in self._peers() if self.words[r][at + 1] != seq + 1],
             timeout_s,
@@ -103,13 +103,21 @@ class Board:
     def _peers(self) -> list[int]:
         return [r for r in range(len(self.words)) if r != self.me]
 
-    def _wait(
+    def wait_until(
         self,
         ready: Callable[[], bool],
         late: Callable[[], list[int]],
         timeout_s: float,
         what: str,
     ) -> None:
+        """Polls ``ready`` until it holds: a spin first, then short sleeps.
+
+        ``late`` names the group ranks still awaited; ``what`` ends the messages.
+
+        Raises:
+            CollectiveError: a late rank's process exited ("... exited before ``what``").
+            RuntimeError: ``timeout_s`` passed ("timed out ... ``what``").
+        """
         start = time.monotonic()
         while not ready():
             waited = time.monotonic() - start

@@ -42,7 +42,6 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 WORDS = 8  # a control message: (WORDS,) int64 = 64 bytes
 PAYLOAD_WORDS = 4
 _MAGIC = 0x6673_0000  # "fs": a message that lacks it is not funcshard's
-DEFAULT_TIMEOUT_S = 600.0  # for creating the control groups when no timeout is set
 Message = tuple[int, int, bytes, list[int]]  # (kind, operation number, digest, payload)
 
 
@@ -107,7 +106,7 @@ def channel() -> Channel | None:
     found = _CHANNELS.get(id(world))
     if found is not None and found[0]() is world:
         return found[1]
-    timeout = datetime.timedelta(seconds=runtime.collective_timeout() or DEFAULT_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=runtime.wait_limit_s())
     control = cast("dist.ProcessGroup", dist.new_group(backend="gloo", timeout=timeout))
     payload = cast("dist.ProcessGroup", dist.new_group(backend="gloo", timeout=timeout))
     made = Channel(weakref.ref(control), weakref.ref(payload), runtime.rank(), runtime.world_size())

@@ -47,6 +47,16 @@ def collective_timeout() -> float | None:
     return _init_timeout_s
 
 
+def wait_limit_s() -> float:
+    """Seconds a wait that funcshard runs itself may last: :func:`collective_timeout`, else ``DEFAULT_TIMEOUT_S``.
+
+    Example:
+        >>> wait_limit_s() > 0
+        True
+    """
+    return collective_timeout() or DEFAULT_TIMEOUT_S
+
+
 def set_collective_timeout(seconds: float | None, /) -> None:
     """Sets :func:`collective_timeout` for this process (``None``: the process group's); mutates process-wide state.
 

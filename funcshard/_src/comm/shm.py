@@ -214,7 +214,7 @@ def _seconds(timeout: Timeout, /) -> float:
     """A wait's limit in seconds: ``timeout``, else the collective timeout, else the default."""
     if timeout is not None:
         return timeout.total_seconds()
-    return runtime.collective_timeout() or runtime.DEFAULT_TIMEOUT_S
+    return runtime.wait_limit_s()
 
 
 def all_gather(
