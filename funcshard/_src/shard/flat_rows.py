@@ -116,16 +116,38 @@ def pack_flat_columns(
     for row in range(rows):
         if row == skip:
             continue
-        lo, hi = row * n + start, row * n + start + width  # this row's columns, concatenated
-        at = lo
-        for slot, leaf in zip(layout.slots, leaves):
-            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if a >= b:
-                continue
-            if at < a:  # a gap before the slot: zeros
-                out[row, at - lo : a - lo].zero_()
-            source = None if leaf is None else leaf.reshape(-1)[a - slot.offset : b - slot.offset]
-            write_scaled(out[row, a - lo : b - lo], source, scale)
-            at = b
-        if at < hi:
-            out[row, at - lo :].zero_()  # the end padding
+        lo = row * n + start  # this row's columns, concatenated
+        for a, b, source in concatenation_pieces(layout, leaves, lo, lo + width):
+            write_scaled(out[row, a:b], source, scale)
+
+
+def concatenation_pieces(
+    layout: FlatLayout, leaves: Sequence[torch.Tensor | None], lo: int, hi: int, /
+) -> list[tuple[int, int, torch.Tensor | None]]:
+    """Elements ``[lo, hi)`` of the leaves' concatenation, as ``(start, stop, elements)`` from ``lo`` on.
+
+    ``elements`` is a flat view (or copy) of a leaf's part there, ``None`` where the
+    range holds zeros: a ``None`` leaf, or the end padding.
+
+    Example:
+        >>> from funcshard._src.plan.planner import plan
+        >>> from funcshard._src.shard.layout import layouts
+        >>> p = plan({"w": torch.zeros(3)}, Mesh({"fsdp": 2}), layout="flat")
+        >>> (layout,) = layouts(p)
+        >>> concatenation_pieces(layout, [torch.arange(3.0)], 2, 4)
+        [(0, 1, tensor([2.])), (1, 2, None)]
+    """
+    out: list[tuple[int, int, torch.Tensor | None]] = []
+    at = lo
+    for slot, leaf in zip(layout.slots, leaves):
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a >= b:
+            continue
+        if at < a:  # a gap before the slot: zeros
+            out.append((at - lo, a - lo, None))
+        source = None if leaf is None else leaf.reshape(-1)[a - slot.offset : b - slot.offset]
+        out.append((a - lo, b - lo, source))
+        at = b
+    if at < hi:
+        out.append((at - lo, hi - lo, None))  # the end padding
+    return out

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from funcshard._src.shard.flat_rows import concatenation_pieces
 from funcshard._src.shard.layout import FlatLayout
 
 
@@ -72,25 +73,9 @@ class OwnRow:
         if not exact_scale(scale):
             raise ValueError(f"an own row needs a power-of-two scale to sum exactly, got {scale}")
         self.scale, self.width = scale, width
-        hi = lo + width
         # (start, stop) in the row, and the leaf's elements there (None: zeros)
-        self.pieces: list[tuple[int, int, torch.Tensor | None]] = []
-        self.versions: list[tuple[torch.Tensor, int]] = []
-        at = lo
-        for slot, leaf in zip(layout.slots, leaves):
-            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if a >= b:
-                continue
-            if at < a:
-                self.pieces.append((at - lo, a - lo, None))
-            source = None
-            if leaf is not None:
-                self.versions.append((leaf, leaf._version))
-                source = leaf.reshape(-1)[a - slot.offset : b - slot.offset]
-            self.pieces.append((a - lo, b - lo, source))
-            at = b
-        if at < hi:
-            self.pieces.append((at - lo, width, None))  # the end padding
+        self.pieces = concatenation_pieces(layout, leaves, lo, lo + width)
+        self.versions = [(leaf, leaf._version) for leaf in leaves if leaf is not None]
 
     def __call__(self, out: torch.Tensor, base: torch.Tensor | None, /) -> None:
         """``out = base + scale * row`` (``scale * row`` where ``base`` is ``None``); mutates ``out``.
