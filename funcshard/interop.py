@@ -1,7 +1,7 @@
 """Interop: any ``nn.Module`` as a pure function over its params, and params and specs with JAX.
 
 ``functionalize`` needs only torch; ``to_jax`` / ``from_jax`` import JAX when called
-(``pip install 'funcshard[jax]'``) and ``load_orbax`` TensorStore (``'funcshard[orbax]'``);
+(``pip install 'funcshard[jax]'``) and ``load_orbax`` / ``save_orbax`` TensorStore (``'funcshard[orbax]'``);
 ``load_safetensors`` (and ``Apply.load_pretrained`` / ``save_pretrained``) need ``safetensors``.
 """
 
@@ -10,6 +10,7 @@ from funcshard._src.interop.jax import from_jax as from_jax
 from funcshard._src.interop.jax import to_jax as to_jax
 from funcshard._src.interop.module import functionalize as functionalize
 from funcshard._src.interop.orbax import load_orbax as load_orbax
+from funcshard._src.interop.orbax_save import save_orbax as save_orbax
 from funcshard._src.interop.placeholders import UnboundParameterError as UnboundParameterError
 from funcshard._src.interop.safetensors_io import load_safetensors as load_safetensors
 
@@ -20,5 +21,6 @@ __all__ = [
     "functionalize",
     "load_orbax",
     "load_safetensors",
+    "save_orbax",
     "to_jax",
 ]

@@ -1,13 +1,18 @@
-"""Orbax checkpoints, written by Orbax itself, read into funcshard trees through TensorStore.
+"""Orbax checkpoints both ways: written by Orbax and loaded by funcshard, and the reverse.
 
-The checkpoints come from ``orbax-checkpoint`` in the three on-disk layouts it writes
-(OCDBT with zarr v2, the default; a folder per array; OCDBT with zarr v3). The
+The checkpoints read come from ``orbax-checkpoint`` in the three on-disk layouts it
+writes (OCDBT with zarr v2, the default; a folder per array; OCDBT with zarr v3). The
 expected values are the arrays that were saved; sharded loads are compared with
-funcshard's own ``shard_for_rank``. A failure names the layout and the leaf path.
+funcshard's own ``shard_for_rank``. Checkpoints funcshard writes (``save_orbax`` at
+W=2) are restored by ``StandardCheckpointer`` in a separate JAX process onto
+``NamedSharding`` targets over eight host devices, and compared bit for bit. A failure
+names the layout and the leaf path.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +25,7 @@ import torch
 import funcshard as fs
 from funcshard import P
 from funcshard._src.shard.shard import shard_for_rank
-from funcshard.interop import load_orbax
+from funcshard.interop import load_orbax, save_orbax
 from funcshard.testing import assert_trees_close
 
 pytest.importorskip("tensorstore", reason="TensorStore is the `orbax` extra: run `nox -s interop`")
@@ -139,6 +144,22 @@ def test_a_folder_that_is_not_a_checkpoint_is_an_error_pointing_at_items(checkpo
         load_orbax(parent)
 
 
+@pytest.mark.parametrize("keys", [[".."], ["a/../../x"], ["."]])
+def test_metadata_keys_that_would_leave_the_checkpoint_are_refused(checkpoints, tmp_path, keys):
+    """_METADATA is untrusted: a folder-per-array name is a path under the checkpoint."""
+    import shutil
+
+    crafted = tmp_path / "crafted"
+    shutil.copytree(checkpoints["folders"], crafted)
+    meta = json.loads((crafted / "_METADATA").read_text())
+    item = next(iter(meta["tree_metadata"].values()))
+    item["key_metadata"] = [{"key": k, "key_type": 2} for k in keys]
+    meta["tree_metadata"] = {"x": item}
+    (crafted / "_METADATA").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"do not name an array inside the checkpoint"):
+        load_orbax(crafted)
+
+
 def _plan(want: Any, world: int, layout: Any) -> fs.Plan:
     return fs.plan(
         want,
@@ -170,11 +191,105 @@ def test_each_rank_reads_its_own_shards(pools, checkpoints, layout):
             assert torch.equal(got, ref.local), ref.path
 
 
-def test_loading_does_not_import_jax(checkpoints):
+def test_loading_and_saving_do_not_import_jax(checkpoints):
     code = (
         "import sys, funcshard as fs\n"
         f"tree = fs.interop.load_orbax({str(checkpoints['ocdbt'])!r})\n"
         "assert tree['step'] == 7\n"
+        f"fs.interop.save_orbax({str(checkpoints['ocdbt'].parent / 'again')!r}, tree)\n"
         "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# -- funcshard writes, Orbax restores ---------------------------------------------------
+
+# the restoring process's targets: a (2, 4) mesh of the eight host devices; the uneven
+# leaf replicated, as JAX refuses uneven shardings (funcshard wrote it in uneven shards)
+_RESTORE = """
+import json, sys
+import jax, numpy as np, orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+path, out, specs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+meta = ocp.StandardCheckpointer().metadata(path).item_metadata
+def target(keypath, m):
+    name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keypath)
+    return jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=NamedSharding(mesh, P(*specs[name])))
+arrays = {k: v for k, v in meta.items() if k != "step"}
+target_tree = {**jax.tree_util.tree_map_with_path(target, arrays), "step": 0}
+with ocp.StandardCheckpointer() as c:
+    got = c.restore(path, target_tree)
+assert got["step"] == 7, got["step"]
+flat = jax.tree_util.tree_flatten_with_path({k: v for k, v in got.items() if k != "step"})[0]
+saved = {}
+for keypath, x in flat:
+    name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keypath)
+    assert x.sharding == NamedSharding(mesh, P(*specs[name])), (name, x.sharding)
+    a = np.asarray(x)
+    saved[name] = a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+np.savez(out, **{k.replace("/", "."): v for k, v in saved.items()})
+"""
+_TARGET_SPECS = {
+    "params/embed": ["a", "b"],
+    "params/blocks/0/w": ["b", "a"],
+    "params/blocks/1/w": [None, "a"],
+    "params/odd": [],
+    "params/count": ["a"],
+    "opt/mu": ["b"],
+}
+
+
+def _save(directory: str, layout: str) -> None:
+    want = expected()
+    plan = fs.plan(
+        want["params"],
+        fs.Mesh({"fsdp": fs.world_size()}),
+        rules=[("blocks/*/w", P(None, "fsdp"))],
+        units=["blocks/*"],
+        layout=layout,
+    )
+    save_orbax(directory, {"params": fs.shard(want["params"], plan), "opt": want["opt"], "step": 7})
+
+
+@pytest.mark.parametrize("layout", ["leaf", "flat"])
+def test_orbax_restores_what_each_rank_wrote_bitwise(pools, tmp_path, layout):
+    """save_orbax at W=2 (an uneven dim, 5 over 2; a dim-1 spec; bf16; a whole tensor and
+    a scalar), then plain Orbax in a JAX process onto NamedShardings of 8 devices."""
+    directory = tmp_path / "ckpt"
+    pools.run(2, _save, str(directory), layout)
+    assert sorted(p.name for p in directory.glob("ocdbt.process_*")) == [
+        "ocdbt.process_0",
+        "ocdbt.process_1",
+    ]
+    out = tmp_path / "restored.npz"
+    subprocess.run(
+        [sys.executable, "-c", _RESTORE, str(directory), str(out), json.dumps(_TARGET_SPECS)],
+        check=True,
+        timeout=300,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+    )
+    restored = dict(np.load(out))
+    for path, want in zip(fs.tree.leaf_paths(expected()), fs.tree.leaves(expected())):
+        got = torch.from_numpy(restored.pop(path.replace("/", ".")))
+        got = got.view(torch.bfloat16) if want.dtype == torch.bfloat16 else got
+        assert got.dtype == want.dtype, path
+        assert torch.equal(got, want), path
+    assert not restored
+    # and funcshard reads its own checkpoint back
+    loaded = load_orbax(directory)
+    assert loaded.pop("step") == 7
+    assert_trees_close(loaded, expected(), rtol=0, atol=0)
+
+
+def test_saving_refuses_a_folder_in_use_and_keys_orbax_cannot_name(tmp_path):
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "x").write_text("")
+    with pytest.raises(
+        ValueError, match=r"used exists and is not an empty folder; save to a new one"
+    ):
+        save_orbax(tmp_path / "used", {"w": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"a\.b: key 'a\.b' is empty or holds '\.'"):
+        save_orbax(tmp_path / "new", {"a.b": torch.zeros(2)})
+    with pytest.raises(TypeError, match=r"w: a str leaf; save_orbax writes sharded leaves"):
+        save_orbax(tmp_path / "new", {"w": "text"})

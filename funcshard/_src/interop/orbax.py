@@ -68,7 +68,7 @@ def load_orbax(directory: str | os.PathLike[str], /, like: Any = None, *, prefix
     """
     root = Path(directory)
     entries = _read_metadata(root)
-    ts = _tensorstore()
+    ts = tensorstore()
     spec = _spec_for(root)
     base = prefix.strip("/")
     if like is None:
@@ -102,13 +102,13 @@ def load_orbax(directory: str | os.PathLike[str], /, like: Any = None, *, prefix
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _tensorstore() -> Any:
+def tensorstore(what: str = "load_orbax reads Orbax checkpoints", /) -> Any:
+    """The ``tensorstore`` module; ``what`` needs it (said when it is missing)."""
     try:
         return importlib.import_module("tensorstore")
     except ImportError as e:
         raise ImportError(
-            f"load_orbax reads Orbax checkpoints with TensorStore ({e}); install it: "
-            f"pip install 'funcshard[orbax]'"
+            f"{what} with TensorStore ({e}); install it: pip install 'funcshard[orbax]'"
         ) from None
 
 
@@ -138,6 +138,7 @@ def _read_metadata(root: Path) -> list[_Entry]:
         value = item["value_metadata"]
         if value.get("skip_deserialize"):
             continue
+        _check_keys(root, keys)
         entries.append(
             _Entry(
                 "/".join(str(k) for k in keys),
@@ -147,6 +148,21 @@ def _read_metadata(root: Path) -> list[_Entry]:
             )
         )
     return entries
+
+
+def _check_keys(root: Path, keys: Sequence[str | int]) -> None:
+    """Refuses keys that would leave the checkpoint: the array's name becomes a file path.
+
+    A folder-per-array checkpoint opens ``root/<keys joined by '.'>/``, so no key may
+    hold a path separator or NUL, and the name may not be ``.`` or ``..``.
+    """
+    name = ".".join(str(k) for k in keys)
+    if not keys or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise ValueError(
+            f"{root}/_METADATA: leaf keys {list(keys)!r} do not name an array inside the "
+            f"checkpoint (a key holds '/', '\\' or NUL, or the name is '.' or '..'); "
+            f"this is not a checkpoint Orbax wrote"
+        )
 
 
 def _spec_for(root: Path) -> dict[str, Any]:
