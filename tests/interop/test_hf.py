@@ -63,6 +63,29 @@ def test_a_unit_class_a_llama_lacks_is_an_error_listing_its_classes():
     assert "LlamaDecoderLayer" in str(e.value)
 
 
+def test_a_hub_kernel_attention_is_refused_whatever_is_installed():
+    """A Hub kernel is code transformers downloads and runs; set as transformers sets it once
+    the kernel loaded (the config's field), so the test needs neither the kernel nor the network."""
+    model = llama()
+    model.config._attn_implementation_internal = "kernels-community/flash-attn"
+    with pytest.raises(
+        ValueError,
+        match=r"LlamaForCausalLM's config has attn_implementation 'kernels-community/flash-attn', "
+        r"a kernel from the Hugging Face Hub: .* whether or not the kernels package is installed\. "
+        r"Fix: build the model with attn_implementation=\"sdpa\" \(or \"eager\"\)",
+    ):
+        functionalize(model, units=["LlamaDecoderLayer"])
+    inner = llama()
+    inner.model.config = copy.copy(inner.config)
+    inner.model.config._experts_implementation_internal = "someone/moe-kernel"
+    with pytest.raises(
+        ValueError,
+        match=r"LlamaForCausalLM's config \(of its submodule 'model', LlamaModel\) has "
+        r"experts_implementation 'someone/moe-kernel'",
+    ):
+        functionalize(inner)
+
+
 def test_apply_equals_the_model_and_its_gradients():
     """The model's own loss (labels=...) and autograd gradients, through apply and torch.func."""
     model = llama()

@@ -27,7 +27,7 @@ from funcshard._src import tree
 from funcshard._src.interop import placeholders
 from funcshard._src.interop.apply import Apply, Leaf, Params
 from funcshard._src.interop.hf_checkpointing import cache_off, resolve_remat
-from funcshard._src.interop.module_checks import refuse_unownable
+from funcshard._src.interop.module_checks import refuse_hub_kernels, refuse_unownable
 from funcshard._src.interop.module_tree import alias_groups, module_tree
 from funcshard._src.interop.module_units import UnitPattern, resolve_units, unit_patterns
 
@@ -87,7 +87,11 @@ def functionalize(
             parameters that share memory as different tensors (overlapping views), or
             Hugging Face gradient checkpointing on in a layer that no unit holds (the
             fix: those layers as units with ``remat=True``, or
-            ``model.gradient_checkpointing_disable()``).
+            ``model.gradient_checkpointing_disable()``); or a Hugging Face config in
+            the module whose ``attn_implementation`` (or ``experts_implementation``)
+            names a Hub kernel (``"kernels-community/flash-attn"``: code transformers
+            downloads and runs), refused whatever is installed (the fix: ``"sdpa"`` or
+            ``"eager"``).
         TypeError: ``module`` is not an ``nn.Module`` or ``units`` is malformed.
 
     Example:
@@ -117,6 +121,7 @@ def functionalize(
             f"(copy.deepcopy(model) first)"
         )
     refuse_unownable(module)
+    refuse_hub_kernels(module)
     groups = alias_groups(module)
     trainable = [g for g in groups if g.kind != "buffer"]
     carried = [g for g in groups if g.kind == "buffer"]

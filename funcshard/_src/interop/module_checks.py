@@ -14,14 +14,27 @@ training would otherwise go silently wrong or fail deep inside torch later:
 
 And a module compiled as a whole (``torch.compile(model)``, ``model.compile()``):
 apply runs its units one call at a time; its units may be compiled.
+
+:func:`refuse_hub_kernels` refuses a Hugging Face model whose config (its own or a
+submodel's) names a Hub kernel as its attention (or experts) implementation
+(``attn_implementation="kernels-community/flash-attn"``, any name with ``/``): such a
+kernel is code transformers downloads and runs in every call. The refusal does not
+depend on whether the ``kernels`` package is installed.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
-__all__ = ["refuse_unownable"]
+__all__ = ["refuse_hub_kernels", "refuse_unownable"]
+
+_IMPLEMENTATIONS = (
+    ("attn_implementation", "_attn_implementation"),
+    ("experts_implementation", "_experts_implementation"),
+)
 
 
 def refuse_unownable(module: nn.Module, /) -> None:
@@ -86,3 +99,53 @@ def refuse_unownable(module: nn.Module, /) -> None:
                 f"reduce-scattered with the unit's dense ones. Fix: construct it with "
                 f"sparse=False"
             )
+
+
+def refuse_hub_kernels(module: nn.Module, /) -> None:
+    """Raises if a Hugging Face config in ``module`` names a Hub kernel as an implementation.
+
+    Every submodule's ``config`` is read (a model's, and those of the models inside
+    it: a vision tower's, a language model's), whatever is installed.
+
+    Raises:
+        ValueError: naming the model, the field (``attn_implementation``), its value
+            and the fix (``"sdpa"`` or ``"eager"``).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> net = nn.Linear(2, 2)
+        >>> net.config = SimpleNamespace(_attn_implementation="kernels-community/flash-attn")
+        >>> refuse_hub_kernels(net)
+        Traceback (most recent call last):
+        ...
+        ValueError: functionalize: Linear's config has attn_implementation 'kernels-community/flash-attn', a kernel from the Hugging Face Hub: ...
+    """
+    for name, sub in module.named_modules():
+        config = vars(sub).get("config")
+        if config is None:
+            continue
+        for field, attribute in _IMPLEMENTATIONS:
+            value = _read(config, attribute)
+            values = list(value.values()) if isinstance(value, dict) else [value]  # pyright: ignore[reportUnknownMemberType, reportUnknownArgumentType]
+            hub = next((v for v in values if isinstance(v, str) and "/" in v), None)  # pyright: ignore[reportUnknownVariableType]
+            if hub is None:
+                continue
+            where = f"{type(module).__name__}'s config" + (
+                f" (of its submodule {name!r}, {type(sub).__name__})" if name else ""
+            )
+            fix, other = ('"sdpa"', ' (or "eager")') if "attn" in field else ('"eager"', "")
+            raise ValueError(
+                f"functionalize: {where} has {field} {hub!r}, a kernel from the Hugging Face "
+                f"Hub: transformers downloads its code and runs it in every call, and "
+                f"funcshard does not train a model through fetched code, whether or not the "
+                f"kernels package is installed. Fix: build the model with {field}={fix}"
+                f"{other} (from_pretrained(..., {field}={fix}), or "
+                f"model.set_{field}({fix}) before functionalize)"
+            )
+
+
+def _read(config: Any, attribute: str) -> Any:
+    try:
+        return getattr(config, attribute, None)
+    except Exception:  # a config property that cannot say: nothing to refuse
+        return None
