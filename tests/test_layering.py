@@ -198,6 +198,7 @@ ORDER = {
         "module",
         "jax",
         "orbax",
+        "orbax_save",
         "fsdp_names",
         "fsdp_optim",
         "fsdp_checkpoint",

@@ -282,6 +282,18 @@ def test_orbax_restores_what_each_rank_wrote_bitwise(pools, tmp_path, layout):
     assert_trees_close(loaded, expected(), rtol=0, atol=0)
 
 
+def test_the_docstring_example_runs():
+    """save_orbax's example skips where TensorStore is missing (the doctest session); here it runs."""
+    import doctest
+
+    examples = doctest.DocTestParser().get_examples(save_orbax.__doc__ or "")
+    for example in examples:
+        example.options.clear()
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    runner.run(doctest.DocTest(examples, {}, "save_orbax", None, 0, None))
+    assert (runner.tries, runner.failures) == (len(examples), 0)
+
+
 def test_saving_refuses_a_folder_in_use_and_keys_orbax_cannot_name(tmp_path):
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "x").write_text("")
