@@ -240,7 +240,7 @@ _TARGET_SPECS = {
 }
 
 
-def _save(directory: str, layout: str) -> None:
+def _save(directory: str, layout: Any) -> None:
     want = expected()
     plan = fs.plan(
         want["params"],
