@@ -245,7 +245,7 @@ def _save(directory: str, layout: Any) -> None:
     plan = fs.plan(
         want["params"],
         fs.Mesh({"fsdp": fs.world_size()}),
-        rules=[("blocks/*/w", P(None, "fsdp"))],
+        rules=[("blocks/*/w", P(None, "fsdp")), ("count", P())],  # count: replicated
         units=["blocks/*"],
         layout=layout,
     )
@@ -258,10 +258,23 @@ def test_orbax_restores_what_each_rank_wrote_bitwise(pools, tmp_path, layout):
     a scalar), then plain Orbax in a JAX process onto NamedShardings of 8 devices."""
     directory = tmp_path / "ckpt"
     pools.run(2, _save, str(directory), layout)
-    assert sorted(p.name for p in directory.glob("ocdbt.process_*")) == [
-        "ocdbt.process_0",
-        "ocdbt.process_1",
+    import tensorstore as ts
+
+    written = [
+        {
+            key.decode()
+            for key in ts.KvStore.open({"driver": "ocdbt", "base": f"file://{part}/"})
+            .result()
+            .list()
+            .result()
+            if not key.endswith(b".zarray")
+        }
+        for part in (directory / "ocdbt.process_0", directory / "ocdbt.process_1")
     ]
+    assert written[1], "rank 1 wrote no chunk"
+    assert not written[0] & written[1], "a chunk written by both ranks"
+    rank_0_only = ("opt.", "step/") + (("params.count/",) if layout == "leaf" else ())
+    assert not any(k.startswith(rank_0_only) for k in written[1])  # whole, scalar, replicated
     out = tmp_path / "restored.npz"
     subprocess.run(
         [sys.executable, "-c", _RESTORE, str(directory), str(out), json.dumps(_TARGET_SPECS)],
