@@ -12,16 +12,27 @@ from typing import Any
 import torch
 
 from funcshard._src.cli.deepspeed import compare, deepspeed_cost_model, describe
+from funcshard._src.cli.host import (
+    deepspeed_host,
+    describe_deepspeed,
+    host_per_node,
+    ranks_per_node,
+)
+from funcshard._src.cli.largest import describe as describe_largest
+from funcshard._src.cli.largest import largest
 from funcshard._src.cli.model_source import ModelSource, from_hf_config, from_preset
 from funcshard._src.plan.activations import Workload
 from funcshard._src.plan.auto import BudgetError, ladder
 from funcshard._src.plan.cost import estimate
 from funcshard._src.plan.cost_model import CostModel, Reserve, usable_budget
+from funcshard._src.plan.efficiency import parse_efficiency, with_efficiency
 from funcshard._src.plan.estimates import Estimate, Memory
 from funcshard._src.plan.hardware import HARDWARE, Hardware, get_hardware
+from funcshard._src.plan.model_config import ModelConfig
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.planner import plan
 from funcshard._src.plan.precision import MixedPrecision
+from funcshard._src.plan.presets import get_preset
 from funcshard._src.plan.quantize import Quantized
 from funcshard._src.plan.search import LADDER
 from funcshard._src.plan.sizes import describe_size, format_bytes, parse_bytes, table
@@ -30,6 +41,12 @@ from funcshard._src.spec.mesh import Mesh
 SCHEMA_VERSION = 2  # of the --json output; 2 added schema_version, usable_memory, deepspeed
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STRATEGIES = ("all", *LADDER, "auto")  # --strategy's choices, most memory first
+# the strategies that differ from full_shard only on a mesh of several axes
+TWO_AXES: dict[str, str] = {
+    "hybrid_shard": "shards over the last mesh axis and replicates over the others",
+    "partial_reshard": "keeps a copy sharded over the last mesh axis from forward to backward",
+    "hybrid_shard_optimizer": "keeps a copy sharded over the last mesh axis for the step",
+}
 
 
 class UsageError(ValueError):
@@ -83,12 +100,66 @@ def hardware_of(name: str | None, /) -> Hardware | None:
     return get_hardware(name)  # raises, listing the presets
 
 
+def check_nodes(mesh: Mesh, hardware: Hardware, /) -> None:
+    """Refuses a mesh whose groups a node boundary would cut unevenly, with a mesh that does not.
+
+    Ranks are row-major: the last axes lie within a node. Every node must hold whole
+    groups of some last axes and be a whole fraction of one more, else the same axis
+    runs at NVLink speed in one group and across NICs in the next.
+
+    Raises:
+        UsageError: naming the mesh, the node size and a mesh of the same size that tiles.
+    """
+    node = hardware.devices_per_node
+    if mesh.size <= node:
+        return  # one node
+    inner = 1
+    for size in reversed(list(mesh.axes.values())):
+        if node % inner == 0 and (inner * size) % node == 0:
+            return
+        inner *= size
+    text = ",".join(f"{a}={n}" for a, n in mesh.axes.items())
+    fix = (
+        f"e.g. --mesh dp={mesh.size // node},fsdp={node}"
+        if mesh.size % node == 0
+        else f"a mesh of a multiple of {node} ranks, e.g. --mesh dp={-(-mesh.size // node)},fsdp={node}"
+    )
+    raise UsageError(
+        f"--mesh {text} on {hardware.name} ({node} devices per node): node boundaries cut its "
+        f"groups unevenly (ranks are row-major, the last axes inside a node), so one group of "
+        f"an axis would run over NVLink and the next across nodes. Make the last axes' sizes "
+        f"multiply to a divisor or a multiple of {node}: {fix}"
+    )
+
+
+def _two_axes_example(n: int, hardware: Hardware | None, /) -> str:
+    node = hardware.devices_per_node if hardware is not None else 8
+    inner = node if n % node == 0 and n > node else max(1, n // 2)
+    return f"dp={n // inner},fsdp={inner}"
+
+
 def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
     """The table (``"text"``) and JSON (``"json"``) of ``funcshard plan`` for parsed ``args``."""
     if (args.model is None) == (args.hf_config is None):
         raise UsageError("give a model: --model PRESET or --hf-config path/config.json (one)")
     mesh = parse_mesh(args.mesh)
     hardware = hardware_of(args.hardware)
+    if args.strategy in TWO_AXES and len(mesh.axes) < 2:
+        n = mesh.size
+        raise UsageError(
+            f"--strategy {args.strategy} {TWO_AXES[args.strategy]}, so it needs a mesh of two "
+            f"axes; on --mesh {args.mesh!r} it would be full_shard. Pass e.g. --mesh "
+            f"{_two_axes_example(n, hardware)}, or --strategy full_shard"
+        )
+    if hardware is not None:
+        check_nodes(mesh, hardware)
+    if args.efficiency is not None and hardware is not None:
+        try:
+            hardware = with_efficiency(hardware, *parse_efficiency(args.efficiency))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    elif args.efficiency is not None:
+        raise UsageError(f"--efficiency {args.efficiency} needs --hardware: the peak it scales")
     sizes: list[str] = []
     if args.device_memory is not None:
         budget = parse_bytes(args.device_memory)
@@ -146,6 +217,8 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
     if args.reserve is not None:
         model = dataclasses.replace(model, reserve=parse_reserve(args.reserve))
     usable = None if budget is None else usable_budget(budget, model)
+    if args.largest:
+        return _largest_report(args, source, mesh, model, usable, dtype)
     seq_len = args.seq_len or (source.config.seq_len if source.config else None)
     out: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -178,16 +251,35 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
     wanted = ladder(mesh) if args.strategy == "all" else ()
     if args.strategy not in ("all", "auto"):
         wanted = (args.strategy,)
-    rows: list[list[str]] = []
     assumptions: tuple[str, ...] = ()
     memory: dict[str, Memory] = {}
     kwargs: dict[str, Any] = {"units": source.units, "frozen": source.frozen}
+    per_node = ranks_per_node(mesh.size, hardware)
+    lines: list[str] = []
+    estimates: list[tuple[str, Estimate]] = []
     for strategy in wanted:
         est = estimate(plan(source.params, mesh, strategy=strategy, **kwargs), model)
         assumptions, memory[strategy] = est.assumptions, est.memory
-        out["strategies"][strategy] = {**est.to_json(), "fits": _fits(est, usable)}
-        rows.append(_row(strategy, est, usable))
-    lines: list[str] = []
+        host = host_per_node(est.memory, per_node, async_checkpoint=args.async_checkpoint)
+        out["strategies"][strategy] = {
+            **est.to_json(),
+            "fits": _fits(est, usable),
+            "host_per_node": host,
+        }
+        estimates.append((strategy, est))
+        if len(wanted) == 1 and budget is not None and not _fits(est, usable):
+            try:  # the same advice as auto: what would fit
+                plan(
+                    source.params,
+                    mesh,
+                    strategy=strategy,
+                    memory_budget=budget,
+                    cost=model,
+                    **kwargs,
+                )
+            except BudgetError as e:
+                out["strategies"][strategy]["error"] = str(e)
+                lines = ["", f"{strategy}: {e}", *_auto_advice(source, mesh, budget, model, kwargs)]
     if args.strategy in ("all", "auto"):
         if budget is None and args.strategy == "auto":
             raise UsageError("--strategy auto needs --device-memory or --hardware")
@@ -199,25 +291,30 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
                 est = estimate(chosen, model)
                 assumptions = est.assumptions
                 counts = Counter(u.strategy for u in chosen.units)
-                rows.append(
-                    _row("auto: " + ", ".join(f"{n} {s}" for s, n in counts.items()), est, usable)
-                )
+                estimates.append(("auto: " + ", ".join(f"{n} {s}" for s, n in counts.items()), est))
                 out["auto"] = {
                     **est.to_json(),
                     "fits": _fits(est, usable),
                     "units": {u.name: u.strategy for u in chosen.units},
+                    "host_per_node": host_per_node(
+                        est.memory, per_node, async_checkpoint=args.async_checkpoint
+                    ),
                 }
             except BudgetError as e:
                 out["auto"] = {"error": str(e)}
                 lines = ["", f"auto: {e}"]
-    heads = ["strategy", "params", "grads", "optimizer", "mixed prec", "gathered", "activations"]
-    heads += ["total", "fits", "sent/step", "step", "tokens/s"]
     where = f"{source.n_params:,} parameters on {mesh!r} ({mesh.size} ranks)"
     if budget is not None:
         where += f", {format_bytes(budget)} per device"
         if usable is not None and usable < budget:
             where += f" ({format_bytes(usable)} usable: the rest is the runtime's reserve)"
-    text = [f"{source.name}: {where}", *sizes, "", table(heads, rows), *lines]
+    reserve = None if budget is None or usable is None else budget - usable
+    text = [f"{source.name}: {where}", *sizes, ""]
+    text += memory_table(estimates, reserve, usable)
+    text += ["", *time_table(estimates, mesh.size, per_node, args.async_checkpoint), *lines]
+    host_ds = deepspeed_host(source.n_params, source.largest_layer_params, per_node)
+    out["deepspeed_host_per_node"] = host_ds
+    text += ["", describe_deepspeed(host_ds, per_node)]
     if args.deepspeed:
         comparison = compare(memory, source.n_params, source.largest_layer_params, mesh.size)
         out["deepspeed"] = comparison
@@ -226,6 +323,61 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
     text += ["", "Assumptions:", *(f"- {a}" for a in notes)]
     out["assumptions"] = notes
     return {"text": "\n".join(text), "json": out}
+
+
+def _largest_report(
+    args: argparse.Namespace,
+    source: ModelSource,
+    mesh: Mesh,
+    model: CostModel,
+    usable: int | None,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """``--largest``: per strategy, the largest model of the preset's family that fits."""
+    if args.model is None or usable is None:
+        raise UsageError(
+            "--largest scales a preset: give --model and --device-memory (or --hardware)"
+        )
+    preset = get_preset(args.model)
+    wanted = ladder(mesh) if args.strategy in ("all", "auto") else (args.strategy,)
+
+    def model_of(config: ModelConfig) -> CostModel:
+        if model.workload is None:
+            return model
+        return dataclasses.replace(
+            model, workload=dataclasses.replace(model.workload, model=config)
+        )
+
+    found = largest(preset, mesh, tuple(wanted), model_of, usable, dtype=dtype)
+    text = describe_largest(found, preset, usable)
+    return {
+        "text": "\n".join(text),
+        "json": {
+            "schema_version": SCHEMA_VERSION,
+            "model": preset.name,
+            "mesh": mesh.axes,
+            "usable_memory": usable,
+            "largest": found,
+        },
+    }
+
+
+def _auto_advice(
+    source: ModelSource, mesh: Mesh, budget: int, model: CostModel, kwargs: dict[str, Any]
+) -> list[str]:
+    """What ``--strategy auto`` would do where a fixed strategy does not fit."""
+    try:
+        chosen = plan(
+            source.params, mesh, strategy="auto", memory_budget=budget, cost=model, **kwargs
+        )
+    except BudgetError as e:
+        return [f"auto: {e}"]
+    est = estimate(chosen, model)
+    counts = ", ".join(f"{n} {s}" for s, n in Counter(u.strategy for u in chosen.units).items())
+    step = "" if est.time is None else f", {est.time.step_s:.2f} s/step"
+    return [
+        f"Would fit: --strategy auto ({counts}: {format_bytes(est.memory.total)} per rank{step})"
+    ]
 
 
 def _with_units(source: ModelSource, units: Any) -> ModelSource:
@@ -238,20 +390,71 @@ def _fits(est: Estimate, usable: int | None) -> bool | None:
     return None if usable is None else est.memory.total <= usable
 
 
-def _row(label: str, est: Estimate, usable: int | None) -> list[str]:
-    m = est.memory
-    t = est.time
-    fits = _fits(est, usable)
+_OPTIONAL = ("mixed_precision", "frozen", "buffers")  # columns shown where not 0 in every row
+_SHORT = {"mixed_precision": "mixed prec", "activations": "activations"}
+
+
+def memory_table(
+    estimates: list[tuple[str, Estimate]], reserve: int | None, usable: int | None, /
+) -> list[str]:
+    """Per rank, every category the total adds (a category 0 in every row said so), then the reserve."""
+    names = [f.name for f in dataclasses.fields(Memory)]
+    zero = [
+        n for n in names if n in _OPTIONAL and all(getattr(e.memory, n) == 0 for _, e in estimates)
+    ]
+    shown = [n for n in names if n not in zero]
+    heads = ["strategy", *(_SHORT.get(n, n) for n in shown), "total"]
+    if reserve is not None:
+        heads += ["+ reserve", "fits"]
+    rows: list[list[str]] = []
+    for label, est in estimates:
+        m = est.memory
+        row = [label, *(format_bytes(getattr(m, n)) for n in shown), format_bytes(m.total)]
+        if reserve is not None:
+            row += [format_bytes(m.total + reserve), "yes" if _fits(est, usable) else "no"]
+        rows.append(row)
+    out = ["Memory per rank (total = the columns before it):", table(heads, rows)]
+    if zero:
+        out.append(f"({', '.join(_SHORT.get(n, n) for n in zero)}: 0 B in every row)")
+    if reserve is not None:
+        out.append(
+            f"+ reserve: the total and the {format_bytes(reserve)} kept back for the runtime "
+            f"(CUDA context, NCCL buffers, fragmentation); fits: within the device's memory"
+        )
+    return out
+
+
+def time_table(
+    estimates: list[tuple[str, Estimate]], ranks: int, per_node: int, async_save: bool, /
+) -> list[str]:
+    """Per strategy: bytes sent, step time, tokens/s per GPU, MFU and host RAM per node."""
+    heads = ["strategy", "sent/step", "step", "tokens/s per GPU", "MFU"]
+    heads += ["host/node train", "host/node save, load"]
+    rows: list[list[str]] = []
+    for label, est in estimates:
+        t = est.time
+        host = host_per_node(est.memory, per_node, async_checkpoint=async_save)
+        rows.append(
+            [
+                label,
+                format_bytes(sum(est.comm.values())),
+                "" if t is None else f"{t.step_s:.2f} s",
+                "" if t is None else f"{t.tokens_per_s / ranks:,.0f}",
+                "" if t is None else f"{t.mfu:.1%}",
+                format_bytes(host["train"]),
+                format_bytes(host["checkpoint"]),
+            ]
+        )
+    train = (
+        "the pinned staging buffers of fs.checkpoint.AsyncCheckpointer (--async-checkpoint)"
+        if async_save
+        else "nothing of the model (--async-checkpoint adds its pinned staging buffers)"
+    )
     return [
-        label,
-        *(format_bytes(v) for v in (m.params, m.grads, m.optimizer, m.mixed_precision)),
-        format_bytes(m.gathered),
-        format_bytes(m.activations),
-        format_bytes(m.total),
-        "" if fits is None else ("yes" if fits else "no"),
-        format_bytes(sum(est.comm.values())),
-        "" if t is None else f"{t.step_s:.2f} s",
-        "" if t is None else f"{t.tokens_per_s:,.0f}",
+        f"Per step, and host RAM per node of {per_node} ranks:",
+        table(heads, rows),
+        f"host/node: train holds {train}; a save or load copies each rank's params and "
+        f"optimizer state through the host (See [Note: host memory] in cli/host.py)",
     ]
 
 

@@ -1,0 +1,130 @@
+"""``funcshard plan --largest``: the largest model of a preset's family that each strategy fits.
+
+A family is a preset's shape scaled in width and depth together: ``k`` heads of the
+preset's width, ``hidden = k * head_dim``, the MLP, key/value heads and layers scaled by
+``k / n_heads`` (at least one each), the vocabulary and sequence length kept. Memory
+grows with ``k`` for every strategy, so a bisection over ``k`` finds the largest that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from funcshard._src.plan.cost import estimate
+from funcshard._src.plan.cost_model import CostModel
+from funcshard._src.plan.estimates import Estimate
+from funcshard._src.plan.model_config import ModelConfig
+from funcshard._src.plan.planner import plan
+from funcshard._src.plan.presets import Preset
+from funcshard._src.plan.sizes import format_bytes, table
+from funcshard._src.spec.mesh import Mesh
+
+
+def scaled(config: ModelConfig, heads: int, /) -> ModelConfig:
+    """``config`` with ``heads`` heads of its width and every other size scaled to match.
+
+    Example:
+        >>> from funcshard._src.plan.presets import get_preset
+        >>> c = scaled(get_preset("llama-7b").config, 40)
+        >>> c.hidden, c.n_layers, c.ffn_hidden, c.n_kv_heads
+        (5120, 40, 13760, 40)
+    """
+    r = heads / config.n_heads
+
+    def grow(n: int, multiple: int = 1) -> int:
+        return max(multiple, round(n * r / multiple) * multiple)
+
+    kv = max(1, round(config.n_kv_heads * r))
+    while heads % kv:  # grouped-query attention: a whole number of query heads per kv head
+        kv -= 1
+    layers = grow(config.n_layers)
+    square = config.hidden == config.n_heads * config.head_dim
+    return dataclasses.replace(
+        config,
+        n_layers=layers,
+        n_encoder_layers=min(grow(config.n_encoder_layers), layers - 1)
+        if config.n_encoder_layers
+        else 0,
+        hidden=heads * config.head_dim if square else grow(config.hidden, 64),
+        ffn_hidden=grow(config.ffn_hidden, 64),
+        n_heads=heads,
+        n_kv_heads=kv,
+    )
+
+
+def largest(
+    preset: Preset,
+    mesh: Mesh,
+    strategies: tuple[str, ...],
+    model_of: Callable[[ModelConfig], CostModel],
+    usable: int,
+    /,
+    *,
+    dtype: torch.dtype,
+) -> dict[str, dict[str, object]]:
+    """Per strategy, the most heads of ``preset``'s family whose plan fits ``usable`` bytes per rank.
+
+    Returns:
+        ``{strategy: {"heads", "n_params", "total", "next_n_params"}}``; ``heads`` 0 when
+        not even one head fits.
+    """
+    cache: dict[int, tuple[Preset, CostModel]] = {}
+
+    def member(k: int) -> tuple[Preset, CostModel]:
+        if k not in cache:
+            cfg = scaled(preset.config, k)
+            cache[k] = (Preset(f"{preset.name}-family-{k}h", cfg), model_of(cfg))
+        return cache[k]
+
+    def cost(k: int, strategy: str) -> Estimate:
+        p, m = member(k)
+        return estimate(
+            plan(p.params(dtype=dtype), mesh, strategy=strategy, units=[p.unit_pattern]), m
+        )
+
+    out: dict[str, dict[str, object]] = {}
+    for strategy in strategies:
+        low, high = 0, 2 * preset.config.n_heads
+        while cost(high, strategy).memory.total <= usable and high < 64 * preset.config.n_heads:
+            low, high = high, 2 * high
+        while high - low > 1:  # low fits (or is 0), high does not
+            mid = (low + high) // 2
+            if cost(mid, strategy).memory.total <= usable:
+                low = mid
+            else:
+                high = mid
+        out[strategy] = {
+            "heads": low,
+            "n_params": member(low)[0].n_params if low else 0,
+            "total": cost(low, strategy).memory.total if low else None,
+            "next_n_params": member(high)[0].n_params,
+        }
+    return out
+
+
+def describe(found: dict[str, dict[str, object]], preset: Preset, usable: int, /) -> list[str]:
+    """The answer as a table, one row per strategy."""
+    rows: list[list[str]] = []
+    for strategy, f in found.items():
+        n = int(f["n_params"])  # type: ignore[arg-type]
+        total = f["total"]
+        rows.append(
+            [
+                strategy,
+                f"{n / 1e9:.2f}B ({n:,})" if n else "none",
+                "" if total is None else format_bytes(int(total)),  # type: ignore[arg-type]
+                f"{int(f['next_n_params']) / 1e9:.2f}B",  # type: ignore[arg-type]
+            ]
+        )
+    c = preset.config
+    return [
+        f"The largest model of {preset.name}'s family (its {c.arch} shape scaled in width and "
+        f"depth, head_dim {c.head_dim}, vocabulary {c.vocab:,}) that fits {format_bytes(usable)} "
+        f"usable per rank:",
+        table(
+            ["strategy", "largest that fits", "total per rank", "next size (does not fit)"], rows
+        ),
+    ]
