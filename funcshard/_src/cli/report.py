@@ -20,7 +20,9 @@ from funcshard._src.cli.host import (
 )
 from funcshard._src.cli.largest import describe as describe_largest
 from funcshard._src.cli.largest import largest
+from funcshard._src.cli.mesh_fit import check_nodes, check_strategy_axes
 from funcshard._src.cli.model_source import ModelSource, from_hf_config, from_preset
+from funcshard._src.cli.tables import fits, memory_table, time_table
 from funcshard._src.plan.activations import Workload
 from funcshard._src.plan.auto import BudgetError, ladder
 from funcshard._src.plan.cost import estimate
@@ -35,18 +37,12 @@ from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.presets import get_preset
 from funcshard._src.plan.quantize import Quantized
 from funcshard._src.plan.search import LADDER
-from funcshard._src.plan.sizes import describe_size, format_bytes, parse_bytes, table
+from funcshard._src.plan.sizes import describe_size, format_bytes, parse_bytes
 from funcshard._src.spec.mesh import Mesh
 
 SCHEMA_VERSION = 2  # of the --json output; 2 added schema_version, usable_memory, deepspeed
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STRATEGIES = ("all", *LADDER, "auto")  # --strategy's choices, most memory first
-# the strategies that differ from full_shard only on a mesh of several axes
-TWO_AXES: dict[str, str] = {
-    "hybrid_shard": "shards over the last mesh axis and replicates over the others",
-    "partial_reshard": "keeps a copy sharded over the last mesh axis from forward to backward",
-    "hybrid_shard_optimizer": "keeps a copy sharded over the last mesh axis for the step",
-}
 
 
 class UsageError(ValueError):
@@ -100,57 +96,13 @@ def hardware_of(name: str | None, /) -> Hardware | None:
     return get_hardware(name)  # raises, listing the presets
 
 
-def check_nodes(mesh: Mesh, hardware: Hardware, /) -> None:
-    """Refuses a mesh whose groups a node boundary would cut unevenly, with a mesh that does not.
-
-    Ranks are row-major: the last axes lie within a node. Every node must hold whole
-    groups of some last axes and be a whole fraction of one more, else the same axis
-    runs at NVLink speed in one group and across NICs in the next.
-
-    Raises:
-        UsageError: naming the mesh, the node size and a mesh of the same size that tiles.
-    """
-    node = hardware.devices_per_node
-    if mesh.size <= node:
-        return  # one node
-    inner = 1
-    for size in reversed(list(mesh.axes.values())):
-        if node % inner == 0 and (inner * size) % node == 0:
-            return
-        inner *= size
-    text = ",".join(f"{a}={n}" for a, n in mesh.axes.items())
-    fix = (
-        f"e.g. --mesh dp={mesh.size // node},fsdp={node}"
-        if mesh.size % node == 0
-        else f"a mesh of a multiple of {node} ranks, e.g. --mesh dp={-(-mesh.size // node)},fsdp={node}"
-    )
-    raise UsageError(
-        f"--mesh {text} on {hardware.name} ({node} devices per node): node boundaries cut its "
-        f"groups unevenly (ranks are row-major, the last axes inside a node), so one group of "
-        f"an axis would run over NVLink and the next across nodes. Make the last axes' sizes "
-        f"multiply to a divisor or a multiple of {node}: {fix}"
-    )
-
-
-def _two_axes_example(n: int, hardware: Hardware | None, /) -> str:
-    node = hardware.devices_per_node if hardware is not None else 8
-    inner = node if n % node == 0 and n > node else max(1, n // 2)
-    return f"dp={n // inner},fsdp={inner}"
-
-
 def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
     """The table (``"text"``) and JSON (``"json"``) of ``funcshard plan`` for parsed ``args``."""
     if (args.model is None) == (args.hf_config is None):
         raise UsageError("give a model: --model PRESET or --hf-config path/config.json (one)")
     mesh = parse_mesh(args.mesh)
     hardware = hardware_of(args.hardware)
-    if args.strategy in TWO_AXES and len(mesh.axes) < 2:
-        n = mesh.size
-        raise UsageError(
-            f"--strategy {args.strategy} {TWO_AXES[args.strategy]}, so it needs a mesh of two "
-            f"axes; on --mesh {args.mesh!r} it would be full_shard. Pass e.g. --mesh "
-            f"{_two_axes_example(n, hardware)}, or --strategy full_shard"
-        )
+    check_strategy_axes(args.strategy, mesh, args.mesh, hardware)
     if hardware is not None:
         check_nodes(mesh, hardware)
     if args.efficiency is not None and hardware is not None:
@@ -263,11 +215,11 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
         host = host_per_node(est.memory, per_node, async_checkpoint=args.async_checkpoint)
         out["strategies"][strategy] = {
             **est.to_json(),
-            "fits": _fits(est, usable),
+            "fits": fits(est, usable),
             "host_per_node": host,
         }
         estimates.append((strategy, est))
-        if len(wanted) == 1 and budget is not None and not _fits(est, usable):
+        if len(wanted) == 1 and budget is not None and not fits(est, usable):
             try:  # the same advice as auto: what would fit
                 plan(
                     source.params,
@@ -294,7 +246,7 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
                 estimates.append(("auto: " + ", ".join(f"{n} {s}" for s, n in counts.items()), est))
                 out["auto"] = {
                     **est.to_json(),
-                    "fits": _fits(est, usable),
+                    "fits": fits(est, usable),
                     "units": {u.name: u.strategy for u in chosen.units},
                     "host_per_node": host_per_node(
                         est.memory, per_node, async_checkpoint=args.async_checkpoint
@@ -384,78 +336,6 @@ def _with_units(source: ModelSource, units: Any) -> ModelSource:
     import dataclasses
 
     return dataclasses.replace(source, units=list(units))
-
-
-def _fits(est: Estimate, usable: int | None) -> bool | None:
-    return None if usable is None else est.memory.total <= usable
-
-
-_OPTIONAL = ("mixed_precision", "frozen", "buffers")  # columns shown where not 0 in every row
-_SHORT = {"mixed_precision": "mixed prec", "activations": "activations"}
-
-
-def memory_table(
-    estimates: list[tuple[str, Estimate]], reserve: int | None, usable: int | None, /
-) -> list[str]:
-    """Per rank, every category the total adds (a category 0 in every row said so), then the reserve."""
-    names = [f.name for f in dataclasses.fields(Memory)]
-    zero = [
-        n for n in names if n in _OPTIONAL and all(getattr(e.memory, n) == 0 for _, e in estimates)
-    ]
-    shown = [n for n in names if n not in zero]
-    heads = ["strategy", *(_SHORT.get(n, n) for n in shown), "total"]
-    if reserve is not None:
-        heads += ["+ reserve", "fits"]
-    rows: list[list[str]] = []
-    for label, est in estimates:
-        m = est.memory
-        row = [label, *(format_bytes(getattr(m, n)) for n in shown), format_bytes(m.total)]
-        if reserve is not None:
-            row += [format_bytes(m.total + reserve), "yes" if _fits(est, usable) else "no"]
-        rows.append(row)
-    out = ["Memory per rank (total = the columns before it):", table(heads, rows)]
-    if zero:
-        out.append(f"({', '.join(_SHORT.get(n, n) for n in zero)}: 0 B in every row)")
-    if reserve is not None:
-        out.append(
-            f"+ reserve: the total and the {format_bytes(reserve)} kept back for the runtime "
-            f"(CUDA context, NCCL buffers, fragmentation); fits: within the device's memory"
-        )
-    return out
-
-
-def time_table(
-    estimates: list[tuple[str, Estimate]], ranks: int, per_node: int, async_save: bool, /
-) -> list[str]:
-    """Per strategy: bytes sent, step time, tokens/s per GPU, MFU and host RAM per node."""
-    heads = ["strategy", "sent/step", "step", "tokens/s per GPU", "MFU"]
-    heads += ["host/node train", "host/node save, load"]
-    rows: list[list[str]] = []
-    for label, est in estimates:
-        t = est.time
-        host = host_per_node(est.memory, per_node, async_checkpoint=async_save)
-        rows.append(
-            [
-                label,
-                format_bytes(sum(est.comm.values())),
-                "" if t is None else f"{t.step_s:.2f} s",
-                "" if t is None else f"{t.tokens_per_s / ranks:,.0f}",
-                "" if t is None else f"{t.mfu:.1%}",
-                format_bytes(host["train"]),
-                format_bytes(host["checkpoint"]),
-            ]
-        )
-    train = (
-        "the pinned staging buffers of fs.checkpoint.AsyncCheckpointer (--async-checkpoint)"
-        if async_save
-        else "nothing of the model (--async-checkpoint adds its pinned staging buffers)"
-    )
-    return [
-        f"Per step, and host RAM per node of {per_node} ranks:",
-        table(heads, rows),
-        f"host/node: train holds {train}; a save or load copies each rank's params and "
-        f"optimizer state through the host (See [Note: host memory] in cli/host.py)",
-    ]
 
 
 def parse_reserve(text: str, /) -> Reserve:
