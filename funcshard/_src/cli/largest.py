@@ -8,8 +8,10 @@ grows with ``k`` for every strategy, so a bisection over ``k`` finds the largest
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -18,7 +20,8 @@ from funcshard._src.plan.cost_model import CostModel
 from funcshard._src.plan.estimates import Estimate
 from funcshard._src.plan.model_config import ModelConfig
 from funcshard._src.plan.planner import plan
-from funcshard._src.plan.presets import Preset
+from funcshard._src.plan.presets import Preset, get_preset
+from funcshard._src.plan.search import ladder
 from funcshard._src.plan.sizes import format_bytes, table
 from funcshard._src.spec.mesh import Mesh
 
@@ -128,3 +131,52 @@ def describe(found: dict[str, dict[str, object]], preset: Preset, usable: int, /
             ["strategy", "largest that fits", "total per rank", "next size (does not fit)"], rows
         ),
     ]
+
+
+def largest_report(
+    args: argparse.Namespace,
+    mesh: Mesh,
+    model: CostModel,
+    usable: int | None,
+    dtype: torch.dtype,
+    schema_version: int,
+    /,
+) -> dict[str, Any]:
+    """``--largest``: per strategy, the largest model of the preset's family that fits."""
+    if args.model is None or usable is None:
+        raise ValueError(
+            "--largest scales a preset: give --model and --device-memory (or --hardware)"
+        )
+    preset = get_preset(args.model)
+    wanted = ladder(mesh) if args.strategy in ("all", "auto") else (args.strategy,)
+
+    def model_of(config: ModelConfig) -> CostModel:
+        if model.workload is None:
+            return model
+        return dataclasses.replace(
+            model, workload=dataclasses.replace(model.workload, model=config)
+        )
+
+    found = largest(preset, mesh, tuple(wanted), model_of, usable, dtype=dtype)
+    w = model.workload
+    text = [
+        *describe(found, preset, usable),
+        f"Training: {model.optimizer}, mixed precision {args.mixed_precision}, params "
+        f"{args.param_dtype}"
+        + (
+            ""
+            if w is None
+            else f", {w.batch_size} x {w.seq_len or preset.config.seq_len} tokens per rank, "
+            f"{'with' if w.remat else 'without'} remat"
+        ),
+    ]
+    return {
+        "text": "\n".join(text),
+        "json": {
+            "schema_version": schema_version,
+            "model": preset.name,
+            "mesh": mesh.axes,
+            "usable_memory": usable,
+            "largest": found,
+        },
+    }

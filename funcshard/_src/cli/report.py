@@ -18,8 +18,7 @@ from funcshard._src.cli.host import (
     host_per_node,
     ranks_per_node,
 )
-from funcshard._src.cli.largest import describe as describe_largest
-from funcshard._src.cli.largest import largest
+from funcshard._src.cli.largest import largest_report
 from funcshard._src.cli.mesh_fit import check_nodes, check_strategy_axes
 from funcshard._src.cli.model_source import ModelSource, from_hf_config, from_preset
 from funcshard._src.cli.tables import fits, memory_table, time_table
@@ -30,11 +29,9 @@ from funcshard._src.plan.cost_model import CostModel, Reserve, usable_budget
 from funcshard._src.plan.efficiency import parse_efficiency, with_efficiency
 from funcshard._src.plan.estimates import Estimate, Memory
 from funcshard._src.plan.hardware import HARDWARE, Hardware, get_hardware
-from funcshard._src.plan.model_config import ModelConfig
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.planner import plan
 from funcshard._src.plan.precision import MixedPrecision
-from funcshard._src.plan.presets import get_preset
 from funcshard._src.plan.quantize import Quantized
 from funcshard._src.plan.search import LADDER
 from funcshard._src.plan.sizes import describe_size, format_bytes, parse_bytes
@@ -170,7 +167,7 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
         model = dataclasses.replace(model, reserve=parse_reserve(args.reserve))
     usable = None if budget is None else usable_budget(budget, model)
     if args.largest:
-        return _largest_report(args, source, mesh, model, usable, dtype)
+        return largest_report(args, mesh, model, usable, dtype, SCHEMA_VERSION)
     seq_len = args.seq_len or (source.config.seq_len if source.config else None)
     out: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -275,43 +272,6 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
     text += ["", "Assumptions:", *(f"- {a}" for a in notes)]
     out["assumptions"] = notes
     return {"text": "\n".join(text), "json": out}
-
-
-def _largest_report(
-    args: argparse.Namespace,
-    source: ModelSource,
-    mesh: Mesh,
-    model: CostModel,
-    usable: int | None,
-    dtype: torch.dtype,
-) -> dict[str, Any]:
-    """``--largest``: per strategy, the largest model of the preset's family that fits."""
-    if args.model is None or usable is None:
-        raise UsageError(
-            "--largest scales a preset: give --model and --device-memory (or --hardware)"
-        )
-    preset = get_preset(args.model)
-    wanted = ladder(mesh) if args.strategy in ("all", "auto") else (args.strategy,)
-
-    def model_of(config: ModelConfig) -> CostModel:
-        if model.workload is None:
-            return model
-        return dataclasses.replace(
-            model, workload=dataclasses.replace(model.workload, model=config)
-        )
-
-    found = largest(preset, mesh, tuple(wanted), model_of, usable, dtype=dtype)
-    text = describe_largest(found, preset, usable)
-    return {
-        "text": "\n".join(text),
-        "json": {
-            "schema_version": SCHEMA_VERSION,
-            "model": preset.name,
-            "mesh": mesh.axes,
-            "usable_memory": usable,
-            "largest": found,
-        },
-    }
 
 
 def _auto_advice(
