@@ -11,13 +11,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from funcshard._src.plan.cost import estimate
 from funcshard._src.plan.cost_model import CostModel
-from funcshard._src.plan.estimates import Estimate
 from funcshard._src.plan.model_config import ModelConfig
 from funcshard._src.plan.planner import plan
 from funcshard._src.plan.presets import Preset, get_preset
@@ -58,6 +57,15 @@ def scaled(config: ModelConfig, heads: int, /) -> ModelConfig:
     )
 
 
+class Largest(NamedTuple):
+    """One strategy's answer: the most heads that fit, that model's size and memory, the next size."""
+
+    heads: int  # 0: not even one head fits
+    n_params: int
+    total: int | None  # bytes per rank of the largest that fits
+    next_n_params: int  # the smallest size tried that does not fit
+
+
 def largest(
     preset: Preset,
     mesh: Mesh,
@@ -67,14 +75,14 @@ def largest(
     /,
     *,
     dtype: torch.dtype,
-) -> dict[str, dict[str, object]]:
+) -> dict[str, Largest]:
     """Per strategy, the most heads of ``preset``'s family whose plan fits ``usable`` bytes per rank.
 
-    Returns:
-        ``{strategy: {"heads", "n_params", "total", "next_n_params"}}``; ``heads`` 0 when
-        not even one head fits.
+    Memory grows with the heads, so the answer is bisected: doubling from twice the
+    preset's heads while that fits (up to 64 times), then halving the interval.
     """
     cache: dict[int, tuple[Preset, CostModel]] = {}
+    totals: dict[tuple[int, str], int] = {}
 
     def member(k: int) -> tuple[Preset, CostModel]:
         if k not in cache:
@@ -82,46 +90,44 @@ def largest(
             cache[k] = (Preset(f"{preset.name}-family-{k}h", cfg), model_of(cfg))
         return cache[k]
 
-    def cost(k: int, strategy: str) -> Estimate:
-        p, m = member(k)
-        return estimate(
-            plan(p.params(dtype=dtype), mesh, strategy=strategy, units=[p.unit_pattern]), m
-        )
+    def total(k: int, strategy: str) -> int:
+        if (k, strategy) not in totals:
+            p, m = member(k)
+            made = plan(p.params(dtype=dtype), mesh, strategy=strategy, units=[p.unit_pattern])
+            totals[k, strategy] = estimate(made, m).memory.total
+        return totals[k, strategy]
 
-    out: dict[str, dict[str, object]] = {}
+    cap = 64 * preset.config.n_heads
+    out: dict[str, Largest] = {}
     for strategy in strategies:
         low, high = 0, 2 * preset.config.n_heads
-        while cost(high, strategy).memory.total <= usable and high < 64 * preset.config.n_heads:
+        while total(high, strategy) <= usable:
             low, high = high, 2 * high
+            if low >= cap:
+                break
         while high - low > 1:  # low fits (or is 0), high does not
             mid = (low + high) // 2
-            if cost(mid, strategy).memory.total <= usable:
-                low = mid
-            else:
-                high = mid
-        out[strategy] = {
-            "heads": low,
-            "n_params": member(low)[0].n_params if low else 0,
-            "total": cost(low, strategy).memory.total if low else None,
-            "next_n_params": member(high)[0].n_params,
-        }
+            low, high = (mid, high) if total(mid, strategy) <= usable else (low, mid)
+        out[strategy] = Largest(
+            low,
+            member(low)[0].n_params if low else 0,
+            total(low, strategy) if low else None,
+            member(high)[0].n_params,
+        )
     return out
 
 
-def describe(found: dict[str, dict[str, object]], preset: Preset, usable: int, /) -> list[str]:
+def describe(found: dict[str, Largest], preset: Preset, usable: int, /) -> list[str]:
     """The answer as a table, one row per strategy."""
-    rows: list[list[str]] = []
-    for strategy, f in found.items():
-        n = int(f["n_params"])  # type: ignore[arg-type]
-        total = f["total"]
-        rows.append(
-            [
-                strategy,
-                f"{n / 1e9:.2f}B ({n:,})" if n else "none",
-                "" if total is None else format_bytes(int(total)),  # type: ignore[arg-type]
-                f"{int(f['next_n_params']) / 1e9:.2f}B",  # type: ignore[arg-type]
-            ]
-        )
+    rows = [
+        [
+            strategy,
+            f"{f.n_params / 1e9:.2f}B ({f.n_params:,})" if f.n_params else "none",
+            "" if f.total is None else format_bytes(f.total),
+            f"{f.next_n_params / 1e9:.2f}B",
+        ]
+        for strategy, f in found.items()
+    ]
     c = preset.config
     return [
         f"The largest model of {preset.name}'s family (its {c.arch} shape scaled in width and "
@@ -177,6 +183,6 @@ def largest_report(
             "model": preset.name,
             "mesh": mesh.axes,
             "usable_memory": usable,
-            "largest": found,
+            "largest": {strategy: f._asdict() for strategy, f in found.items()},
         },
     }
