@@ -17,7 +17,7 @@ import pytest
 
 from funcshard import cli
 from funcshard._src.plan.hardware import Hardware, get_hardware
-from funcshard._src.plan.sizes import describe_size, parse_bytes
+from funcshard._src.plan.sizes import describe_size, format_bytes, parse_bytes
 
 LLAMA_13B = [
     "plan",
@@ -666,3 +666,13 @@ def test_calibration_reproduces_published_runs_within_25_percent(run, command, m
     assert 0.75 * low <= value <= 1.25 * high, (run, metric, value)
     rows = [line for line in DOCS.read_text().splitlines() if line.startswith(f"| {run},")]
     assert any(shown in row for row in rows), (run, shown, rows)
+
+
+@pytest.mark.parametrize("command", [BLOOM, LLAMA])
+def test_the_docs_host_ram_table_is_the_commands(command):
+    """docs/planner.md's host-RAM row of each plan: funcshard's figures beside DeepSpeed's."""
+    _, data = _run(command)
+    host, ds = data["strategies"]["full_shard"]["host_per_node"], data["deepspeed_host_per_node"]
+    figures = [host["train"], host["checkpoint"], host["checkpoint"], *ds.values()]
+    row = f"| {data['model']} | " + " | ".join(format_bytes(n) for n in figures) + " |"
+    assert row in DOCS.read_text().splitlines()

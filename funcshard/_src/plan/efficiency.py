@@ -65,4 +65,6 @@ def with_efficiency(hardware: Hardware, efficiency: float, label: str, /) -> Har
         0.24
     """
     source = f"efficiency {efficiency:g} ({label}; see [Note: efficiency profiles])"
+    if hardware.source:  # what the other figures are: a preset's note or a calibration's
+        source = f"{hardware.source.split(';')[0]}; {source}"
     return dataclasses.replace(hardware, efficiency=efficiency, source=source)
