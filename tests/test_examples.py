@@ -109,9 +109,9 @@ def test_train_gpt_explains_the_precision_and_bytes_it_runs_with(capsys):
     for flags in ([], ["--bf16"]):
         _train_gpt([*tiny, *flags, "--explain"])
         out = capsys.readouterr().out
-        gathered[bool(flags)] = int(
-            re.search(r"^gathered +\S+ \S+ +([\d,]+)", out, re.M)[1].replace(",", "")
-        )
+        found = re.search(r"^gathered +\S+ \S+ +([\d,]+)", out, re.M)
+        assert found is not None, out
+        gathered[bool(flags)] = int(found[1].replace(",", ""))
         if flags:
             assert "mixed precision: compute bfloat16, reduce float32" in out
         else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -22,6 +22,7 @@ from funcshard._src.plan.planner import plan
 from funcshard._src.plan.presets import Preset, get_preset
 from funcshard._src.plan.search import ladder
 from funcshard._src.plan.sizes import format_bytes, table
+from funcshard._src.plan.strategy import Strategy
 from funcshard._src.spec.mesh import Mesh
 
 
@@ -69,7 +70,7 @@ class Largest(NamedTuple):
 def largest(
     preset: Preset,
     mesh: Mesh,
-    strategies: tuple[str, ...],
+    strategies: tuple[Strategy, ...],
     model_of: Callable[[ModelConfig], CostModel],
     usable: int,
     /,
@@ -82,7 +83,7 @@ def largest(
     preset's heads while that fits (up to 64 times), then halving the interval.
     """
     cache: dict[int, tuple[Preset, CostModel]] = {}
-    totals: dict[tuple[int, str], int] = {}
+    totals: dict[tuple[int, Strategy], int] = {}
 
     def member(k: int) -> tuple[Preset, CostModel]:
         if k not in cache:
@@ -90,7 +91,7 @@ def largest(
             cache[k] = (Preset(f"{preset.name}-family-{k}h", cfg), model_of(cfg))
         return cache[k]
 
-    def total(k: int, strategy: str) -> int:
+    def total(k: int, strategy: Strategy) -> int:
         if (k, strategy) not in totals:
             p, m = member(k)
             made = plan(p.params(dtype=dtype), mesh, strategy=strategy, units=[p.unit_pattern])
@@ -154,7 +155,9 @@ def largest_report(
             "--largest scales a preset: give --model and --device-memory (or --hardware)"
         )
     preset = get_preset(args.model)
-    wanted = ladder(mesh) if args.strategy in ("all", "auto") else (args.strategy,)
+    wanted: tuple[Strategy, ...] = (
+        ladder(mesh) if args.strategy in ("all", "auto") else (cast(Strategy, args.strategy),)
+    )
 
     def model_of(config: ModelConfig) -> CostModel:
         if model.workload is None:
@@ -163,7 +166,7 @@ def largest_report(
             model, workload=dataclasses.replace(model.workload, model=config)
         )
 
-    found = largest(preset, mesh, tuple(wanted), model_of, usable, dtype=dtype)
+    found = largest(preset, mesh, wanted, model_of, usable, dtype=dtype)
     w = model.workload
     text = [
         *describe(found, preset, usable),
