@@ -204,7 +204,17 @@ ORDER = {
         "fsdp_checkpoint",
     ],
     "verify": ["report", "batches", "reference", "summary", "verify", "worker", "launch"],
-    "cli": ["hf_config", "model_source", "deepspeed", "host", "largest", "tables", "mesh_fit", "plot", "report"],
+    "cli": [
+        "hf_config",
+        "model_source",
+        "deepspeed",
+        "host",
+        "largest",
+        "tables",
+        "mesh_fit",
+        "plot",
+        "report",
+    ],
 }
 DISTRIBUTED_OK = {"comm", "execute", "optim", "checkpoint", "interop", "calibrate"}
 TORCH_FREE = {"spec"}  # pure index math
