@@ -1,10 +1,12 @@
 """The ``funcshard`` command: plan a run of a published model on a laptop.
 
 ``funcshard plan --model llama-13b --mesh dp=2,fsdp=8 --device-memory 80GiB`` prints,
-for each strategy, the memory one rank holds by category, the bytes it sends per
-step, and (with ``--hardware``) the estimated step time and tokens/s; with
-``--device-memory`` it also chooses a plan (``strategy="auto"``). ``--json`` and
-``--plot`` write the same numbers as JSON and as a bar chart (matplotlib).
+for each strategy, the memory one rank holds by category (the columns add up to the
+total), the bytes it sends per step, host RAM per node, and (with ``--hardware``) the
+estimated step time, tokens/s per GPU and MFU; with ``--device-memory`` it also chooses a
+plan (``strategy="auto"``). ``--largest`` gives the largest model of the preset's family
+each strategy fits. ``--json`` and ``--plot`` write the same numbers as JSON and as a bar
+chart (matplotlib).
 
 ``funcshard verify script.py --nproc 2 [-- args]`` runs ``fs.verify`` on the
 configuration that the script's ``verify_config()`` returns, on that many local

@@ -518,7 +518,8 @@ def test_time_table_gives_tokens_per_gpu_mfu_and_host_ram_beside_deepspeed():
     assert "tokens/s per GPU  MFU" in text
     full = data["strategies"]["full_shard"]
     row = [line for line in text.splitlines() if line.startswith("full_shard ")][1]
-    assert f"{full['time']['tokens_per_s'] / 8:,.0f}" in row
+    assert full["tokens_per_s_per_device"] == full["time"]["tokens_per_s"] / 8
+    assert f"{full['tokens_per_s_per_device']:,.0f}" in row
     assert f"{full['time']['mfu']:.1%}" in row
     m = full["memory"]
     assert full["host_per_node"] == {

@@ -214,6 +214,7 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
             **est.to_json(),
             "fits": fits(est, usable),
             "host_per_node": host,
+            "tokens_per_s_per_device": _per_device(est, mesh),
         }
         estimates.append((strategy, est))
         if len(wanted) == 1 and budget is not None and not fits(est, usable):
@@ -245,6 +246,7 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
                     **est.to_json(),
                     "fits": fits(est, usable),
                     "units": {u.name: u.strategy for u in chosen.units},
+                    "tokens_per_s_per_device": _per_device(est, mesh),
                     "host_per_node": host_per_node(
                         est.memory, per_node, async_checkpoint=args.async_checkpoint
                     ),
@@ -272,6 +274,10 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
     text += ["", "Assumptions:", *(f"- {a}" for a in notes)]
     out["assumptions"] = notes
     return {"text": "\n".join(text), "json": out}
+
+
+def _per_device(est: Estimate, mesh: Mesh) -> float | None:
+    return None if est.time is None else est.time.tokens_per_s / mesh.size
 
 
 def _auto_advice(

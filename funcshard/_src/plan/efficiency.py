@@ -5,7 +5,7 @@ A step's compute time is its FLOPs over ``efficiency * peak_flops`` (``step_time
 The efficiency depends on the software more than on the device: fused kernels,
 FlashAttention and ``torch.compile`` against eager attention and unfused layers. A
 profile names one value and the published runs it reproduces (within 25 %, held by
-``tests/test_calibration.py`` to the table in ``docs/planner.md``):
+``tests/test_cli.py`` to the table in ``docs/planner.md``):
 
 - ``tuned`` (0.5), the **default**: fused or compiled kernels and FlashAttention, as
   torchtitan runs Llama-3.1-8B on 8 H100s (5,762 tokens/s per GPU, 33-39 % MFU) and
