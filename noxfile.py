@@ -7,6 +7,7 @@ or set it empty to let pip choose (a CUDA build): ``FUNCSHARD_CONSTRAINTS= nox -
 
 from __future__ import annotations
 
+import math
 import os
 
 import nox
@@ -126,14 +127,33 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: sharded training of a small GPT on two CPU processes (torchrun, gloo)."""
+    """The main job: sharded training of a small GPT on CPU processes (torchrun, gloo).
+
+    Two processes, or as many as ``--mesh`` names (``-- --mesh dp=2,fsdp=2``: four).
+    """
     _install(session, "examples")
     session.run(
         "torchrun",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(demo_ranks(session.posargs)),
         "examples/train_gpt.py",
         *session.posargs,
         env={"OMP_NUM_THREADS": "1"},
     )
+
+
+def demo_ranks(posargs: list[str]) -> int:
+    """The processes ``nox -s demo`` starts: the product of ``--mesh``'s sizes, else 2."""
+    mesh = None
+    for k, arg in enumerate(posargs):
+        if arg == "--mesh" and k + 1 < len(posargs):
+            mesh = posargs[k + 1]
+        elif arg.startswith("--mesh="):
+            mesh = arg.split("=", 1)[1]
+    if mesh is None:
+        return 2
+    sizes = [part.split("=")[-1].strip() for part in mesh.split(",")]
+    if not all(size.isdigit() and int(size) > 0 for size in sizes):
+        return 2  # train_gpt.py refuses the mesh, saying how to write one
+    return math.prod(int(size) for size in sizes)

@@ -160,12 +160,21 @@ def main(argv: list[str] | None = None) -> list[float]:
             f"it is full_shard): pass e.g. --mesh dp=2,fsdp={world // 2 or 1}"
         )
     params = init_params(cfg, torch.Generator().manual_seed(0))  # the same on every rank
+    mp = (
+        fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if args.bf16
+        else None
+    )
     plan = fs.plan(
         params,
         mesh,
         rules=[("embed/pos", P(None, mesh.axis_names[-1]))],
         units=["blocks/*"],
         strategy=args.strategy,
+        # the run's precision and backend, so that explain() gives the bytes it will hold
+        cost=fs.cost.CostModel(
+            mixed_precision=mp, backend="nccl" if torch.cuda.is_available() else "gloo"
+        ),
     )
     if args.explain and rank == 0:
         print(plan.explain())
@@ -178,11 +187,6 @@ def main(argv: list[str] | None = None) -> list[float]:
         fs.optim.adamw(lr=warmup, weight_decay=0.1, mask=fs.optim.decay_mask_default),
     )
     state = opt.init(sparams)
-    mp = (
-        fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if args.bf16
-        else None
-    )
     # gradients are done with after each update: the next step may reuse their buffers
     step = fs.value_and_grad(loss_fn, plan, mixed_precision=mp, donate_grads=True)
 

@@ -1,10 +1,12 @@
 """The ``funcshard`` command: plan a run of a published model on a laptop.
 
 ``funcshard plan --model llama-13b --mesh dp=2,fsdp=8 --device-memory 80GiB`` prints,
-for each strategy, the memory one rank holds by category, the bytes it sends per
-step, and (with ``--hardware``) the estimated step time and tokens/s; with
-``--device-memory`` it also chooses a plan (``strategy="auto"``). ``--json`` and
-``--plot`` write the same numbers as JSON and as a bar chart (matplotlib).
+for each strategy, the memory one rank holds by category (the columns add up to the
+total), the bytes it sends per step, host RAM per node, and (with ``--hardware``) the
+estimated step time, tokens/s per GPU and MFU; with ``--device-memory`` it also chooses a
+plan (``strategy="auto"``). ``--largest`` gives the largest model of the preset's family
+each strategy fits. ``--json`` and ``--plot`` write the same numbers as JSON and as a bar
+chart (matplotlib).
 
 ``funcshard verify script.py --nproc 2 [-- args]`` runs ``fs.verify`` on the
 configuration that the script's ``verify_config()`` returns, on that many local
@@ -33,6 +35,7 @@ from funcshard._src.cli.report import (
     parse_mesh,
     plan_report,
 )
+from funcshard._src.plan.efficiency import DEFAULT_PROFILE, PROFILES
 from funcshard._src.plan.hardware import HARDWARE
 from funcshard._src.plan.presets import PRESETS
 from funcshard._src.plan.quantize import FORMATS
@@ -114,6 +117,24 @@ def build_parser() -> argparse.ArgumentParser:
         "prefetch, a unit per module) beside its ZeRO-1/2/3 estimators, term by term",
     )
     p.add_argument("--hardware", help=f"a preset ({', '.join(HARDWARE)}) or a JSON file")
+    p.add_argument(
+        "--efficiency",
+        help=f"the fraction of peak FLOP/s the model's compute reaches: a profile "
+        f"({', '.join(f'{k} {v}' for k, v in PROFILES.items())}; default {DEFAULT_PROFILE}, "
+        f"or a calibrated machine's own) or a number in (0, 1]",
+    )
+    p.add_argument(
+        "--async-checkpoint",
+        action="store_true",
+        help="checkpoints saved with fs.checkpoint.AsyncCheckpointer: its pinned host buffers "
+        "count in host RAM while training",
+    )
+    p.add_argument(
+        "--largest",
+        action="store_true",
+        help="the largest model of --model's family (its shape scaled in width and depth) that "
+        "each strategy fits in --device-memory or --hardware's memory",
+    )
     p.add_argument("--batch-size", type=int, default=1, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
     p.add_argument("--remat", action="store_true", help="recompute activations in backward")

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import json
+import pathlib
 import re
+import shlex
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 from funcshard import cli
 from funcshard._src.plan.hardware import Hardware, get_hardware
-from funcshard._src.plan.sizes import describe_size, parse_bytes
+from funcshard._src.plan.sizes import describe_size, format_bytes, parse_bytes
 
 LLAMA_13B = [
     "plan",
@@ -468,3 +474,206 @@ def test_reserve_changes_what_fits(capsys):
     assert "40.00 GiB usable" in capsys.readouterr().out
     assert cli.main([*argv, "--reserve", "lots"]) == 2
     assert "--reserve 'lots': write a percentage and/or a size" in capsys.readouterr().err
+
+
+# -- the two tables, host RAM, refusals, --largest, and the printouts in docs/planner.md ----------
+
+DOCS = pathlib.Path(__file__).parent.parent / "docs" / "planner.md"
+BLOOM = "funcshard plan --model bloom-7b --mesh fsdp=8 --hardware a100-80gb --mixed-precision bf16 --remat --efficiency eager"
+LLAMA = "funcshard plan --model llama-13b --mesh fsdp=8 --hardware a100-80gb --mixed-precision bf16 --remat --efficiency eager"
+LARGEST = "funcshard plan --model llama-7b --mesh fsdp=8 --hardware a100-80gb --remat --batch-size 12 --largest"
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+@functools.cache
+def _run(command: str) -> tuple[str, dict]:
+    """``command``'s printout and JSON, run once per session (planning a 7B model takes seconds)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out, buffer = pathlib.Path(tmp) / "p.json", io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            assert cli.main([*shlex.split(command)[1:], "--json", str(out)]) == 0
+        return buffer.getvalue(), json.loads(out.read_text())
+
+
+def _cells(line: str) -> list[float]:
+    return [float(n) * _UNITS[u] for n, u in re.findall(r"([\d.]+) (B|KiB|MiB|GiB|TiB)\b", line)]
+
+
+def test_the_memory_columns_add_up_to_the_total_and_the_reserve():
+    """Every category the total counts is a column (logits and staging too), then the reserve."""
+    text, data = _run(BLOOM)
+    head = next(line for line in text.splitlines() if line.startswith("strategy  "))
+    for column in ("logits", "staging", "total", "+ reserve", "fits"):
+        assert column in head, column
+    assert "(mixed prec, frozen, buffers: 0 B in every row)" in text
+    row = next(line for line in text.splitlines() if line.startswith("full_shard "))
+    *parts, total, with_reserve = _cells(row)
+    assert sum(parts) == pytest.approx(total, abs=len(parts) * 0.005 * 2**30)
+    assert with_reserve - total == pytest.approx(5 * 2**30, abs=0.01 * 2**30)
+    assert total == pytest.approx(data["strategies"]["full_shard"]["total"], abs=0.005 * 2**30)
+
+
+def test_time_table_gives_tokens_per_gpu_mfu_and_host_ram_beside_deepspeed():
+    text, data = _run(BLOOM)
+    assert "tokens/s per GPU  MFU" in text
+    full = data["strategies"]["full_shard"]
+    row = [line for line in text.splitlines() if line.startswith("full_shard ")][1]
+    assert full["tokens_per_s_per_device"] == full["time"]["tokens_per_s"] / 8
+    assert f"{full['tokens_per_s_per_device']:,.0f}" in row
+    assert f"{full['time']['mfu']:.1%}" in row
+    m = full["memory"]
+    assert full["host_per_node"] == {
+        "train": 0,  # without --async-checkpoint nothing of the model stays on the host
+        "checkpoint": 8 * (m["params"] + m["frozen"] + m["optimizer"]),
+    }
+    # DeepSpeed's estimate_zero3_model_states_mem_needs, no offload: 4 * (largest | P) * 8 * 1.5
+    assert data["deepspeed_host_per_node"] == {
+        "zero_init=1": int(4 * 250880 * 4096 * 8 * 1.5),  # the embedding is the largest layer
+        "zero_init=0": int(4 * 7_069_016_064 * 8 * 1.5),
+    }
+    assert "DeepSpeed's ZeRO-3 estimator, host RAM per node of 8 GPUs" in text
+
+
+def test_async_checkpoint_keeps_its_pinned_buffers_on_the_host(tmp_path):
+    out = tmp_path / "a.json"
+    argv = ["plan", "--model", "llama-7b", "--mesh", "fsdp=8", "--strategy", "full_shard"]
+    assert cli.main([*argv, "--async-checkpoint", "--json", str(out)]) == 0
+    host = json.loads(out.read_text())["strategies"]["full_shard"]["host_per_node"]
+    assert host["train"] == host["checkpoint"] > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--mesh", "fsdp=8", "--strategy", "hybrid_shard"],
+            "--strategy hybrid_shard shards over the last mesh axis and replicates over the "
+            "others, so it needs a mesh of two axes; on --mesh 'fsdp=8' it would be full_shard. "
+            "Pass e.g. --mesh dp=2,fsdp=4, or --strategy full_shard",
+        ),
+        (
+            ["--mesh", "16", "--strategy", "partial_reshard", "--hardware", "a100-80gb"],
+            "Pass e.g. --mesh dp=2,fsdp=8, or --strategy full_shard",
+        ),
+        (
+            ["--mesh", "dp=4,fsdp=6", "--hardware", "a100-80gb"],
+            "--mesh dp=4,fsdp=6 on a100-80gb (8 devices per node): node boundaries cut its groups "
+            "unevenly",
+        ),
+        (["--mesh", "dp=4,fsdp=6", "--hardware", "a100-80gb"], "e.g. --mesh dp=3,fsdp=8"),
+        (["--mesh", "dp=5,fsdp=3", "--hardware", "a100-80gb"], "e.g. --mesh dp=2,fsdp=8"),
+        (
+            ["--mesh", "8", "--hardware", "a100-80gb", "--efficiency", "fast"],
+            "--efficiency 'fast': give a profile (tuned = 0.5, eager = 0.24; default tuned) or a "
+            "fraction of peak FLOP/s in (0, 1]",
+        ),
+        (["--mesh", "8", "--efficiency", "eager"], "--efficiency eager needs --hardware"),
+        (["--mesh", "8", "--largest"], "--largest scales a preset: give --model and"),
+    ],
+)
+def test_plans_the_mesh_cannot_express_are_refused_with_the_fix(argv, message, capsys):
+    assert cli.main(["plan", "--model", "llama-7b", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_meshes_that_tile_nodes_are_accepted(capsys):
+    for mesh in ("dp=2,fsdp=8", "fsdp=16", "dp=16,fsdp=4", "fsdp=3"):
+        argv = ["plan", "--model", "llama-7b", "--mesh", mesh, "--hardware", "a100-80gb"]
+        assert cli.main([*argv, "--strategy", "full_shard"]) == 0, mesh
+    capsys.readouterr()
+
+
+def test_a_fixed_strategy_that_does_not_fit_gets_the_advice_auto_gets(capsys):
+    argv = ["plan", "--model", "llama-13b", "--mesh", "8", "--hardware", "a100-80gb"]
+    assert cli.main([*argv, "--strategy", "no_shard"]) == 0
+    out = capsys.readouterr().out
+    assert "\nno_shard: no plan fits memory_budget 80.00 GiB (75.00 GiB usable) per rank" in out
+    assert "\nauto: no plan fits" in out
+    assert "Would fit: remat=True" in out
+
+
+def test_largest_reproduces_ddp_2_to_3b_and_fsdp_over_10b_on_8_a100s():
+    """The largest of LLaMA-7B's family per strategy, fp32 AdamW, 12 x 2048 tokens with remat."""
+    _, data = _run(LARGEST)
+    found = data["largest"]
+    assert 2e9 <= found["no_shard"]["n_params"] <= 3e9
+    assert found["full_shard"]["n_params"] > 10e9
+    for f in found.values():
+        assert f["total"] <= data["usable_memory"]
+
+
+def test_the_docs_print_what_the_commands_print():
+    """Each ``funcshard plan`` block in docs/planner.md followed by a text block is its output."""
+    blocks = re.findall(
+        r"```bash\n(funcshard plan [^`]*?)\n```\n\nprints\n\n```text\n(.*?)```",
+        DOCS.read_text(),
+        re.S,
+    )
+    commands = {" ".join(cmd.replace("\\\n", " ").split()) for cmd, _ in blocks}
+    assert {BLOOM, LLAMA, LARGEST} <= commands
+    for command, printed in blocks:
+        text, _ = _run(" ".join(command.replace("\\\n", " ").split()))
+        assert text.rstrip("\n") == printed.rstrip("\n"), command
+
+
+# (run, command, metric, published low, published high): see "Calibration" in docs/planner.md
+CALIBRATION = [
+    ("BLOOM-7B", BLOOM, "tokens/s per GPU", 1000, 1000),
+    ("LLaMA-13B", LLAMA, "tokens/s per GPU", 800, 800),
+    (
+        "Llama-3.1-8B",
+        "funcshard plan --model llama-3-8b --mesh fsdp=8 --hardware h100-80gb --mixed-precision "
+        "bf16 --remat --flash-attention --batch-size 2 --seq-len 8192 --strategy full_shard",
+        "tokens/s per GPU",
+        5762,
+        5762,
+    ),
+    (
+        "Llama-3.1-8B",
+        "funcshard plan --model llama-3-8b --mesh fsdp=8 --hardware h100-80gb --mixed-precision "
+        "bf16 --remat --flash-attention --batch-size 2 --seq-len 8192 --strategy full_shard",
+        "MFU",
+        0.33,
+        0.39,
+    ),
+    (
+        "GPT-175B",
+        "funcshard plan --model gpt-175b --mesh fsdp=128 --hardware a100-80gb --mixed-precision "
+        "bf16 --remat --strategy full_shard",
+        "TFLOP/s per GPU",
+        173,
+        173,
+    ),
+]
+
+
+@pytest.mark.parametrize(("run", "command", "metric", "low", "high"), CALIBRATION)
+def test_calibration_reproduces_published_runs_within_25_percent(run, command, metric, low, high):
+    """The prediction is the docs' table's, and within 25 % of the published figure (or range)."""
+    _, data = _run(command)
+    time = data["strategies"]["full_shard"]["time"]
+    value, shown = {
+        "tokens/s per GPU": (
+            time["tokens_per_s"] / 8,
+            f"{time['tokens_per_s'] / 8:,.0f} tokens/s per GPU",
+        ),
+        "MFU": (time["mfu"], f"{time['mfu']:.1%} MFU"),
+        "TFLOP/s per GPU": (
+            time["tflops_per_device"],
+            f"{time['tflops_per_device']:.0f} TFLOP/s per GPU",
+        ),
+    }[metric]
+    assert 0.75 * low <= value <= 1.25 * high, (run, metric, value)
+    rows = [line for line in DOCS.read_text().splitlines() if line.startswith(f"| {run},")]
+    assert any(shown in row for row in rows), (run, shown, rows)
+
+
+@pytest.mark.parametrize("command", [BLOOM, LLAMA])
+def test_the_docs_host_ram_table_is_the_commands(command):
+    """docs/planner.md's host-RAM row of each plan: funcshard's figures beside DeepSpeed's."""
+    _, data = _run(command)
+    host, ds = data["strategies"]["full_shard"]["host_per_node"], data["deepspeed_host_per_node"]
+    figures = [host["train"], host["checkpoint"], host["checkpoint"], *ds.values()]
+    row = f"| {data['model']} | " + " | ".join(format_bytes(n) for n in figures) + " |"
+    assert row in DOCS.read_text().splitlines()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import sys
 
 import pytest
@@ -99,3 +100,20 @@ def test_train_gpt_refuses_hybrid_shard_on_one_axis_and_a_mesh_of_other_ranks(po
 
 def test_shard_demo(pools):
     pools.run(2, _shard_demo)
+
+
+def test_train_gpt_explains_the_precision_and_bytes_it_runs_with(capsys):
+    """``--explain --bf16`` reports bf16 compute and the gathered bytes of bf16 units, not fp32's."""
+    tiny = ["--steps", "1", "--layers", "1", "--width", "16", "--seq", "8", "--batch", "2"]
+    gathered = {}
+    for flags in ([], ["--bf16"]):
+        _train_gpt([*tiny, *flags, "--explain"])
+        out = capsys.readouterr().out
+        found = re.search(r"^gathered +\S+ \S+ +([\d,]+)", out, re.M)
+        assert found is not None, out
+        gathered[bool(flags)] = int(found[1].replace(",", ""))
+        if flags:
+            assert "mixed precision: compute bfloat16, reduce float32" in out
+        else:
+            assert "mixed precision: none" in out
+    assert gathered[True] != gathered[False]  # bf16 copies, where fp32 leaves were aliased

@@ -53,6 +53,7 @@ ORDER = {
         "presets",
         "activations",
         "hardware",
+        "efficiency",
         "step_time",
         "cost_model",
         "estimates",
@@ -204,7 +205,17 @@ ORDER = {
         "fsdp_checkpoint",
     ],
     "verify": ["report", "batches", "reference", "summary", "verify", "worker", "launch"],
-    "cli": ["hf_config", "model_source", "deepspeed", "plot", "report"],
+    "cli": [
+        "hf_config",
+        "model_source",
+        "deepspeed",
+        "host",
+        "largest",
+        "tables",
+        "mesh_fit",
+        "plot",
+        "report",
+    ],
 }
 DISTRIBUTED_OK = {"comm", "execute", "optim", "checkpoint", "interop", "calibrate"}
 TORCH_FREE = {"spec"}  # pure index math

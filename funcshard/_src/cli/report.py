@@ -12,11 +12,21 @@ from typing import Any
 import torch
 
 from funcshard._src.cli.deepspeed import compare, deepspeed_cost_model, describe
+from funcshard._src.cli.host import (
+    deepspeed_host,
+    describe_deepspeed,
+    host_per_node,
+    ranks_per_node,
+)
+from funcshard._src.cli.largest import largest_report
+from funcshard._src.cli.mesh_fit import check_nodes, check_strategy_axes
 from funcshard._src.cli.model_source import ModelSource, from_hf_config, from_preset
+from funcshard._src.cli.tables import fits, memory_table, time_table
 from funcshard._src.plan.activations import Workload
 from funcshard._src.plan.auto import BudgetError, ladder
 from funcshard._src.plan.cost import estimate
 from funcshard._src.plan.cost_model import CostModel, Reserve, usable_budget
+from funcshard._src.plan.efficiency import parse_efficiency, with_efficiency
 from funcshard._src.plan.estimates import Estimate, Memory
 from funcshard._src.plan.hardware import HARDWARE, Hardware, get_hardware
 from funcshard._src.plan.plan import Plan
@@ -24,7 +34,7 @@ from funcshard._src.plan.planner import plan
 from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.quantize import Quantized
 from funcshard._src.plan.search import LADDER
-from funcshard._src.plan.sizes import describe_size, format_bytes, parse_bytes, table
+from funcshard._src.plan.sizes import describe_size, format_bytes, parse_bytes
 from funcshard._src.spec.mesh import Mesh
 
 SCHEMA_VERSION = 2  # of the --json output; 2 added schema_version, usable_memory, deepspeed
@@ -89,6 +99,16 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
         raise UsageError("give a model: --model PRESET or --hf-config path/config.json (one)")
     mesh = parse_mesh(args.mesh)
     hardware = hardware_of(args.hardware)
+    check_strategy_axes(args.strategy, mesh, args.mesh, hardware)
+    if hardware is not None:
+        check_nodes(mesh, hardware)
+    if args.efficiency is not None and hardware is not None:
+        try:
+            hardware = with_efficiency(hardware, *parse_efficiency(args.efficiency))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    elif args.efficiency is not None:
+        raise UsageError(f"--efficiency {args.efficiency} needs --hardware: the peak it scales")
     sizes: list[str] = []
     if args.device_memory is not None:
         budget = parse_bytes(args.device_memory)
@@ -146,6 +166,8 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
     if args.reserve is not None:
         model = dataclasses.replace(model, reserve=parse_reserve(args.reserve))
     usable = None if budget is None else usable_budget(budget, model)
+    if args.largest:
+        return largest_report(args, mesh, model, usable, dtype, SCHEMA_VERSION)
     seq_len = args.seq_len or (source.config.seq_len if source.config else None)
     out: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -178,16 +200,36 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
     wanted = ladder(mesh) if args.strategy == "all" else ()
     if args.strategy not in ("all", "auto"):
         wanted = (args.strategy,)
-    rows: list[list[str]] = []
     assumptions: tuple[str, ...] = ()
     memory: dict[str, Memory] = {}
     kwargs: dict[str, Any] = {"units": source.units, "frozen": source.frozen}
+    per_node = ranks_per_node(mesh.size, hardware)
+    lines: list[str] = []
+    estimates: list[tuple[str, Estimate]] = []
     for strategy in wanted:
         est = estimate(plan(source.params, mesh, strategy=strategy, **kwargs), model)
         assumptions, memory[strategy] = est.assumptions, est.memory
-        out["strategies"][strategy] = {**est.to_json(), "fits": _fits(est, usable)}
-        rows.append(_row(strategy, est, usable))
-    lines: list[str] = []
+        host = host_per_node(est.memory, per_node, async_checkpoint=args.async_checkpoint)
+        out["strategies"][strategy] = {
+            **est.to_json(),
+            "fits": fits(est, usable),
+            "host_per_node": host,
+            "tokens_per_s_per_device": _per_device(est, mesh),
+        }
+        estimates.append((strategy, est))
+        if len(wanted) == 1 and budget is not None and not fits(est, usable):
+            try:  # the same advice as auto: what would fit
+                plan(
+                    source.params,
+                    mesh,
+                    strategy=strategy,
+                    memory_budget=budget,
+                    cost=model,
+                    **kwargs,
+                )
+            except BudgetError as e:
+                out["strategies"][strategy]["error"] = str(e)
+                lines = ["", f"{strategy}: {e}", *_auto_advice(source, mesh, budget, model, kwargs)]
     if args.strategy in ("all", "auto"):
         if budget is None and args.strategy == "auto":
             raise UsageError("--strategy auto needs --device-memory or --hardware")
@@ -199,25 +241,31 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
                 est = estimate(chosen, model)
                 assumptions = est.assumptions
                 counts = Counter(u.strategy for u in chosen.units)
-                rows.append(
-                    _row("auto: " + ", ".join(f"{n} {s}" for s, n in counts.items()), est, usable)
-                )
+                estimates.append(("auto: " + ", ".join(f"{n} {s}" for s, n in counts.items()), est))
                 out["auto"] = {
                     **est.to_json(),
-                    "fits": _fits(est, usable),
+                    "fits": fits(est, usable),
                     "units": {u.name: u.strategy for u in chosen.units},
+                    "tokens_per_s_per_device": _per_device(est, mesh),
+                    "host_per_node": host_per_node(
+                        est.memory, per_node, async_checkpoint=args.async_checkpoint
+                    ),
                 }
             except BudgetError as e:
                 out["auto"] = {"error": str(e)}
                 lines = ["", f"auto: {e}"]
-    heads = ["strategy", "params", "grads", "optimizer", "mixed prec", "gathered", "activations"]
-    heads += ["total", "fits", "sent/step", "step", "tokens/s"]
     where = f"{source.n_params:,} parameters on {mesh!r} ({mesh.size} ranks)"
     if budget is not None:
         where += f", {format_bytes(budget)} per device"
         if usable is not None and usable < budget:
             where += f" ({format_bytes(usable)} usable: the rest is the runtime's reserve)"
-    text = [f"{source.name}: {where}", *sizes, "", table(heads, rows), *lines]
+    reserve = None if budget is None or usable is None else budget - usable
+    text = [f"{source.name}: {where}", *sizes, ""]
+    text += memory_table(estimates, reserve, usable)
+    text += ["", *time_table(estimates, mesh.size, per_node, args.async_checkpoint), *lines]
+    host_ds = deepspeed_host(source.n_params, source.largest_layer_params, per_node)
+    out["deepspeed_host_per_node"] = host_ds
+    text += ["", describe_deepspeed(host_ds, per_node)]
     if args.deepspeed:
         comparison = compare(memory, source.n_params, source.largest_layer_params, mesh.size)
         out["deepspeed"] = comparison
@@ -228,31 +276,32 @@ def plan_report(args: argparse.Namespace, /) -> dict[str, Any]:
     return {"text": "\n".join(text), "json": out}
 
 
+def _per_device(est: Estimate, mesh: Mesh) -> float | None:
+    return None if est.time is None else est.time.tokens_per_s / mesh.size
+
+
+def _auto_advice(
+    source: ModelSource, mesh: Mesh, budget: int, model: CostModel, kwargs: dict[str, Any]
+) -> list[str]:
+    """What ``--strategy auto`` would do where a fixed strategy does not fit."""
+    try:
+        chosen = plan(
+            source.params, mesh, strategy="auto", memory_budget=budget, cost=model, **kwargs
+        )
+    except BudgetError as e:
+        return [f"auto: {e}"]
+    est = estimate(chosen, model)
+    counts = ", ".join(f"{n} {s}" for s, n in Counter(u.strategy for u in chosen.units).items())
+    step = "" if est.time is None else f", {est.time.step_s:.2f} s/step"
+    return [
+        f"Would fit: --strategy auto ({counts}: {format_bytes(est.memory.total)} per rank{step})"
+    ]
+
+
 def _with_units(source: ModelSource, units: Any) -> ModelSource:
     import dataclasses
 
     return dataclasses.replace(source, units=list(units))
-
-
-def _fits(est: Estimate, usable: int | None) -> bool | None:
-    return None if usable is None else est.memory.total <= usable
-
-
-def _row(label: str, est: Estimate, usable: int | None) -> list[str]:
-    m = est.memory
-    t = est.time
-    fits = _fits(est, usable)
-    return [
-        label,
-        *(format_bytes(v) for v in (m.params, m.grads, m.optimizer, m.mixed_precision)),
-        format_bytes(m.gathered),
-        format_bytes(m.activations),
-        format_bytes(m.total),
-        "" if fits is None else ("yes" if fits else "no"),
-        format_bytes(sum(est.comm.values())),
-        "" if t is None else f"{t.step_s:.2f} s",
-        "" if t is None else f"{t.tokens_per_s:,.0f}",
-    ]
 
 
 def parse_reserve(text: str, /) -> Reserve:

@@ -238,9 +238,13 @@ class Hardware:
 # a node); DGX H100 and H200 eight 400 Gb/s NDR NICs (50 GB/s each, 400 GB/s a node). A ring
 # across nodes uses every NIC of the node at once (NCCL builds one ring per NIC), so a group
 # with m ranks in each node gets m NICs' worth per rank: see link_bandwidth. Latency: ~10 us
-# per ring step, an assumption. efficiency 0.5 is an assumption too (no measurement of the
-# model's kernels on these devices); overlap 1: NCCL moves bytes on its own SMs and engines.
-_DGX_NOTE = "published peak figures (See [Note: published links]); efficiency 0.5 assumed"
+# per ring step, an assumption. efficiency 0.5 is the default profile, 'tuned', which
+# reproduces published runs of tuned kernels (See [Note: efficiency profiles] in
+# efficiency.py); overlap 1: NCCL moves bytes on its own SMs and engines.
+_DGX_NOTE = (
+    "published peak figures (See [Note: published links]); efficiency 0.5: the default "
+    "profile 'tuned' (See [Note: efficiency profiles])"
+)
 HARDWARE: Mapping[str, Hardware] = {
     h.name: h
     for h in (
