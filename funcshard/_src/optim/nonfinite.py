@@ -9,7 +9,7 @@ import torch
 
 from funcshard._src import tree
 from funcshard._src.comm import agree, groups, settle
-from funcshard._src.optim.base import InitFn, Optimizer
+from funcshard._src.optim.base import InitFn, Optimizer, Transform
 from funcshard._src.shard.sharded import flats_of
 
 
@@ -111,4 +111,5 @@ def skip_nonfinite(optimizer: Optimizer | None = None, /) -> Any:
         sparams, inner = optimizer.update_(grads, state.inner, sparams)
         return sparams, SkipState(inner, state.skipped)
 
-    return Optimizer(init, update_)
+    # a guarded transform writes into the gradients as the transform does
+    return (Transform if isinstance(optimizer, Transform) else Optimizer)(init, update_)
