@@ -5,9 +5,10 @@ step over every unit's flat shard, never a Python loop over leaves. Where
 optax's ``update`` returns updates for ``optax.apply_updates``, ``update_`` is
 both in one, in place (the trailing underscore says so, as in ``torch.add_``):
 it writes the new parameters and state into the buffers of ``sparams`` and
-``state`` and returns those trees; ``grads`` are only read, except by gradient
-transforms (``clip_by_global_norm(max_norm)`` in a ``chain``), which scale
-them in place for the elements after them.
+``state`` and returns those trees; ``grads`` are only read. A gradient
+:class:`Transform` (``clip_by_global_norm(max_norm)``) writes the gradients it
+is given, and a ``chain`` gives it a copy, so the caller's gradients are never
+written; only a part whose name ends in ``_`` (``clip_by_global_norm_``) writes them.
 """
 
 from __future__ import annotations
