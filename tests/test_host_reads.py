@@ -96,21 +96,30 @@ def test_a_step_at_one_rank_reads_nothing_back(name):
     assert _steps({"fsdp": 1}, name) == [{}, {}, {}]
 
 
-def _update_only(mesh: dict[str, int]) -> list[dict[str, int]]:
+def _update_only(mesh: dict[str, int], clip_on_device: bool = False) -> list[dict[str, int]]:
+    from funcshard._src.optim import clip
+
     params = _params()
     plan = fs.plan(params, fs.Mesh(mesh), units=["blocks/*"])
     sparams = fs.shard(params, plan)
     opt = fs.optim.adamw(fs.optim.cosine_decay_schedule(1e-2, 10))
+    before = clip._reduce_on_device
+    if clip_on_device:  # the accelerator's path, here on gloo
+        clip._reduce_on_device = lambda device: True
+        opt = fs.optim.chain(fs.optim.clip_by_global_norm(0.5), opt)
     state = opt.init(sparams)
     step = fs.value_and_grad(_loss, plan)
     gen = torch.Generator().manual_seed(1 + fs.rank())
     reads = []
-    for _ in range(2):
-        batch = torch.randint(0, 16, (4, 3), generator=gen)
-        with HostReads() as counter:
-            _, grads = step(sparams, batch)
-            sparams, state = opt.update_(grads, state, sparams)
-        reads.append(dict(counter.sites))
+    try:
+        for _ in range(2):
+            batch = torch.randint(0, 16, (4, 3), generator=gen)
+            with HostReads() as counter:
+                _, grads = step(sparams, batch)
+                sparams, state = opt.update_(grads, state, sparams)
+            reads.append(dict(counter.sites))
+    finally:
+        clip._reduce_on_device = before
     return reads
 
 
@@ -122,6 +131,12 @@ def test_a_step_at_two_ranks_reads_nothing_back_in_forward_backward_and_adamw(po
     agreement (clip.py).
     """
     for reads in pools.run(2, _update_only, {"fsdp": 2}):
+        assert reads[1:] == [{}]
+
+
+def test_clipping_at_two_ranks_on_an_accelerator_reads_nothing_back(pools):
+    """With the sums all-reduced as on an accelerator, clip adds no read at W=2 either."""
+    for reads in pools.run(2, _update_only, {"fsdp": 2}, True):
         assert reads[1:] == [{}]
 
 

@@ -312,6 +312,30 @@ def _clip(mesh: dict[str, int], max_norm: float) -> tuple[torch.Tensor, Any]:
     return norm, fs.unshard(clipped)
 
 
+def _clip_summed_on_device(mesh: dict[str, int], max_norm: float) -> Any:
+    """:func:`_clip` with the sums all-reduced as on an accelerator (gloo here)."""
+    from funcshard._src.optim import clip
+
+    before = clip._reduce_on_device
+    clip._reduce_on_device = lambda device: True
+    try:
+        return _clip(mesh, max_norm)
+    finally:
+        clip._reduce_on_device = before
+
+
+@pytest.mark.parametrize(("world_size", "mesh"), [(2, {"fsdp": 2}), (4, {"dp": 2, "fsdp": 2})])
+def test_clip_by_global_norm_summed_on_the_device_equals_the_agreement(pools, world_size, mesh):
+    """The accelerator's path (all-reduce, no host read) gives the host agreement's norm and grads."""
+    for max_norm in (1.0, 100.0):
+        agreed = pools.run(world_size, _clip, mesh, max_norm)
+        on_device = pools.run(world_size, _clip_summed_on_device, mesh, max_norm)
+        for (norm_a, clipped_a), (norm_d, clipped_d) in zip(agreed, on_device):
+            torch.testing.assert_close(norm_d, norm_a, rtol=1e-15, atol=0)
+            for k in clipped_a:
+                torch.testing.assert_close(clipped_d[k], clipped_a[k], rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize(
     ("world_size", "mesh"), [(1, {"fsdp": 1}), (2, {"fsdp": 2}), (4, {"dp": 2, "fsdp": 2})]
 )

@@ -9,7 +9,8 @@ from typing import Any, NamedTuple, overload
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import agree, groups, runtime, settle
+from funcshard._src.comm import agree, collectives, groups, runtime, settle
+from funcshard._src.comm.channel import Kind
 from funcshard._src.optim.base import Optimizer, Transform, device_of
 from funcshard._src.shard.flat import FlatLayout, local_range
 from funcshard._src.shard.flat_shard import FlatShard
@@ -46,8 +47,9 @@ def clip_by_global_norm(*args: Any, eps: float = 0.0) -> Any:
 
     The norm covers every leaf across all ranks with one agreement of every
     rank's sum of squares (see [Note: agreements]); a leaf replicated over some
-    mesh axes counts once. On one rank it is reduced and applied on the device,
-    with no host read. Scaling is optax's: ``grads * (max_norm / norm)`` where
+    mesh axes counts once. It is reduced and applied on the device with no
+    host read on one rank, and over several ranks on an accelerator (an
+    all-reduce over the mesh; on the CPU the sums travel in the agreement). Scaling is optax's: ``grads * (max_norm / norm)`` where
     ``norm > max_norm``, else ``grads`` as they are (equal to optax's
     ``grads / norm * max_norm`` to one rounding). ``eps=1e-6`` gives
     ``torch.nn.utils.clip_grad_norm_``'s instead: ``grads * min(1, max_norm /
@@ -191,17 +193,36 @@ def _norm_and_scale(
     if pieces:
         norms = torch._foreach_norm(pieces)
         local = torch.stack([n.double() for n in norms]).pow(2).sum()
-    groups.bind(flats[0].layout.mesh)
+    bound = groups.bind(flats[0].layout.mesh)
     if runtime.world_size() > 1:
         with settle.operation("clip_by_global_norm"):
-            (total,) = agree.sum_over_ranks([float(local)], "clip_by_global_norm")
-        local = torch.tensor(total, dtype=torch.float64)
+            if _reduce_on_device(device):
+                # ranks agree on the operation on the host, and sum on the device: no read back
+                agree.agree_on(Kind.REDUCE, "clip_by_global_norm", _OPERATION)
+                axes = bound.mesh.axis_names
+                local = collectives.all_reduce(local.reshape(1), bound, axes).wait().reshape(())
+            else:  # the CPU: the values travel in the agreement, added in rank order
+                (total,) = agree.sum_over_ranks([float(local)], "clip_by_global_norm")
+                local = torch.tensor(total, dtype=torch.float64)
     norm = local.sqrt().to(device, flats[0].layout.dtype)
     if eps:  # torch.nn.utils.clip_grad_norm_'s
         coef = torch.clamp(max_norm / (norm + eps), max=1.0)
     else:  # optax's: as they are up to max_norm (so 0 / 0 never arises)
         coef = torch.where(norm <= max_norm, 1.0, max_norm / norm)
     return flats, coef, norm
+
+
+_OPERATION = {"operation": "clip_by_global_norm"}  # as sum_over_ranks's digest: a desync is named
+
+
+def _reduce_on_device(device: torch.device) -> bool:
+    """Whether the ranks' sums of squares are all-reduced on ``device`` rather than read and agreed.
+
+    On an accelerator, reading the sum back would wait for the device; on the CPU
+    the agreement carries it at no such cost and adds in rank order (the same
+    value on every world size).
+    """
+    return device.type != "cpu"
 
 
 @functools.lru_cache(maxsize=1024)
