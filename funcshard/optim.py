@@ -27,6 +27,7 @@ from funcshard._src.optim.lion import lion as lion
 from funcshard._src.optim.nonfinite import Guard as Guard
 from funcshard._src.optim.nonfinite import SkipState as SkipState
 from funcshard._src.optim.nonfinite import all_finite as all_finite
+from funcshard._src.optim.nonfinite import nonfinite_flag as nonfinite_flag
 from funcshard._src.optim.nonfinite import skip_nonfinite as skip_nonfinite
 from funcshard._src.optim.schedules import constant_schedule as constant_schedule
 from funcshard._src.optim.schedules import cosine_decay_schedule as cosine_decay_schedule
@@ -69,6 +70,7 @@ __all__ = [
     "linear_schedule",
     "lion",
     "masked",
+    "nonfinite_flag",
     "partition",
     "sgd",
     "skip_nonfinite",

@@ -59,6 +59,11 @@ OPTIMIZERS = {
         fs.optim.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10), mask=fs.optim.decay_mask_default
     ),
     "foreach adamw": lambda: fs.optim.adamw(1e-2, fused=False),
+    # the non-finite check and the skip stay on the device: fused AdamW's found_inf
+    "guarded adamw": lambda: fs.optim.chain(
+        fs.optim.skip_nonfinite(), fs.optim.adamw(1e-2, weight_decay=0.1)
+    ),
+    "wrapped adamw": lambda: fs.optim.skip_nonfinite(fs.optim.adamw(1e-2)),
     "lion": lambda: fs.optim.lion(1e-3),
     "sgd": lambda: fs.optim.sgd(1e-2, momentum=0.9),
 }

@@ -11,11 +11,13 @@ from funcshard._src.optim.base import (
     HostCount,
     LearningRate,
     Optimizer,
+    can_skip_on_device,
     check_hyperparameter,
     device_of,
     floating_flats,
     resolve_betas,
     resolve_learning_rate,
+    skip_flag,
     zeros_like_tree,
 )
 from funcshard._src.optim.base import learning_rate as rate_at
@@ -118,6 +120,9 @@ def adamw(
         return AdamWState(count, zeros_like_tree(sparams), zeros_like_tree(sparams))
 
     def update_(grads: Any, state: AdamWState, sparams: Any, /) -> tuple[Any, AdamWState]:
+        skip = skip_flag() if on_device else None
+        if skip is not None:  # See [Note: skipping on the device] (base.py)
+            return _skippable_update(grads, state, sparams, skip)
         count = counts.read(state.count)
         step_lr = rate_at(lr, count)
         params, g, mu, nu = floating_flats(
@@ -158,7 +163,40 @@ def adamw(
         counts.advance_(state.count, count)
         return sparams, state
 
-    return Optimizer(init, update_)
+    def _skippable_update(
+        grads: Any, state: AdamWState, sparams: Any, skip: torch.Tensor
+    ) -> tuple[Any, AdamWState]:
+        """The fused update with a constant rate, left undone where ``skip`` is 1: no host read."""
+        params, g, mu, nu = floating_flats(
+            sparams,
+            grads,
+            state.mu,
+            state.nu,
+            names=["params", "grads", "state.mu", "state.nu"],
+            split_by=1,
+        )
+        state.count.add_((1 - skip).to(state.count.device, state.count.dtype))
+        counts.forget()  # advanced by a value the host does not know
+        if params:
+            step_lr = float(lr)  # type: ignore[arg-type]  # constant: see on_device
+            _fused_update(
+                params,
+                g,
+                mu,
+                nu,
+                state.count,
+                lr=step_lr,
+                betas=betas,
+                eps=eps,
+                weight_decay=weight_decay,
+                found_inf=skip,
+            )
+        return sparams, state
+
+    # the fused kernel skips on the device (found_inf) and needs no count on the host
+    # when the rate is constant; a mask's decay runs outside the kernel
+    on_device = fused and not callable(lr) and (mask is None or not weight_decay)
+    return Optimizer(init, can_skip_on_device(update_) if on_device else update_)
 
 
 def _fused_update(
@@ -172,11 +210,13 @@ def _fused_update(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """``torch._fused_adamw_`` over the flat buffers, one call per (device, dtype) group; mutates them.
 
     ``step`` is the 0-d count of updates including this one; the kernel reads it as
     float32 on each group's device, as ``torch.optim.AdamW`` keeps its ``step``.
+    Where ``found_inf`` (a 0-d float32) is 1, the kernel leaves everything as it was.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, p in enumerate(params):
@@ -199,7 +239,7 @@ def _fused_update(
                 eps=eps,
                 maximize=False,
                 grad_scale=None,
-                found_inf=None,
+                found_inf=None if found_inf is None else found_inf.to(device),
             )
 
 

@@ -13,10 +13,12 @@ written; only a part whose name ends in ``_`` (``clip_by_global_norm_``) writes 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import torch
@@ -78,6 +80,46 @@ class Transform(Optimizer):
     __slots__ = ()
 
 
+_SKIP: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
+    "funcshard_optim_skip", default=None
+)
+
+
+def skip_flag() -> torch.Tensor | None:
+    """The device flag an update in progress is skipped by (1.0: skip), or ``None`` outside one.
+
+    [Note: skipping on the device]
+    ``skip_nonfinite`` decides on the host (one read of a flag per update) unless
+    every part it guards can skip on the device (:func:`can_skip_on_device`):
+    then it sets the flag (a 0-d float32, 1.0 where some gradient on some rank is
+    NaN or Inf) for the duration of their updates, and each leaves its params,
+    state and the caller's gradients as they were where the flag is 1 (the fused
+    AdamW kernel's ``found_inf``; ``torch.where`` on small state), with no host read.
+    """
+    return _SKIP.get()
+
+
+@contextlib.contextmanager
+def skipping_when(flag: torch.Tensor, /) -> Iterator[None]:
+    """Runs the updates inside with ``flag`` as :func:`skip_flag`."""
+    token = _SKIP.set(flag)
+    try:
+        yield
+    finally:
+        _SKIP.reset(token)
+
+
+def can_skip_on_device(update: Any, /) -> Any:
+    """Marks an ``update_`` as honouring :func:`skip_flag` (see [Note: skipping on the device]); returns it."""
+    update.skips_on_device = True
+    return update
+
+
+def skips_on_device(part: Any, /) -> bool:
+    """Whether ``part``'s ``update_`` honours :func:`skip_flag`."""
+    return bool(getattr(getattr(part, "update_", None), "skips_on_device", False))
+
+
 class HostCount:
     """What a 0-d update count on the device holds, known on the host without reading the device.
 
@@ -108,6 +150,10 @@ class HostCount:
         if known is count and _version(count) == self._version:
             return self._value
         return int(count)  # a count this mirror did not make or advance: one host read
+
+    def forget(self) -> None:
+        """Forgets the count: an update advanced it by a value the host does not know (a skip flag)."""
+        self._tensor = None
 
     def advance_(self, count: torch.Tensor, value: int, /) -> None:
         """Adds one to ``count`` in place (on its device) and remembers it holds ``value + 1``."""

@@ -12,10 +12,17 @@ it (``ema``) reads the new params.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from funcshard._src import tree
-from funcshard._src.optim.base import Optimizer, Transform
+from funcshard._src.optim.base import (
+    Optimizer,
+    Transform,
+    can_skip_on_device,
+    skipping_when,
+    skips_on_device,
+)
 from funcshard._src.optim.nonfinite import Guard
 from funcshard._src.optim.select import Mask, restrict, selected_paths, trainable_leaves
 from funcshard._src.shard.flat_shard import FlatShard
@@ -62,16 +69,25 @@ def chain(*parts: Optimizer | Guard) -> Optimizer:
             )
         new = list(state)
         copied = False
-        for i, part in enumerate(parts):
-            if isinstance(part, Transform) and not copied:
-                grads, copied = copy_grads(grads), True
-            if isinstance(part, Guard):
-                go_on, new[i] = part.check_(grads, state[i])
-                if not go_on:
-                    break
-            else:
-                sparams, new[i] = part.update_(grads, state[i], sparams)
+        with contextlib.ExitStack() as stack:
+            for i, part in enumerate(parts):
+                if isinstance(part, Transform) and not copied:
+                    grads, copied = copy_grads(grads), True
+                if isinstance(part, Guard):
+                    if part.flag_ is not None and all(map(skips_on_device, parts[i + 1 :])):
+                        # See [Note: skipping on the device] (base.py)
+                        flag, new[i] = part.flag_(grads, state[i])
+                        stack.enter_context(skipping_when(flag))
+                        continue
+                    go_on, new[i] = part.check_(grads, state[i])
+                    if not go_on:
+                        break
+                else:
+                    sparams, new[i] = part.update_(grads, state[i], sparams)
         return sparams, tuple(new)
+
+    if all(isinstance(p, Guard) or skips_on_device(p) for p in parts):
+        can_skip_on_device(update_)  # every part honours an outer flag
 
     return Optimizer(init, update_)
 

@@ -11,7 +11,13 @@ import torch
 from funcshard._src import tree
 from funcshard._src.comm import agree, collectives, groups, runtime, settle
 from funcshard._src.comm.channel import Kind
-from funcshard._src.optim.base import Optimizer, Transform, device_of
+from funcshard._src.optim.base import (
+    Optimizer,
+    Transform,
+    can_skip_on_device,
+    device_of,
+    skip_flag,
+)
 from funcshard._src.shard.flat import FlatLayout, local_range
 from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.shard.sharded import flats_of, map_flats
@@ -127,9 +133,11 @@ def _transform(max_norm: float, eps: float) -> tuple[Any, Any]:
     def init(sparams: Any, /) -> ClipState:
         return ClipState(torch.zeros((), dtype=torch.float32, device=device_of(sparams)))
 
+    @can_skip_on_device  # See [Note: skipping on the device] (base.py)
     def update_(grads: Any, state: ClipState, sparams: Any, /) -> tuple[Any, ClipState]:
-        _, norm = _clip_(grads, max_norm, eps)
-        state.norm.copy_(norm)
+        skip = skip_flag()
+        _, norm = _clip_(grads, max_norm, eps, skip=skip)
+        state.norm.copy_(norm if skip is None else torch.where(skip > 0, state.norm, norm))
         return sparams, state
 
     return init, update_
@@ -150,10 +158,14 @@ def _check(args: tuple[Any, ...], eps: object, who: str) -> tuple[float, float]:
     return float(max_norm), float(eps)
 
 
-def _clip_(grads: Any, max_norm: float, eps: float) -> tuple[Any, torch.Tensor]:
-    """Clips ``grads`` in place; returns them and the norm before clipping."""
+def _clip_(
+    grads: Any, max_norm: float, eps: float, *, skip: torch.Tensor | None = None
+) -> tuple[Any, torch.Tensor]:
+    """Clips ``grads`` in place (scaling by 1 where ``skip`` is 1); returns them and the norm before clipping."""
     flats, coef, norm = _norm_and_scale(grads, max_norm, eps)
     if coef is not None:
+        if skip is not None:
+            coef = torch.where(skip > 0, 1.0, coef)
         torch._foreach_mul_([t for f in flats for t in f.held()], coef)
     return grads, norm
 
