@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple, overload
 
 import torch
@@ -170,7 +171,7 @@ def _clip_(
     return grads, norm
 
 
-def _with_held(flat: FlatShard, held: list[torch.Tensor] | None) -> FlatShard:
+def _with_held(flat: FlatShard, held: Sequence[torch.Tensor] | None) -> FlatShard:
     """A flat shard like ``flat`` holding ``held`` (new tensors like ``flat.held()``); ``flat`` if ``None``."""
     if held is None:
         return flat
