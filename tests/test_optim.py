@@ -312,6 +312,30 @@ def _clip(mesh: dict[str, int], max_norm: float) -> tuple[torch.Tensor, Any]:
     return norm, fs.unshard(clipped)
 
 
+def _clip_summed_on_device(mesh: dict[str, int], max_norm: float) -> Any:
+    """:func:`_clip` with the sums all-reduced as on an accelerator (gloo here)."""
+    from funcshard._src.optim import clip
+
+    before = clip._reduce_on_device
+    clip._reduce_on_device = lambda device: True
+    try:
+        return _clip(mesh, max_norm)
+    finally:
+        clip._reduce_on_device = before
+
+
+@pytest.mark.parametrize(("world_size", "mesh"), [(2, {"fsdp": 2}), (4, {"dp": 2, "fsdp": 2})])
+def test_clip_by_global_norm_summed_on_the_device_equals_the_agreement(pools, world_size, mesh):
+    """The accelerator's path (all-reduce, no host read) gives the host agreement's norm and grads."""
+    for max_norm in (1.0, 100.0):
+        agreed = pools.run(world_size, _clip, mesh, max_norm)
+        on_device = pools.run(world_size, _clip_summed_on_device, mesh, max_norm)
+        for (norm_a, clipped_a), (norm_d, clipped_d) in zip(agreed, on_device):
+            torch.testing.assert_close(norm_d, norm_a, rtol=1e-15, atol=0)
+            for k in clipped_a:
+                torch.testing.assert_close(clipped_d[k], clipped_a[k], rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize(
     ("world_size", "mesh"), [(1, {"fsdp": 1}), (2, {"fsdp": 2}), (4, {"dp": 2, "fsdp": 2})]
 )
@@ -328,3 +352,92 @@ def test_clip_by_global_norm_equals_clip_grad_norm(pools, world_size, mesh):
             torch.testing.assert_close(clipped["w"], params[0].grad)
             torch.testing.assert_close(clipped["b"], params[1].grad)
             torch.testing.assert_close(clipped["s"], params[2].grad)
+
+
+def _clip_trees() -> tuple[Any, Any, Any]:
+    params = {"w": torch.tensor([3.0, 4.0]), "b": torch.tensor([12.0])}
+    plan = fs.plan(params, fs.Mesh({"x": 1}))
+    return fs.shard(params, plan), fs.shard(params, plan), plan
+
+
+def test_clip_by_global_norm_does_not_write_its_input():
+    """The pure form returns new gradients; a chain clips a copy; the _ forms write in place."""
+    sparams, grads, _ = _clip_trees()
+    clipped, norm = fs.optim.clip_by_global_norm(grads, 1.0)
+    assert float(norm) == 13.0
+    torch.testing.assert_close(grads["w"].local, torch.tensor([3.0, 4.0]), rtol=0, atol=0)
+    torch.testing.assert_close(clipped["w"].local, torch.tensor([3.0, 4.0]) / 13)
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm(1.0), fs.optim.sgd(1.0))
+    sparams, _ = opt.update_(grads, opt.init(sparams), sparams)
+    torch.testing.assert_close(grads["b"].local, torch.tensor([12.0]), rtol=0, atol=0)
+    torch.testing.assert_close(sparams["b"].local, torch.tensor([12.0 - 12.0 / 13]))
+    same, _ = fs.optim.clip_by_global_norm_(grads, 1.0)
+    assert same is grads
+    torch.testing.assert_close(grads["b"].local, torch.tensor([12.0 / 13]))
+    sparams, grads, _ = _clip_trees()
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm_(1.0), fs.optim.sgd(1.0))
+    opt.update_(grads, opt.init(sparams), sparams)
+    torch.testing.assert_close(grads["b"].local, torch.tensor([12.0 / 13]))
+
+
+def test_clip_by_global_norm_scales_as_optax_and_eps_as_torch():
+    """max_norm / norm (optax) by default; eps=1e-6 is torch's max_norm / (norm + eps), exactly."""
+    _, grads, _ = _clip_trees()
+    ours, _ = fs.optim.clip_by_global_norm(grads, 1.0)
+    torch_style, _ = fs.optim.clip_by_global_norm(grads, 1.0, eps=1e-6)
+    leaves = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))]
+    leaves[0].grad, leaves[1].grad = torch.tensor([3.0, 4.0]), torch.tensor([12.0])
+    torch.nn.utils.clip_grad_norm_(leaves, 1.0)
+    torch.testing.assert_close(torch_style["w"].local, leaves[0].grad, rtol=0, atol=0)
+    torch.testing.assert_close(ours["w"].local, torch.tensor([3.0, 4.0]) * (1.0 / 13.0))
+    assert not torch.equal(ours["w"].local, torch_style["w"].local)
+    under, _ = fs.optim.clip_by_global_norm(grads, 13.0)  # at max_norm: as they are
+    assert torch.equal(under["b"].local, grads["b"].local)
+    zero = fs.shard({"w": torch.zeros(2), "b": torch.zeros(1)}, _clip_trees()[2])
+    kept, norm = fs.optim.clip_by_global_norm(zero, 0.0)  # 0 / 0 never arises
+    assert float(norm) == 0
+    assert torch.equal(kept["w"].local, torch.zeros(2))
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: fs.optim.clip_by_global_norm(1.0, eps=-1.0), r"eps must be a finite number >= 0"),
+        (
+            lambda: fs.optim.adamw(1e-3, learning_rate=1e-3),
+            r"adamw: the learning rate was given twice, as lr= .* and learning_rate=",
+        ),
+        (lambda: fs.optim.adamw(), r"adamw: missing the learning rate: give lr="),
+        (
+            lambda: fs.optim.adamw(1e-3, betas=(0.9, 0.99), b1=0.9),
+            r"adamw: the decay rates were given twice, as betas= .* and b1=/b2=",
+        ),
+        (lambda: fs.optim.adamw(1e-3, eps_root=1e-8), r"eps_root=1e-08 .* is not supported"),
+        (lambda: fs.optim.adamw(1e-3, nesterov=True), r"nesterov=True .* is not supported"),
+        (lambda: fs.optim.adamw(1e-3, mu_dtype=torch.bfloat16), r"mu_dtype=.* is not supported"),
+        (lambda: fs.optim.lion(1e-3, learning_rate=1e-3), r"lion: the learning rate was given"),
+        (lambda: fs.optim.sgd(learning_rate=-1.0), r"learning rate -1.0: give a finite number"),
+    ],
+)
+def test_optax_spellings_are_refused_twice_or_unsupported(call, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        call()
+
+
+def test_optax_names_build_the_same_optimizers():
+    """adamw(learning_rate=, b1=, b2=) equals adamw(lr, betas); sgd(momentum=None) is no momentum."""
+    sparams, grads, _ = _clip_trees()
+    results = []
+    for opt in (
+        fs.optim.adamw(1e-2, betas=(0.8, 0.95)),
+        fs.optim.adamw(learning_rate=1e-2, b1=0.8, b2=0.95),
+        fs.optim.lion(learning_rate=1e-2, b2=0.9),
+        fs.optim.lion(1e-2, betas=(0.9, 0.9)),
+        fs.optim.sgd(learning_rate=0.5, momentum=None),
+        fs.optim.sgd(0.5),
+    ):
+        p = fs.shard(fs.unshard(sparams), _clip_trees()[2])
+        p, _ = opt.update_(grads, opt.init(p), p)
+        results.append(fs.unshard(p)["w"])
+    for a, b in zip(results[::2], results[1::2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -366,3 +366,49 @@ def test_masked_state_of_the_flat_layout_reshards_to_and_from_per_leaf_specs(
     straight = pools.run(saving[0], _composite_run, directory, saving[1], False)[0]
     resumed = pools.run(loading[0], _composite_run, directory, loading[1], True)[0]
     assert_trees_close(resumed, straight, rtol=1e-6, atol=1e-7)
+
+
+def _guarded_runs(mesh: dict[str, int]) -> list[Any]:
+    """A guarded chain and a guarded adamw, deciding on the device and on the host: 5 updates, 2 NaN.
+
+    The host decides where the rate is a schedule (constant all the same): AdamW then
+    needs its count on the host and cannot skip on the device.
+    """
+    params = _tree()
+    plan = fs.plan(params, fs.Mesh(mesh), units=["blocks/*"])
+    results = []
+    for lr in (0.05, lambda count: 0.05):
+        for opt in (
+            fs.optim.chain(
+                fs.optim.skip_nonfinite(), fs.optim.clip_by_global_norm(0.5), fs.optim.adamw(lr)
+            ),
+            fs.optim.chain(
+                fs.optim.clip_by_global_norm(0.5), fs.optim.skip_nonfinite(fs.optim.adamw(lr))
+            ),
+        ):
+            sparams = fs.shard(params, plan)
+            state = opt.init(sparams)
+            for step in range(5):
+                grads = _grads(params, step)
+                if step in (1, 3):
+                    grads["blocks"][0]["w"][1, 1] = float("inf") if step == 1 else float("nan")
+                sparams, state = opt.update_(fs.shard(grads, plan), state, sparams)
+            results.append(fs.unshard({"params": sparams, "state": state}))
+    return results
+
+
+@pytest.mark.parametrize(("world_size", "mesh"), [(1, {"fsdp": 1}), (2, {"fsdp": 2})])
+def test_skipping_on_the_device_equals_skipping_on_the_host(pools, world_size, mesh):
+    """skip_nonfinite's device flag (fused AdamW's found_inf) gives the host decision's result, bit for bit.
+
+    A failure localises to the gated path: the clip's state, AdamW's count or moments, or
+    the skipped count differ from the update the host decided to skip.
+    """
+    for device_chain, device_wrapped, host_chain, host_wrapped in pools.run(
+        world_size, _guarded_runs, mesh
+    ):
+        for ours, theirs in ((device_chain, host_chain), (device_wrapped, host_wrapped)):
+            for a, b in zip(fs.tree.leaves(ours), fs.tree.leaves(theirs)):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert int(device_chain["state"][0].skipped) == 2
+        assert int(device_chain["state"][2].count) == 3

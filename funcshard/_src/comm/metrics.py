@@ -80,7 +80,8 @@ class MetricLogger:
     """Averages per-rank metrics over ranks and steps, and hands them to callbacks on rank 0.
 
     A logging hook for a training loop: call :meth:`log` every step on every
-    rank. Between emits it only sums locally; every ``every`` steps it averages
+    rank. Between emits it only sums locally, on the metrics' device: a tensor
+    is read (``float()``, a host sync on a GPU) only on the steps that emit. Every ``every`` steps it averages
     each metric over those steps and over every rank (one agreement, as
     :func:`mean_over_ranks`), calls each ``callback(step, means)`` on rank 0
     (print, ``wandb.log``, a TensorBoard writer) and appends ``{"step": step,
@@ -118,7 +119,7 @@ class MetricLogger:
         self.callbacks = callbacks
         self.every = every
         self.jsonl = None if jsonl is None else Path(jsonl)
-        self._sums: dict[str, float] = {}
+        self._sums: dict[str, float | torch.Tensor] = {}  # float64, on the metric's device
         self._counts: dict[str, int] = {}
         self._calls = 0
 
@@ -131,7 +132,7 @@ class MetricLogger:
         """
         for name, value in metrics.items():
             number = _number(name, value)
-            self._sums[name] = self._sums.get(name, 0.0) + number
+            self._sums[name] = self._sums.get(name, 0.0) + number  # a new tensor: no alias
             self._counts[name] = self._counts.get(name, 0) + 1
         self._calls += 1
         if self._calls % self.every:
@@ -142,7 +143,8 @@ class MetricLogger:
         """Emits what was logged since the last emit now (e.g. at the end of a run); collective."""
         if not self._sums:
             return None
-        window = {name: self._sums[name] / self._counts[name] for name in sorted(self._sums)}
+        # float64 sums in call order, read once: the same values as adding floats
+        window = {name: float(self._sums[name]) / self._counts[name] for name in sorted(self._sums)}
         self._sums.clear()
         self._counts.clear()
         means: dict[str, float] = mean_over_ranks(window)
@@ -155,7 +157,10 @@ class MetricLogger:
         return means
 
 
-def _number(name: str, value: Any) -> float:
+def _number(name: str, value: Any) -> float | torch.Tensor:
+    """``value`` as a float, or as a 0-d float64 tensor on its device (not read: no host sync)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return value.detach().reshape(()).to(torch.float64)
     number = _as_float(value)
     if number is None:
         raise ValueError(

@@ -1,29 +1,43 @@
 """Composing optimizers as optax does: ``chain`` runs transforms in order, ``masked`` restricts one.
 
-Every element of a chain is an :class:`Optimizer`, a gradient transform (an
-optimizer whose ``update_`` writes into the gradients and leaves params alone,
-such as ``clip_by_global_norm(1.0)``) or a :class:`Guard` (``skip_nonfinite()``),
-and sees the gradients as the elements before it left them. Where optax
-chains updates and applies them once, funcshard's elements write in place: a
-transform scales the gradients, an optimizer writes the params, and an element
-after it (``ema``) reads the new params.
+Every element of a chain is an :class:`Optimizer`, a gradient :class:`Transform`
+(an optimizer whose ``update_`` writes into the gradients it is given and leaves
+params alone, such as ``clip_by_global_norm(1.0)``) or a :class:`Guard`
+(``skip_nonfinite()``), and sees the gradients as the elements before it left
+them. Where optax chains updates and applies them once, funcshard's elements
+write in place: a transform scales the gradients (a copy the chain makes once,
+never the caller's tree), an optimizer writes the params, and an element after
+it (``ema``) reads the new params.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from funcshard._src import tree
-from funcshard._src.optim.base import Optimizer
+from funcshard._src.optim.base import (
+    Optimizer,
+    Transform,
+    can_skip_on_device,
+    skipping_when,
+    skips_on_device,
+)
 from funcshard._src.optim.nonfinite import Guard
 from funcshard._src.optim.select import Mask, restrict, selected_paths, trainable_leaves
+from funcshard._src.shard.flat_shard import FlatShard
+from funcshard._src.shard.sharded import map_flats
 
 
 def chain(*parts: Optimizer | Guard) -> Optimizer:
     """Runs ``parts`` in order on each update, in place; the state is the tuple of their states.
 
     A :class:`Guard` that says no stops the parts after it for this update
-    (their state does not change). Transforms write into the gradients.
+    (their state does not change). Before the first :class:`Transform` the
+    chain copies the gradients once, and the transforms write into the copy: the
+    tree the caller passed is never written (a transform named with a trailing
+    ``_``, as ``clip_by_global_norm_(1.0)``, is not a :class:`Transform` and
+    writes the caller's gradients, with no copy).
 
     Example:
         >>> import torch, funcshard as fs
@@ -54,16 +68,47 @@ def chain(*parts: Optimizer | Guard) -> Optimizer:
                 + (f" of {len(state)}" if isinstance(state, tuple) else "")  # pyright: ignore[reportUnnecessaryIsInstance]
             )
         new = list(state)
-        for i, part in enumerate(parts):
-            if isinstance(part, Guard):
-                go_on, new[i] = part.check_(grads, state[i])
-                if not go_on:
-                    break
-            else:
-                sparams, new[i] = part.update_(grads, state[i], sparams)
+        copied = False
+        with contextlib.ExitStack() as stack:
+            for i, part in enumerate(parts):
+                if isinstance(part, Transform) and not copied:
+                    grads, copied = copy_grads(grads), True
+                if isinstance(part, Guard):
+                    if part.flag_ is not None and all(map(skips_on_device, parts[i + 1 :])):
+                        # See [Note: skipping on the device] (base.py)
+                        flag, new[i] = part.flag_(grads, state[i])
+                        stack.enter_context(skipping_when(flag))
+                        continue
+                    go_on, new[i] = part.check_(grads, state[i])
+                    if not go_on:
+                        break
+                else:
+                    sparams, new[i] = part.update_(grads, state[i], sparams)
         return sparams, tuple(new)
 
+    if all(isinstance(p, Guard) or skips_on_device(p) for p in parts):
+        can_skip_on_device(update_)  # every part honours an outer flag
+
     return Optimizer(init, update_)
+
+
+def copy_grads(grads: Any, /) -> Any:
+    """A tree like ``grads`` whose flat buffers are new copies, for transforms to write into.
+
+    Example:
+        >>> import torch, funcshard as fs
+        >>> g = fs.shard({"w": torch.ones(2)}, fs.plan({"w": torch.ones(2)}, fs.Mesh({"x": 1})))
+        >>> copy_grads(g)["w"].local.mul_(3), g["w"].local
+        (tensor([3., 3.]), tensor([1., 1.]))
+    """
+
+    def copy(flat: FlatShard) -> FlatShard:
+        leaves = flat.leaves
+        if leaves is not None:  # held as leaves: copied as they are, not concatenated
+            return FlatShard.of_leaves(flat.layout, [t.clone() for t in leaves], flat.rank)
+        return flat.with_data(flat.data.clone())
+
+    return map_flats(copy, grads)
 
 
 def masked(inner: Optimizer, mask: Mask, /) -> Optimizer:
@@ -98,7 +143,8 @@ def masked(inner: Optimizer, mask: Mask, /) -> Optimizer:
         _, state = inner.update_(restrict(grads, chosen), state, restrict(sparams, chosen))
         return sparams, state
 
-    return Optimizer(init, update_)
+    # a masked transform writes into the gradients as its inner one does
+    return (Transform if isinstance(inner, Transform) else Optimizer)(init, update_)
 
 
 def partition(parts: dict[str, Optimizer], labels: Any, /) -> Optimizer:
@@ -153,4 +199,6 @@ def partition(parts: dict[str, Optimizer], labels: Any, /) -> Optimizer:
             )
         return sparams, new
 
-    return Optimizer(init, update_)
+    # parts that write into the gradients make a partition that does
+    kind = Transform if any(isinstance(p, Transform) for p in parts.values()) else Optimizer
+    return kind(init, update_)

@@ -8,14 +8,16 @@ import torch
 
 from funcshard._src import tree
 from funcshard._src.optim.base import (
+    HostCount,
     LearningRate,
     Optimizer,
     check_hyperparameter,
-    check_learning_rate,
+    device_of,
     floating_flats,
-    learning_rate,
+    resolve_learning_rate,
     zeros_like_tree,
 )
+from funcshard._src.optim.base import learning_rate as rate_at
 
 
 @tree.register_namedtuple  # checkpoints name it in their tree structure
@@ -27,15 +29,22 @@ class SGDState(NamedTuple):
 
 
 def sgd(
-    lr: LearningRate, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0
+    lr: LearningRate | None = None,
+    momentum: float | None = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    *,
+    learning_rate: LearningRate | None = None,
 ) -> Optimizer:
     """SGD whose ``update_`` writes params and state in place, with ``torch.optim.SGD``'s numerics (dampening 0).
 
     Args:
-        lr: a learning rate, or a schedule ``lr(count)`` of the number of earlier updates.
-        momentum: momentum factor (0 for none).
+        lr: a learning rate, or a schedule ``lr(count)`` of the number of earlier updates
+            (``learning_rate=``, optax's name, is the same; give one).
+        momentum: momentum factor (0 for none; optax's ``momentum=None`` is 0 here).
         nesterov: use Nesterov momentum (needs ``momentum > 0``).
         weight_decay: L2 penalty added to the gradient, as ``torch.optim.SGD`` does.
+        learning_rate: optax's name for ``lr``.
 
     Returns:
         An :class:`Optimizer` whose ``update_`` writes into params and state in place.
@@ -49,26 +58,27 @@ def sgd(
         >>> sparams["w"].local
         tensor([0.5000, 0.5000])
     """
-    if not callable(lr):
-        check_learning_rate(lr)
+    lr = resolve_learning_rate("sgd", lr, learning_rate)
+    momentum = 0.0 if momentum is None else momentum  # optax's "no momentum"
     check_hyperparameter("sgd: momentum", momentum, low=0.0)
     check_hyperparameter("sgd: weight_decay", weight_decay, low=0.0)
     if nesterov and momentum <= 0:
         raise ValueError("sgd: nesterov=True needs momentum > 0")
 
+    counts = HostCount()  # See [Note: update counts on the device] (base.py)
+
     def init(sparams: Any, /) -> SGDState:
-        return SGDState(
-            torch.zeros((), dtype=torch.int64), zeros_like_tree(sparams) if momentum else None
-        )
+        count = counts.made(torch.zeros((), dtype=torch.int64, device=device_of(sparams)))
+        return SGDState(count, zeros_like_tree(sparams) if momentum else None)
 
     def update_(grads: Any, state: SGDState, sparams: Any, /) -> tuple[Any, SGDState]:
-        count = int(state.count)
-        step_lr = learning_rate(lr, count)
+        count = counts.read(state.count)
+        step_lr = rate_at(lr, count)
         trees = (sparams, grads, state.momentum) if momentum else (sparams, grads)
         flats = floating_flats(*trees, names=["params", "grads", "state.momentum"], split_by=1)
         params, g = flats[0], flats[1]
         if not params:  # a mask that leaves no leaf here
-            state.count.add_(1)
+            counts.advance_(state.count, count)
             return sparams, state
         with torch.no_grad():
             if weight_decay:  # grads are only read: new tensors, as torch.optim.SGD's
@@ -79,7 +89,7 @@ def sgd(
                 torch._foreach_add_(buf, g)
                 g = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
             torch._foreach_add_(params, g, alpha=-step_lr)
-        state.count.add_(1)
+        counts.advance_(state.count, count)
         return sparams, state
 
     return Optimizer(init, update_)
