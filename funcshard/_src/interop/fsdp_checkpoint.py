@@ -18,12 +18,15 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.checkpoint.dcp_export import Entry, write_dcp
+from funcshard._src.checkpoint.chunks import local_pieces
+from funcshard._src.checkpoint.dcp_export import Entry, Rows, write_dcp
 from funcshard._src.checkpoint.dcp_import import Request, agreed, read_into, resolve
 from funcshard._src.checkpoint.dcp_metadata import DcpIndex, read_index
 from funcshard._src.checkpoint.errors import CheckpointMismatchError
 from funcshard._src.interop.apply import Apply
+from funcshard._src.comm import runtime
 from funcshard._src.interop.fsdp_names import (
+    HookedScope,
     ModelNames,
     Names,
     find_prefix,
@@ -32,7 +35,9 @@ from funcshard._src.interop.fsdp_names import (
     unexpected,
 )
 from funcshard._src.interop.fsdp_optim import TorchSlots, torch_slots
+from funcshard._src.interop.state_hooks import scope_load, scope_state
 from funcshard._src.optim.base import Optimizer
+from funcshard._src.shard.shard import unshard
 from funcshard._src.shard.sharded import ShardedTensor, map_flats
 
 OPTIMIZER = "optimizer"  # where save_dcp puts the optimizer's entries, as torchtitan does
@@ -112,7 +117,8 @@ def load_dcp(
         index = read_index(directory)
         found = model_prefix
         if found is None:
-            groups = [list(n) for n in names.leaves.values()] + [[b] for b in names.buffers]
+            groups = [list(n) for n in names.leaves.values() if n] + [[b] for b in names.buffers]
+            groups += [[k] for s in names.scopes for k in s.keys]
             found = find_prefix(index.kinds, groups, what="the model", directory=directory)
         opt_found = optimizer_prefix
         if opt_found is None and slots:
@@ -120,11 +126,18 @@ def load_dcp(
         fresh = map_flats(lambda f: f.with_data(torch.zeros_like(f.data)), like)
         paths, leaves, treedef = tree.flatten_with_paths(fresh)
         targets = [_target(leaf) for leaf in leaves]
+        hooked = names.hooked
         requests = [
-            Request(p, tuple(found + n for n in names.leaves[p]), t) for p, t in zip(paths, targets)
+            Request(p, tuple(found + n for n in names.leaves[p]), t)
+            for p, t in zip(paths, targets)
+            if p not in hooked
         ]
         buffers = {b: torch.empty(t.shape, dtype=t.dtype) for b, t in names.buffers.items()}
         requests += [Request(f"buffer {b}", (found + b,), t) for b, t in buffers.items()]
+        saved = {  # the keys of each hooked scope, read whole; see [Note: state-dict hooks]
+            k: torch.empty(m.shape, dtype=m.dtype) for s in names.scopes for k, m in s.keys.items()
+        }
+        requests += [Request(k, (found + k,), t) for k, t in saved.items()]
         scalars: list[tuple[TorchSlots, str, int]] = []
         if slots:
             assert opt_found is not None
@@ -133,6 +146,13 @@ def load_dcp(
         extra = unexpected(index.kinds, names, found, opt_found)
         read = read_into(index, requests, resolve(index, requests, unexpected=extra))
         _set_scalars(directory, slots, scalars, read, requests)
+        target_of = dict(zip(paths, targets))
+        for scope in names.scopes:
+            values = scope_load(scope.scope, {k: saved[k] for k in scope.keys}, scope.like)
+            for name, path in scope.leaves.items():
+                _fill_whole(target_of[path], values[name])
+            for name in scope.buffers:
+                buffers[name] = values[name]
         out = tree.unflatten(treedef, [_placed(leaf, t) for leaf, t in zip(leaves, targets)])
         return index.digest, (out, buffers)
 
@@ -145,9 +165,10 @@ def load_dcp(
         if any(t.device.type == "meta" for t in names.buffers.values()):
             apply.materialize_state()
             names = model_names(like, apply)
+        in_scopes = {n: t for s in names.scopes for n, t in s.buffers.items()}
         with torch.no_grad():
             for name, value in buffers.items():
-                names.buffers[name].copy_(value)
+                (names.buffers[name] if name in names.buffers else in_scopes[name]).copy_(value)
     return loaded if optimizer is None else (loaded, state)
 
 
@@ -202,8 +223,16 @@ def save_dcp(
     _check_leaves(sparams)
     names = model_names(sparams, apply)
     paths, leaves, _ = tree.flatten_with_paths(sparams)
-    entries = [Entry(names.leaves[p], leaf) for p, leaf in zip(paths, leaves)]
+    entries = [Entry(names.leaves[p], leaf) for p, leaf in zip(paths, leaves) if names.leaves[p]]
     entries += [Entry((b,), t) for b, t in names.buffers.items()]
+    by_path = dict(zip(paths, leaves))
+    for hooked in names.scopes:  # See [Note: state-dict hooks] (state_hooks.py)
+        computed = _computed(hooked, by_path)
+        entries += [
+            Entry((k,), Rows.of(computed[k], runtime.rank(), runtime.world_size()))
+            for k in hooked.computed
+        ]
+        del computed
     for s in [] if opt_state is None else torch_slots(opt_state):
         for leaf_path, per in s.leaves().items():
             if leaf_path not in names.leaves:
@@ -218,6 +247,30 @@ def save_dcp(
 
 
 # -- helpers -----------------------------------------------------------------------
+
+
+def _computed(hooked: HookedScope, by_path: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The keys ``hooked``'s state-dict hooks compute, from its leaves gathered; collective.
+
+    Only the scope's leaves are gathered (one unit's flat buffer, where they are a
+    unit's), and freed when the caller drops the result's source.
+    """
+    mine = {path: by_path[path] for path in sorted(set(hooked.leaves.values()))}
+    full = unshard(mine)
+    values = {name: full[path] for name, path in hooked.leaves.items()}
+    values.update(hooked.buffers)
+    return scope_state(hooked.scope, values)
+
+
+def _fill_whole(target: ShardedTensor | torch.Tensor, value: torch.Tensor) -> None:
+    """Copies this rank's part of the whole ``value`` into ``target``; mutates the target."""
+    with torch.no_grad():
+        if isinstance(target, ShardedTensor):
+            for region, view in local_pieces(target):
+                view.copy_(value[tuple(slice(a, b) for a, b in region)].reshape(view.shape))
+        else:
+            target.copy_(value)
+
 
 
 def _check_leaves(like: Any) -> None:
@@ -243,7 +296,7 @@ def _placed(like: Any, loaded: ShardedTensor | torch.Tensor) -> Any:
 
 def _optimizer_prefix(index: DcpIndex, names: ModelNames, slots: list[TorchSlots]) -> str:
     groups = [
-        [f"state.{n}.{slot}" for n in names.leaves[path]]
+        [f"state.{n}.{slot}" for n in names.optimizer(path)]
         for s in slots
         for path, per in s.leaves().items()
         for slot in per
@@ -259,7 +312,7 @@ def _optimizer_requests(
     scalars: list[tuple[TorchSlots, str, int]] = []
     for s in slots:
         for leaf_path, per in s.leaves().items():
-            keys = [f"{prefix}state.{n}." for n in names.leaves[leaf_path]]
+            keys = [f"{prefix}state.{n}." for n in names.optimizer(leaf_path)]
             for name, target in per.items():
                 label = f"{name} of {leaf_path}"
                 requests.append(Request(label, tuple(k + name for k in keys), target))
@@ -282,7 +335,7 @@ def _check_slots(index: DcpIndex, names: ModelNames, slots: list[TorchSlots], pr
     for s in slots:
         known = set(s.tensors) | set(s.scalars)
         for leaf_path in s.leaves():
-            extra = set().union(*(held.get(n, set()) for n in names.leaves[leaf_path])) - known
+            extra = set().union(*(held.get(n, set()) for n in names.optimizer(leaf_path))) - known
             if extra:
                 raise CheckpointMismatchError(
                     f"{index.directory}: the optimizer state of {leaf_path} holds {sorted(extra)}, "
