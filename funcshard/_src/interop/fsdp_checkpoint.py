@@ -23,8 +23,8 @@ from funcshard._src.checkpoint.dcp_export import Entry, Rows, write_dcp
 from funcshard._src.checkpoint.dcp_import import Request, agreed, read_into, resolve
 from funcshard._src.checkpoint.dcp_metadata import DcpIndex, read_index
 from funcshard._src.checkpoint.errors import CheckpointMismatchError
-from funcshard._src.interop.apply import Apply
 from funcshard._src.comm import runtime
+from funcshard._src.interop.apply import Apply
 from funcshard._src.interop.fsdp_names import (
     HookedScope,
     ModelNames,
@@ -270,7 +270,6 @@ def _fill_whole(target: ShardedTensor | torch.Tensor, value: torch.Tensor) -> No
                 view.copy_(value[tuple(slice(a, b) for a, b in region)].reshape(view.shape))
         else:
             target.copy_(value)
-
 
 
 def _check_leaves(like: Any) -> None:

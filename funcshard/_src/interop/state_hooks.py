@@ -130,9 +130,7 @@ def probe(module: nn.Module, like: Mapping[str, torch.Tensor], /) -> StateLayout
     keep: list[Any] = []  # keeps every produced tensor alive, so no id is reused
 
     def record(path: str, mod: nn.Module, prefix: str, new: OrderedDict[str, Any]) -> None:
-        computed = [
-            v for v in new.values() if isinstance(v, torch.Tensor) and id(v) not in name_of
-        ]
+        computed = [v for v in new.values() if isinstance(v, torch.Tensor) and id(v) not in name_of]
         fresh = [v for v in computed if id(v) not in made]
         if fresh:
             found.append((path, mod, prefix, new))
@@ -172,9 +170,7 @@ def probe(module: nn.Module, like: Mapping[str, torch.Tensor], /) -> StateLayout
     return StateLayout(tuple(state), of_key, tuple(scopes), tuple(other), metas)
 
 
-def scope_state(
-    scope: Scope, values: Mapping[str, torch.Tensor], /
-) -> dict[str, torch.Tensor]:
+def scope_state(scope: Scope, values: Mapping[str, torch.Tensor], /) -> dict[str, torch.Tensor]:
     """The keys ``scope``'s hooks compute, from full ``values`` of its names (dotted, as the module's).
 
     Runs the scope module's own ``state_dict`` with the values bound; returns the
@@ -224,7 +220,7 @@ def scope_load(
     bound = dict(tensors)
     with swapped(scope.module, bound), _hook_errors(scope.path, scope.module, "load"):
         result = scope.module.load_state_dict(given, strict=False)
-    missing = [k for k in result.missing_keys]
+    missing = list(result.missing_keys)
     if missing or result.unexpected_keys:
         raise StateDictHookError(
             f"{scope.path or '<root>'}: {type(scope.module).__name__}.load_state_dict did not "
