@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from tests.conformance import constructs, fsdp_models, hf_models, module_zoo, ownership, vision
+from tests.conformance import (
+    constructs,
+    fsdp_models,
+    hf_models,
+    module_zoo,
+    ownership,
+    state_hooks,
+    vision,
+)
 from tests.conformance.rows import ROWS, Row
 
 __all__ = [
@@ -13,6 +21,7 @@ __all__ = [
     "hf_models",
     "module_zoo",
     "ownership",
+    "state_hooks",
     "table",
     "vision",
 ]
