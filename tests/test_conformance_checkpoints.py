@@ -7,7 +7,7 @@ and loaded through every checkpoint path of ``tests/conformance/checkpoints.py``
 of what funcshard wrote; ``apply.state_dict``; ``save_pretrained``/``load_pretrained``).
 Every parameter and persistent buffer must come back equal to the trained value, bit
 for bit, under each of its names, or the path must refuse the row at save time with
-the message ``CHECKPOINT_REFUSED`` gives. A failure names the row, the world size,
+the message the row's ``checkpoint_refused`` gives. A failure names the row, the world size,
 the path and the tensors. CI runs ``IN_CI``; ``nox -s conformance`` runs them all.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conformance.catalog import ROWS
-from tests.conformance.checkpoints import CHECKPOINT_REFUSED, PATHS, run_checkpoints
+from tests.conformance.checkpoints import PATHS, run_checkpoints
 
 # One row through every path in CI: a plain stack with buffers (BatchNorm) and a row
 # whose state-dict hook computes wq/wk/wv from a fused wqkv.
@@ -46,7 +46,7 @@ def test_row_round_trips_through_every_checkpoint_path(
     for rank, result in enumerate(results):
         for path in PATHS:
             outcome = result[path]
-            refused = CHECKPOINT_REFUSED.get((name, path))
+            refused = next((r for p, r, _ in ROWS[name].checkpoint_refused if p == path), None)
             where = f"{name} W={world} rank {rank} {path}"
             if refused is not None:
                 assert outcome["error"] is not None, f"{where}: saved; expected a refusal"
@@ -55,3 +55,9 @@ def test_row_round_trips_through_every_checkpoint_path(
             assert outcome["error"] is None, f"{where}: {outcome['error']}"
             assert not outcome["missing"], f"{where}: not loaded: {outcome['missing']}"
             assert not outcome["differ"], f"{where}: not bit for bit: {outcome['differ']}"
+
+
+def test_every_refusal_names_a_path():
+    for name, row in ROWS.items():
+        for path, _, _ in row.checkpoint_refused:
+            assert path in PATHS, f"{name}: {path} is not a checkpoint path"

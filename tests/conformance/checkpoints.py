@@ -15,7 +15,7 @@ back through each path of ``PATHS``:
 - ``pretrained``: ``apply.save_pretrained`` and ``apply.load_pretrained``.
 
 Each path's result must equal the trained values bit for bit, by name. A path may
-refuse a row only at save time, with the message ``CHECKPOINT_REFUSED`` expects.
+refuse a row only at save time, with the message the row's ``checkpoint_refused`` gives.
 """
 
 from __future__ import annotations
@@ -34,14 +34,6 @@ from tests.conformance.catalog import ROWS, Row
 from tests.conformance.harness import LR, MOMENTUM, WEIGHT_DECAY, default_dtype
 
 PATHS = ("save", "dcp", "fsdp2", "state_dict", "pretrained")
-
-# Rows a path refuses at save time, and a regex of the refusal (the row's construct named).
-CHECKPOINT_REFUSED: dict[tuple[str, str], str] = {
-    ("state/fused-qkv-hook", "pretrained"): (
-        r"blocks\.0\.attention: FusedAttention's state-dict hook .* computes .*wk\.bias.* "
-        r"save_pretrained .* does not write; save with fs\.checkpoint\.save_dcp"
-    ),
-}
 
 Named = dict[str, torch.Tensor]
 

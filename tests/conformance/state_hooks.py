@@ -107,5 +107,14 @@ register(
         batch=features(4, 3, WIDTH),
         loss=mean_square,
         construct="a state-dict hook computing wq/wk/wv from a fused wqkv (torchtitan 0.3)",
+        checkpoint_refused=(
+            (
+                "pretrained",
+                r"blocks\.0\.attention: FusedAttention's state-dict hook .* computes .* from its "
+                r"parameters, which save_pretrained .* does not write; save with "
+                r"fs\.checkpoint\.save_dcp",
+                "save_pretrained refused at save: names the hook, points to save_dcp",
+            ),
+        ),
     ),
 )

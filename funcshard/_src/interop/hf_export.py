@@ -198,7 +198,8 @@ def _steps(
         if any(n in position for n in group):
             key = _kept_name(tuple(group), position, ())
             whole.append((key, _real(key, tensors[ident])))
-    other = [k for k in keys if k not in covered]
+    # a key a hook renamed (checkpoint_wrapper strips its prefix) holds a covered tensor
+    other = [k for k in keys if k not in covered and layout.of_key.get(k) not in covered]
     if other:
         raise ValueError(
             f"{other[0]}: in {type(module).__name__}'s state_dict but neither a parameter nor a "

@@ -312,8 +312,8 @@ def _state_dict_hook() -> tuple[str, str, str] | None:
                     call = "state_dict()" if saving else "load_state_dict()"
                     return where, "call", f"{type(owner).__name__}.{call}"
                 kind = "state-dict hook" if saving else "load-state-dict hook"
-                hook = hook_frame.f_code.co_name
-                return where, kind, f"{type(owner).__name__}.{hook}"
+                code = hook_frame.f_code
+                return where, kind, getattr(code, "co_qualname", code.co_name)  # 3.11+: Class.fn
         frame = frame.f_back
     return None
 

@@ -318,9 +318,7 @@ def _failing_hook(error: BaseException) -> tuple[str | None, str | None]:
                 prefix = p.rstrip(".") or "<root>"
             hook = None
         elif prefix is not None and hook is None and not _ours_or_torch(code.co_filename):
-            owner = frame.f_locals.get("module", frame.f_locals.get("self"))
-            kind = type(owner).__name__ + "." if isinstance(owner, nn.Module) else ""
-            hook = f"{kind}{code.co_name}"
+            hook = getattr(code, "co_qualname", code.co_name)  # 3.11+: Class.function
         tb = tb.tb_next
     return prefix, hook
 
