@@ -22,8 +22,11 @@ DIM, HEADS, KV_HEADS, VOCAB, LAYERS = 16, 4, 2, 32, 2
 
 def build(seed: int) -> nn.Module:
     """torchtitan's llama3 with fused QKV, its weights drawn from ``seed``."""
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+    with warnings.catch_warnings():  # what torchtitan's imports say of torch's APIs it uses
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+        from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
 
     config = Llama3Model.Config(
         dim=DIM,
