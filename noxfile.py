@@ -103,11 +103,11 @@ def torch_range(session: nox.Session, torch: str) -> None:
 
 @nox.session
 def interop(session: nox.Session) -> None:
-    """Tests with JAX (CPU, eight host devices), Hugging Face and Orbax as oracles."""
+    """Tests with JAX (CPU, eight host devices), Hugging Face, peft and Orbax as oracles."""
     _install(session, "test", "jax", "hf", "orbax")
-    # orbax-checkpoint writes the test checkpoints and optax is the schedules' oracle;
-    # funcshard needs neither
-    session.install("orbax-checkpoint", "optax")
+    # orbax-checkpoint writes the test checkpoints, optax is the schedules' oracle and peft
+    # loads the adapters save_pretrained writes; funcshard needs none of them
+    session.install("orbax-checkpoint", "optax", "peft")
     session.run("pytest", *(session.posargs or ["tests/interop"]))
 
 

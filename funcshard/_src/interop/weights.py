@@ -132,10 +132,29 @@ class Weights:
         HF key names, tied weights once, frozen parameters and persistent buffers, in files
         of at most ``max_shard_size``, one flat buffer gathered at a time. Returns the
         directory (a ``Path``). Details and an example:
-        ``funcshard._src.interop.hf_export.save_pretrained``.
+        ``funcshard._src.interop.hf_export.save_pretrained``. A peft model (``get_peft_model``)
+        saves its adapters through peft's own ``save_pretrained`` (the trainable leaves alone
+        are gathered), for ``PeftModel.from_pretrained``: ``peft_export.py``.
         """
         from funcshard._src.interop.hf_export import save_pretrained
+        from funcshard._src.interop.peft_export import is_peft, save_adapters
 
+        if is_peft(self._module):  # peft's layout: the adapters and adapter_config.json
+            paths, values, got = tree.flatten_with_paths(sparams)
+            by_path = dict(zip(paths, values))
+            if got != self._treedef:
+                raise ValueError(
+                    f"save_pretrained: sparams do not have the structure of "
+                    f"{type(self._module).__name__}'s params; pass fs.shard of what "
+                    f"functionalize returned, or a step's result"
+                )
+            return save_adapters(
+                by_path,
+                path,
+                module=self._module,
+                leaves=self._leaves,
+                layout=self.state_layout(),
+            )
         return save_pretrained(
             sparams,
             path,
