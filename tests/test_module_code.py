@@ -72,7 +72,9 @@ def test_the_module_outside_apply_raises_naming_the_parameter_and_the_fix(use: A
     assert re.search(r"Net's parameter '[\w.]+' \((unit 'blocks/\d'|the root unit)\)", message)
     assert f"by {op}" in message
     if op == "aten.detach":  # torch's state_dict: the message says so and names the fix
-        assert re.search(r"was read by Linear\.state_dict\(\) of module 'inp', outside apply", message)
+        assert re.search(
+            r"was read by Linear\.state_dict\(\) of module 'inp', outside apply", message
+        )
         assert "Fix: apply.state_dict(fs.unshard(sparams))" in message
         return
     assert "was read outside apply" in message
@@ -120,7 +122,8 @@ def test_bound_serves_state_dict_get_parameter_save_dcp_and_save_pretrained(tmp_
     x = torch.ones(2, 3)
     with apply.bound(params) as module:
         weight = module.get_parameter("0.weight")
-        assert isinstance(weight, nn.Parameter) and torch.equal(weight, expected["0.weight"])
+        assert isinstance(weight, nn.Parameter)
+        assert torch.equal(weight, expected["0.weight"])
         from_apply = apply.state_dict(params)
         from_module = module.state_dict()
         dcp_dir = fs.checkpoint.save_dcp(tmp_path / "dcp", params, apply=apply)
@@ -128,7 +131,8 @@ def test_bound_serves_state_dict_get_parameter_save_dcp_and_save_pretrained(tmp_
     trainable = fs.tree.map(lambda t: t.detach().requires_grad_(), params)
     with apply.bound(trainable) as module:  # gradients reach the leaf through the bound view
         (grad,) = torch.autograd.grad(module(x).sum(), [trainable[0]["weight"]])
-    assert grad.shape == (4, 3) and bool(grad.abs().sum() > 0)
+    assert grad.shape == (4, 3)
+    assert bool(grad.abs().sum() > 0)
     for got in (from_apply, from_module, load_file(hf_dir / "model.safetensors")):
         assert sorted(got) == sorted(expected)
         assert all(torch.equal(got[k], v) for k, v in expected.items())

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("peft", reason="peft is installed by `nox -s interop`")
 
-from tests.interop import peft_runs  # noqa: E402
+from tests.interop import peft_runs
 
 pytestmark = pytest.mark.interop
 
