@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.checkpoint.chunks import local_pieces
 from funcshard._src.checkpoint.dcp_export import Entry, Rows, write_dcp
 from funcshard._src.checkpoint.dcp_import import Request, agreed, read_into, resolve
 from funcshard._src.checkpoint.dcp_metadata import DcpIndex, read_index
@@ -26,18 +25,18 @@ from funcshard._src.checkpoint.errors import CheckpointMismatchError
 from funcshard._src.comm import runtime
 from funcshard._src.interop.apply import Apply
 from funcshard._src.interop.fsdp_names import (
-    HookedScope,
     ModelNames,
     Names,
+    computed_values,
+    fill_whole,
     find_prefix,
     model_names,
     split_prefix,
     unexpected,
 )
 from funcshard._src.interop.fsdp_optim import TorchSlots, torch_slots
-from funcshard._src.interop.state_hooks import scope_load, scope_state
+from funcshard._src.interop.state_hooks import scope_load
 from funcshard._src.optim.base import Optimizer
-from funcshard._src.shard.shard import unshard
 from funcshard._src.shard.sharded import ShardedTensor, map_flats
 
 OPTIMIZER = "optimizer"  # where save_dcp puts the optimizer's entries, as torchtitan does
@@ -150,7 +149,7 @@ def load_dcp(
         for scope in names.scopes:
             values = scope_load(scope.scope, {k: saved[k] for k in scope.keys}, scope.like)
             for name, path in scope.leaves.items():
-                _fill_whole(target_of[path], values[name])
+                fill_whole(target_of[path], values[name])
             for name in scope.buffers:
                 buffers[name] = values[name]
         out = tree.unflatten(treedef, [_placed(leaf, t) for leaf, t in zip(leaves, targets)])
@@ -227,7 +226,7 @@ def save_dcp(
     entries += [Entry((b,), t) for b, t in names.buffers.items()]
     by_path = dict(zip(paths, leaves))
     for hooked in names.scopes:  # See [Note: state-dict hooks] (state_hooks.py)
-        computed = _computed(hooked, by_path)
+        computed = computed_values(hooked, by_path)
         entries += [
             Entry((k,), Rows.of(computed[k], runtime.rank(), runtime.world_size()))
             for k in hooked.computed
@@ -247,29 +246,6 @@ def save_dcp(
 
 
 # -- helpers -----------------------------------------------------------------------
-
-
-def _computed(hooked: HookedScope, by_path: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The keys ``hooked``'s state-dict hooks compute, from its leaves gathered; collective.
-
-    Only the scope's leaves are gathered (one unit's flat buffer, where they are a
-    unit's), and freed when the caller drops the result's source.
-    """
-    mine = {path: by_path[path] for path in sorted(set(hooked.leaves.values()))}
-    full = unshard(mine)
-    values = {name: full[path] for name, path in hooked.leaves.items()}
-    values.update(hooked.buffers)
-    return scope_state(hooked.scope, values)
-
-
-def _fill_whole(target: ShardedTensor | torch.Tensor, value: torch.Tensor) -> None:
-    """Copies this rank's part of the whole ``value`` into ``target``; mutates the target."""
-    with torch.no_grad():
-        if isinstance(target, ShardedTensor):
-            for region, view in local_pieces(target):
-                view.copy_(value[tuple(slice(a, b) for a, b in region)].reshape(view.shape))
-        else:
-            target.copy_(value)
 
 
 def _check_leaves(like: Any) -> None:

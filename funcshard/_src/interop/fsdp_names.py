@@ -25,9 +25,12 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
+from funcshard._src.checkpoint.chunks import local_pieces
 from funcshard._src.checkpoint.errors import CheckpointError
 from funcshard._src.interop.apply import Apply
-from funcshard._src.interop.state_hooks import Scope, named_tensors
+from funcshard._src.interop.state_hooks import Scope, named_tensors, scope_state
+from funcshard._src.shard.shard import unshard
+from funcshard._src.shard.sharded import ShardedTensor
 
 Names = Mapping[str, str | Sequence[str]]  # leaf path -> its state-dict name(s)
 
@@ -168,6 +171,29 @@ def _apply_names(
     )
     parameters = {leaf.path: leaf.names[0] for leaf in leaves}
     return {p: tuple(found[p]) for p in paths}, buffers, scopes, parameters
+
+
+def computed_values(hooked: HookedScope, by_path: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The keys ``hooked``'s state-dict hooks compute, from its leaves gathered; collective.
+
+    Only the scope's leaves are gathered (one unit's flat buffer, where they are a
+    unit's), and freed when the caller drops the result's source.
+    """
+    mine = {path: by_path[path] for path in sorted(set(hooked.leaves.values()))}
+    full = unshard(mine)
+    values = {name: full[path] for name, path in hooked.leaves.items()}
+    values.update(hooked.buffers)
+    return scope_state(hooked.scope, values)
+
+
+def fill_whole(target: ShardedTensor | torch.Tensor, value: torch.Tensor) -> None:
+    """Copies this rank's part of the whole ``value`` into ``target``; mutates the target."""
+    with torch.no_grad():
+        if isinstance(target, ShardedTensor):
+            for region, view in local_pieces(target):
+                view.copy_(value[tuple(slice(a, b) for a, b in region)].reshape(view.shape))
+        else:
+            target.copy_(value)
 
 
 def find_prefix(
