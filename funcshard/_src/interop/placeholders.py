@@ -300,7 +300,7 @@ def _state_dict_hook() -> tuple[str, str, str] | None:
     while frame is not None:
         code = frame.f_code
         inside = os.path.abspath(code.co_filename).startswith((_HERE, _TORCH))
-        if not inside and not code.co_filename.startswith("<"):
+        if not inside and not code.co_filename.startswith("<frozen"):
             hook_frame = frame
         elif code.co_name in ("state_dict", "_load_from_state_dict"):
             owner = frame.f_locals.get("self")

@@ -324,7 +324,7 @@ def _failing_hook(error: BaseException) -> tuple[str | None, str | None]:
 
 
 def _ours_or_torch(filename: str) -> bool:
-    return os.path.abspath(filename).startswith((_HERE, _TORCH)) or filename.startswith("<")
+    return os.path.abspath(filename).startswith((_HERE, _TORCH)) or filename.startswith("<frozen")
 
 
 def _hook_names(module: nn.Module) -> str:
