@@ -125,29 +125,37 @@ def load_dcp(
         fresh = map_flats(lambda f: f.with_data(torch.zeros_like(f.data)), like)
         paths, leaves, treedef = tree.flatten_with_paths(fresh)
         targets = [_target(leaf) for leaf in leaves]
-        hooked = names.hooked
+        under_hooks = names.hooked
         requests = [
             Request(p, tuple(found + n for n in names.leaves[p]), t)
             for p, t in zip(paths, targets)
-            if p not in hooked
+            if p not in under_hooks
         ]
         buffers = {b: torch.empty(t.shape, dtype=t.dtype) for b, t in names.buffers.items()}
         requests += [Request(f"buffer {b}", (found + b,), t) for b, t in buffers.items()]
-        saved = {  # the keys of each hooked scope, read whole; see [Note: state-dict hooks]
-            k: torch.empty(m.shape, dtype=m.dtype) for s in names.scopes for k, m in s.keys.items()
-        }
-        requests += [Request(k, (found + k,), t) for k, t in saved.items()]
         scalars: list[tuple[TorchSlots, str, int]] = []
         if slots:
             assert opt_found is not None
             _check_slots(index, names, slots, opt_found)
             scalars = _optimizer_requests(names, slots, opt_found, requests)
+        # the keys of each hooked scope: checked with the rest (meta targets), read whole one
+        # scope at a time; see [Note: state-dict hooks] (state_hooks.py)
+        hooked = [
+            Request(k, (found + k,), torch.empty(m.shape, dtype=m.dtype, device="meta"))
+            for scope in names.scopes
+            for k, m in scope.keys.items()
+        ]
         extra = unexpected(index.kinds, names, found, opt_found)
-        read = read_into(index, requests, resolve(index, requests, unexpected=extra))
+        resolved = resolve(index, requests + hooked, unexpected=extra)
+        read = read_into(index, requests, resolved[: len(requests)])
         _set_scalars(directory, slots, scalars, read, requests)
+        stored = dict(zip((r.label for r in hooked), resolved[len(requests) :]))
         target_of = dict(zip(paths, targets))
         for scope in names.scopes:
-            values = scope_load(scope.scope, {k: saved[k] for k in scope.keys}, scope.like)
+            saved = {k: torch.empty(m.shape, dtype=m.dtype) for k, m in scope.keys.items()}
+            mine = [Request(k, (found + k,), t) for k, t in saved.items()]
+            read_into(index, mine, [stored[k] for k in saved])
+            values = scope_load(scope.scope, saved, scope.like)
             for name, path in scope.leaves.items():
                 fill_whole(target_of[path], values[name])
             for name in scope.buffers:
