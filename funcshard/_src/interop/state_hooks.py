@@ -166,8 +166,8 @@ def probe(module: nn.Module, like: Mapping[str, torch.Tensor], /) -> StateLayout
         scopes.append(
             Scope(path, prefix, mod, _hook_names(mod), pairs, frozenset(computed[i]), under)
         )
-    metas = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    return StateLayout(tuple(state), of_key, tuple(scopes), tuple(other), metas)
+    on_meta = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return StateLayout(tuple(state), of_key, tuple(scopes), tuple(other), on_meta)
 
 
 def scope_state(scope: Scope, values: Mapping[str, torch.Tensor], /) -> dict[str, torch.Tensor]:
@@ -253,7 +253,7 @@ def named_tensors(module: nn.Module, /) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_state_dict(module: nn.Module, /) -> OrderedDict[str, Any]:
+def run_state_dict(module: nn.Module, /) -> dict[str, Any]:
     """``module.state_dict(keep_vars=True)``; a hook that raises is named ([Note: state-dict hooks]).
 
     Raises:
@@ -271,7 +271,7 @@ def run_state_dict(module: nn.Module, /) -> OrderedDict[str, Any]:
 
 def _call_state_dict(
     module: nn.Module, path: str, owner: nn.Module, *, prefix: str = "", keep_vars: bool = True
-) -> OrderedDict[str, Any]:
+) -> dict[str, Any]:
     with _hook_errors(path, owner, "save"):
         return module.state_dict(prefix=prefix, keep_vars=keep_vars)
 
