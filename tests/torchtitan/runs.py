@@ -57,7 +57,8 @@ def fsdp2(model: nn.Module) -> nn.Module:
     """``fully_shard`` on each transformer block, then the root, as torchtitan's FSDP does."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers:
+    layers = model.get_submodule("layers")
+    for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers.children():
         fully_shard(layer)
     fully_shard(model)
     return model
