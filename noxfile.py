@@ -45,22 +45,45 @@ def tests(session: nox.Session) -> None:
     _install(session, "test")
     session.run(
         "pytest",
-        *(session.posargs or ["tests", "--ignore=tests/interop", "-m", "not slow and not matrix"]),
+        *(
+            session.posargs
+            or [
+                "tests",
+                "--ignore=tests/interop",
+                "--ignore=tests/torchtitan",
+                "-m",
+                "not slow and not matrix",
+            ]
+        ),
     )
 
 
 @nox.session
 def conformance(session: nox.Session) -> None:
-    """The whole conformance matrix: every row under every variant (CI runs a subset)."""
+    """The whole conformance matrix: every row under every variant, and through every checkpoint
+    path at W=2 and W=1 (CI runs a subset)."""
     _install(session, "test")
-    session.run("pytest", "tests/test_conformance.py", *session.posargs)
+    session.run(
+        "pytest",
+        "tests/test_conformance.py",
+        "tests/test_conformance_checkpoints.py",
+        *session.posargs,
+    )
 
 
 @nox.session
 def slow(session: nox.Session) -> None:
     """The tests that compile with Inductor (minutes each): ``-m slow``."""
     _install(session, "test")
-    session.run("pytest", "tests", "--ignore=tests/interop", "-m", "slow", *session.posargs)
+    session.run(
+        "pytest",
+        "tests",
+        "--ignore=tests/interop",
+        "--ignore=tests/torchtitan",
+        "-m",
+        "slow",
+        *session.posargs,
+    )
 
 
 @nox.session(name="torch_range")
@@ -81,12 +104,29 @@ def torch_range(session: nox.Session, torch: str) -> None:
 
 @nox.session
 def interop(session: nox.Session) -> None:
-    """Tests with JAX (CPU, eight host devices), Hugging Face and Orbax as oracles."""
+    """Tests with JAX (CPU, eight host devices), Hugging Face, peft and Orbax as oracles."""
     _install(session, "test", "jax", "hf", "orbax")
-    # orbax-checkpoint writes the test checkpoints and optax is the schedules' oracle;
-    # funcshard needs neither
-    session.install("orbax-checkpoint", "optax")
+    # orbax-checkpoint writes the test checkpoints, optax is the schedules' oracle and peft
+    # loads the adapters save_pretrained writes; funcshard needs none of them
+    session.install("orbax-checkpoint", "optax", "peft")
     session.run("pytest", *(session.posargs or ["tests/interop"]))
+
+
+@nox.session
+def torchtitan(session: nox.Session) -> None:
+    """torchtitan 0.3's llama3 (fused QKV) checkpointed by funcshard and by torchtitan, both ways.
+
+    torchtitan comes without its dependencies (they would replace the pinned torch),
+    with the few its model code imports: tyro, and triton, which it imports at module
+    import (a CPU machine installs it from PyPI and never runs it).
+    """
+    _install(session, "test")
+    pins = ["-c", CONSTRAINTS] if CONSTRAINTS else []
+    session.install(
+        *pins, "--no-deps", "torchtitan==0.3.0", "spmd_types==0.2.3", "torch_checkpointing"
+    )
+    session.install(*pins, "tyro", "triton")
+    session.run("pytest", *(session.posargs or ["tests/torchtitan"]))
 
 
 @nox.session

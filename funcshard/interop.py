@@ -13,9 +13,11 @@ from funcshard._src.interop.orbax import load_orbax as load_orbax
 from funcshard._src.interop.orbax_save import save_orbax as save_orbax
 from funcshard._src.interop.placeholders import UnboundParameterError as UnboundParameterError
 from funcshard._src.interop.safetensors_io import load_safetensors as load_safetensors
+from funcshard._src.interop.state_hooks import StateDictHookError as StateDictHookError
 
 __all__ = [
     "Apply",
+    "StateDictHookError",
     "UnboundParameterError",
     "from_jax",
     "functionalize",

@@ -20,7 +20,8 @@ import torch.utils.checkpoint as checkpoint_utils
 from torch import nn
 
 import funcshard as fs
-from funcshard.interop import UnboundParameterError, functionalize
+from funcshard._src.interop.placeholders import Placeholder
+from funcshard.interop import StateDictHookError, UnboundParameterError, functionalize
 
 
 class Block(nn.Module):
@@ -70,6 +71,12 @@ def test_the_module_outside_apply_raises_naming_the_parameter_and_the_fix(use: A
     message = str(e.value)
     assert re.search(r"Net's parameter '[\w.]+' \((unit 'blocks/\d'|the root unit)\)", message)
     assert f"by {op}" in message
+    if op == "aten.detach":  # torch's state_dict: the message says so and names the fix
+        assert re.search(
+            r"was read by Linear\.state_dict\(\) of module 'inp', outside apply", message
+        )
+        assert "Fix: apply.state_dict(fs.unshard(sparams))" in message
+        return
     assert "was read outside apply" in message
     assert "Fix: run the module through apply(params, ...)" in message
 
@@ -97,6 +104,63 @@ def test_bound_runs_the_module_on_the_leaves_and_leaves_placeholders_after():
     bound = apply.bound(fs.shard(params, plan))
     with pytest.raises(ValueError, match="sharded leaf"):
         bound.__enter__()
+
+
+def test_bound_serves_state_dict_get_parameter_save_dcp_and_save_pretrained(tmp_path: Any):
+    """Inside apply.bound every call the docs suggest works on a plain two-layer Sequential.
+
+    Reference: the module's own state dict before functionalize; torch's ``get_parameter``
+    (which checks ``isinstance(p, nn.Parameter)``) and ``dcp.load`` of what save_dcp wrote.
+    """
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    expected = {k: v.clone() for k, v in net.state_dict().items()}
+    params, apply = functionalize(net, units=[nn.Linear])
+    sparams = fs.shard(params, fs.plan(params, fs.Mesh({"fsdp": 1}), units=apply.units))
+    x = torch.ones(2, 3)
+    with apply.bound(params) as module:
+        weight = module.get_parameter("0.weight")
+        assert isinstance(weight, nn.Parameter)
+        assert torch.equal(weight, expected["0.weight"])
+        from_apply = apply.state_dict(params)
+        from_module = module.state_dict()
+        dcp_dir = fs.checkpoint.save_dcp(tmp_path / "dcp", params, apply=apply)
+        hf_dir = apply.save_pretrained(sparams, tmp_path / "hf")
+    trainable = fs.tree.map(lambda t: t.detach().requires_grad_(), params)
+    with apply.bound(trainable) as module:  # gradients reach the leaf through the bound view
+        (grad,) = torch.autograd.grad(module(x).sum(), [trainable[0]["weight"]])
+    assert grad.shape == (4, 3)
+    assert bool(grad.abs().sum() > 0)
+    for got in (from_apply, from_module, load_file(hf_dir / "model.safetensors")):
+        assert sorted(got) == sorted(expected)
+        assert all(torch.equal(got[k], v) for k, v in expected.items())
+    back = {k: torch.zeros_like(v) for k, v in expected.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(back, checkpoint_id=dcp_dir)
+    assert all(torch.equal(back[k], v) for k, v in expected.items())
+    assert isinstance(net.get_submodule("0")._parameters["weight"], Placeholder)
+
+
+def test_a_state_dict_hook_that_raises_is_named_with_a_fix():
+    """A hook's error names the module path, the hook and a fix, not torch's internals."""
+
+    def needs_values(module: Any, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+        state_dict[prefix + "scale"] = state_dict[prefix + "weight"].abs().max().item() * 1
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    net[1].register_state_dict_post_hook(needs_values)
+    params, apply = functionalize(net)
+    with pytest.raises(StateDictHookError) as e:
+        apply.state_layout()
+    message = str(e.value)
+    assert message.startswith("1: the state-dict hook ")
+    assert "needs_values raised" in message
+    assert "Fix: make the hook work on shapes alone" in message
+    with apply.bound(params) as module:  # on live values the same hook runs
+        assert "1.scale" in module.state_dict()
 
 
 def test_a_module_functionalized_twice_is_an_error_naming_the_fix():

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from tests.conformance import constructs, fsdp_models, hf_models, module_zoo, ownership, vision
+from tests.conformance import (
+    constructs,
+    fsdp_models,
+    hf_models,
+    module_zoo,
+    ownership,
+    state_hooks,
+    vision,
+)
 from tests.conformance.rows import ROWS, Row
 
 __all__ = [
@@ -13,6 +21,7 @@ __all__ = [
     "hf_models",
     "module_zoo",
     "ownership",
+    "state_hooks",
     "table",
     "vision",
 ]
@@ -35,5 +44,14 @@ def table() -> list[str]:
                 bf16 = f'raises as FSDP2 does (torch: "{row.bf16_error}")'
             else:
                 bf16 = "equal"
-        lines.append(f"| `{name}` | {row.construct} | {fp64} | {bf16} |")
+        lines.append(f"| `{name}` | {row.construct} | {fp64} | {bf16} | {_checkpoint(row)} |")
     return lines
+
+
+def _checkpoint(row: Row) -> str:
+    """The checkpoint column: what ``tests/test_conformance_checkpoints.py`` checks of the row."""
+    if row.refused is not None:
+        return "not trained"
+    if not row.checkpoint_refused:
+        return "bit for bit, every path"
+    return "bit for bit; " + "; ".join(said for _, _, said in row.checkpoint_refused)

@@ -40,6 +40,9 @@ class Row:
     variants: tuple[str, ...] = ("full_shard", "shard_grad_op", "remat", "bf16")
     quiet: tuple[str, ...] = ()  # torch's own warnings the row triggers (messages to ignore)
     around: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext  # each step in it
+    # checkpoint paths that refuse the row at save time: (path, regex of the error, what
+    # the table says); see tests/conformance/checkpoints.py
+    checkpoint_refused: tuple[tuple[str, str, str], ...] = ()
 
 
 ROWS: dict[str, Row] = {}

@@ -55,6 +55,38 @@ def test_paths_units_and_state_of_a_llama():
     ]
 
 
+def test_bound_serves_state_dict_save_dcp_and_save_pretrained_of_a_llama(tmp_path):
+    """Inside apply.bound: the module's and apply's state dict, save_dcp and save_pretrained.
+
+    Reference: the model's own state dict before functionalize, and what ``dcp.load`` and
+    Hugging Face's ``from_pretrained`` read back.
+    """
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    model = llama()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    params, apply = functionalize(model, units=["LlamaDecoderLayer"])
+    plan = fs.plan(params, fs.Mesh({"fsdp": 1}), units=apply.units, frozen=apply.frozen)
+    with apply.bound(params) as module:
+        assert torch.equal(module.get_parameter("lm_head.weight"), expected["lm_head.weight"])
+        from_module = module.state_dict()
+        from_apply = apply.state_dict(params)
+        dcp_dir = fs.checkpoint.save_dcp(tmp_path / "dcp", params, apply=apply)
+        hf_dir = apply.save_pretrained(fs.shard(params, plan), tmp_path / "hf")
+    for got in (from_module, from_apply):
+        assert sorted(got) == sorted(expected)
+        assert all(torch.equal(got[k], v) for k, v in expected.items())
+    back = {k: torch.zeros_like(v) for k, v in expected.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(back, checkpoint_id=dcp_dir)
+    assert all(torch.equal(back[k], v) for k, v in expected.items())
+    loaded = transformers.LlamaForCausalLM.from_pretrained(hf_dir).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+
+
 def test_a_unit_class_a_llama_lacks_is_an_error_listing_its_classes():
     with pytest.raises(
         ValueError, match=r"'GPT2Block' names no submodule of LlamaForCausalLM"

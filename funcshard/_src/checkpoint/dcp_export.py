@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from funcshard._src.checkpoint import commit
-from funcshard._src.checkpoint.chunks import Chunk, chunks_of, local_pieces
+from funcshard._src.checkpoint.chunks import Chunk, chunk_key, chunks_of, local_pieces
 from funcshard._src.checkpoint.dcp_metadata import METADATA_FILE
 from funcshard._src.checkpoint.errors import CheckpointError
 from funcshard._src.comm import agree, runtime, settle
@@ -51,11 +51,73 @@ STAGING_RUN = "dcp"  # staging directories of these saves: .<name>.tmp-dcp-<toke
 
 
 @dataclass(frozen=True)
+class Rows:
+    """A tensor every rank computed whole, of which each keeps and writes its share of dim 0.
+
+    Rank ``r`` of ``world`` holds rows ``rows_of(shape[0], world, r)`` (a 0-d tensor:
+    rank 0 holds it). For values a module's state-dict hook computes
+    ([Note: state-dict hooks] in ``interop/state_hooks.py``): no rank keeps them whole.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    local: torch.Tensor  # this rank's rows
+    rank: int
+    world: int
+
+    @staticmethod
+    def of(value: torch.Tensor, rank: int, world: int) -> Rows:
+        """This rank's share of ``value`` (a copy: the whole value can be freed).
+
+        Example:
+            >>> Rows.of(torch.arange(5.0), 1, 2).local
+            tensor([3., 4.])
+        """
+        if value.ndim == 0:
+            local = value.detach().clone() if rank == 0 else value.detach().new_empty((0,))
+        else:
+            start, stop = rows_of(value.shape[0], world, rank)
+            local = value.detach()[start:stop].clone()
+        return Rows(tuple(value.shape), value.dtype, local, rank, world)
+
+    @property
+    def ndim(self) -> int:
+        """Dims of the whole tensor."""
+        return len(self.shape)
+
+    def chunks(self, key: str) -> list[Chunk]:
+        """One chunk per rank with rows, written by that rank."""
+        if not self.shape:
+            return [Chunk(chunk_key(key, ()), (), (), 0)]
+        out = []
+        for r in range(self.world):
+            start, stop = rows_of(self.shape[0], self.world, r)
+            if stop > start and all(self.shape[1:]):
+                offsets = (start,) + (0,) * (self.ndim - 1)
+                sizes = (stop - start, *self.shape[1:])
+                out.append(Chunk(chunk_key(key, offsets), offsets, sizes, r))
+        return out
+
+
+def rows_of(n: int, world: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of rank ``rank``'s rows of ``n``: the first ``n % world`` ranks one more.
+
+    Example:
+        >>> [rows_of(5, 2, r) for r in range(2)]
+        [(0, 3), (3, 5)]
+    """
+    size, extra = divmod(n, world)
+    start = rank * size + min(rank, extra)
+    return start, start + size + (rank < extra)
+
+
+@dataclass(frozen=True)
 class Entry:
     """One tensor to save, under one or more DCP keys (tied weights: one copy on disk)."""
 
     keys: tuple[str, ...]
-    leaf: ShardedTensor | torch.Tensor  # a plain tensor is the same on every rank; rank 0 writes it
+    # a plain tensor is the same on every rank; rank 0 writes it
+    leaf: ShardedTensor | torch.Tensor | Rows
     nest: str | None = None  # the state-dict key it sits under (``optimizer``), for DCP's planner
 
 
@@ -127,6 +189,8 @@ def write_dcp(path: str | os.PathLike[str], entries: Sequence[Entry], /, *, what
 
 
 def _check(entry: Entry) -> list[Chunk]:
+    if isinstance(entry.leaf, Rows):
+        return entry.leaf.chunks(entry.keys[0])
     if not isinstance(entry.leaf, ShardedTensor | torch.Tensor):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise TypeError(f"{entry.keys[0]}: a {type(entry.leaf).__name__}, not a tensor")
     if isinstance(entry.leaf, torch.Tensor) and entry.leaf.device.type == "meta":
@@ -161,11 +225,7 @@ def _write_mine(
                 mine = [c for c in boxes if c.writer == rank]
                 if not mine:
                     continue
-                views = (
-                    {tuple(a for a, _ in r): v for r, v in local_pieces(entry.leaf)}
-                    if isinstance(entry.leaf, ShardedTensor)
-                    else {(0,) * entry.leaf.ndim: entry.leaf}
-                )
+                views = _views(entry.leaf)
                 for chunk in mine:
                     blob = io.BytesIO()
                     # a copy: torch.save of a view writes all of the storage behind it
@@ -177,6 +237,16 @@ def _write_mine(
         return {"error": None, "file": name, "stored": stored}
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}", "file": name, "stored": []}
+
+
+def _views(leaf: ShardedTensor | torch.Tensor | Rows) -> dict[tuple[int, ...], torch.Tensor]:
+    """This rank's pieces of ``leaf`` by their offsets."""
+    if isinstance(leaf, ShardedTensor):
+        return {tuple(a for a, _ in r): v for r, v in local_pieces(leaf)}
+    if isinstance(leaf, Rows):
+        start = rows_of(leaf.shape[0], leaf.world, leaf.rank)[0] if leaf.shape else 0
+        return {((start,) + (0,) * (leaf.ndim - 1)) if leaf.shape else (): leaf.local}
+    return {(0,) * leaf.ndim: leaf}
 
 
 def _write_metadata(

@@ -202,9 +202,13 @@ class Apply(Weights):
         """Binds full ``params`` (and the state) to the module's names while the block runs; mutates it.
 
         For code that runs the module itself rather than through ``apply`` (an
-        evaluation loop, Hugging Face's ``generate``): inside the block the module
-        holds the leaves of ``params``, outside it placeholders again (see
-        [Note: module code outside the call] in ``binding.py``).
+        evaluation loop, Hugging Face's ``generate``, ``module.state_dict()``): inside
+        the block the module holds the leaves of ``params``, outside it placeholders
+        again (see [Note: module code outside the call] in ``binding.py``). Each name
+        holds a view of its leaf that is an ``nn.Parameter`` to ``isinstance``, so
+        torch's ``get_parameter`` and ``named_parameters`` work; gradients flow to
+        the leaf. ``apply.state_dict``, ``fs.checkpoint.save_dcp`` and
+        ``apply.save_pretrained`` work inside the block as outside it.
 
         Raises:
             ValueError: ``params`` has another structure or holds sharded leaves
@@ -228,7 +232,7 @@ class Apply(Weights):
         self._layout.check()
         tensors: dict[str, Any] = dict(self._state.tensors)
         for leaf in self._leaves:
-            tensors.update(dict.fromkeys(leaf.names, by_path[leaf.path]))
+            tensors.update(dict.fromkeys(leaf.names, _as_parameter(by_path[leaf.path])))
         bind_once(tensors, self._redundant)
         try:
             with swapped(self._module, tensors):
@@ -294,6 +298,20 @@ class Apply(Weights):
             module=type(self._module).__name__,
             what=what,
         )
+
+
+def _as_parameter(value: Any) -> Any:
+    """A view of ``value`` that is an ``nn.Parameter`` to ``isinstance`` (``value`` itself unmarked).
+
+    torch's ``get_parameter`` checks ``isinstance(p, nn.Parameter)``, which holds for a
+    tensor with ``_is_param`` set (as for placeholders). A view shares the values and
+    passes gradients on to ``value``.
+    """
+    if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+        return value
+    view = value.view_as(value)
+    view._is_param = True  # pyright: ignore[reportAttributeAccessIssue]
+    return view
 
 
 def _root_holder() -> Any:

@@ -18,20 +18,24 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.checkpoint.dcp_export import Entry, write_dcp
+from funcshard._src.checkpoint.dcp_export import Entry, Rows, write_dcp
 from funcshard._src.checkpoint.dcp_import import Request, agreed, read_into, resolve
 from funcshard._src.checkpoint.dcp_metadata import DcpIndex, read_index
 from funcshard._src.checkpoint.errors import CheckpointMismatchError
+from funcshard._src.comm import runtime
 from funcshard._src.interop.apply import Apply
 from funcshard._src.interop.fsdp_names import (
     ModelNames,
     Names,
+    computed_values,
+    fill_whole,
     find_prefix,
     model_names,
     split_prefix,
     unexpected,
 )
 from funcshard._src.interop.fsdp_optim import TorchSlots, torch_slots
+from funcshard._src.interop.state_hooks import scope_load
 from funcshard._src.optim.base import Optimizer
 from funcshard._src.shard.sharded import ShardedTensor, map_flats
 
@@ -112,7 +116,8 @@ def load_dcp(
         index = read_index(directory)
         found = model_prefix
         if found is None:
-            groups = [list(n) for n in names.leaves.values()] + [[b] for b in names.buffers]
+            groups = [list(n) for n in names.leaves.values() if n] + [[b] for b in names.buffers]
+            groups += [[k] for s in names.scopes for k in s.keys]
             found = find_prefix(index.kinds, groups, what="the model", directory=directory)
         opt_found = optimizer_prefix
         if opt_found is None and slots:
@@ -120,8 +125,11 @@ def load_dcp(
         fresh = map_flats(lambda f: f.with_data(torch.zeros_like(f.data)), like)
         paths, leaves, treedef = tree.flatten_with_paths(fresh)
         targets = [_target(leaf) for leaf in leaves]
+        under_hooks = names.hooked
         requests = [
-            Request(p, tuple(found + n for n in names.leaves[p]), t) for p, t in zip(paths, targets)
+            Request(p, tuple(found + n for n in names.leaves[p]), t)
+            for p, t in zip(paths, targets)
+            if p not in under_hooks
         ]
         buffers = {b: torch.empty(t.shape, dtype=t.dtype) for b, t in names.buffers.items()}
         requests += [Request(f"buffer {b}", (found + b,), t) for b, t in buffers.items()]
@@ -130,9 +138,28 @@ def load_dcp(
             assert opt_found is not None
             _check_slots(index, names, slots, opt_found)
             scalars = _optimizer_requests(names, slots, opt_found, requests)
+        # the keys of each hooked scope: checked with the rest (meta targets), read whole one
+        # scope at a time; see [Note: state-dict hooks] (state_hooks.py)
+        hooked = [
+            Request(k, (found + k,), torch.empty(m.shape, dtype=m.dtype, device="meta"))
+            for scope in names.scopes
+            for k, m in scope.keys.items()
+        ]
         extra = unexpected(index.kinds, names, found, opt_found)
-        read = read_into(index, requests, resolve(index, requests, unexpected=extra))
+        resolved = resolve(index, requests + hooked, unexpected=extra)
+        read = read_into(index, requests, resolved[: len(requests)])
         _set_scalars(directory, slots, scalars, read, requests)
+        stored = dict(zip((r.label for r in hooked), resolved[len(requests) :]))
+        target_of = dict(zip(paths, targets))
+        for scope in names.scopes:
+            saved = {k: torch.empty(m.shape, dtype=m.dtype) for k, m in scope.keys.items()}
+            mine = [Request(k, (found + k,), t) for k, t in saved.items()]
+            read_into(index, mine, [stored[k] for k in saved])
+            values = scope_load(scope.scope, saved, scope.like)
+            for name, path in scope.leaves.items():
+                fill_whole(target_of[path], values[name])
+            for name in scope.buffers:
+                buffers[name] = values[name]
         out = tree.unflatten(treedef, [_placed(leaf, t) for leaf, t in zip(leaves, targets)])
         return index.digest, (out, buffers)
 
@@ -145,9 +172,10 @@ def load_dcp(
         if any(t.device.type == "meta" for t in names.buffers.values()):
             apply.materialize_state()
             names = model_names(like, apply)
+        in_scopes = {n: t for s in names.scopes for n, t in s.buffers.items()}
         with torch.no_grad():
             for name, value in buffers.items():
-                names.buffers[name].copy_(value)
+                (names.buffers[name] if name in names.buffers else in_scopes[name]).copy_(value)
     return loaded if optimizer is None else (loaded, state)
 
 
@@ -202,8 +230,16 @@ def save_dcp(
     _check_leaves(sparams)
     names = model_names(sparams, apply)
     paths, leaves, _ = tree.flatten_with_paths(sparams)
-    entries = [Entry(names.leaves[p], leaf) for p, leaf in zip(paths, leaves)]
+    entries = [Entry(names.leaves[p], leaf) for p, leaf in zip(paths, leaves) if names.leaves[p]]
     entries += [Entry((b,), t) for b, t in names.buffers.items()]
+    by_path = dict(zip(paths, leaves))
+    for hooked in names.scopes:  # See [Note: state-dict hooks] (state_hooks.py)
+        computed = computed_values(hooked, by_path)
+        entries += [
+            Entry((k,), Rows.of(computed[k], runtime.rank(), runtime.world_size()))
+            for k in hooked.computed
+        ]
+        del computed
     for s in [] if opt_state is None else torch_slots(opt_state):
         for leaf_path, per in s.leaves().items():
             if leaf_path not in names.leaves:
@@ -243,7 +279,7 @@ def _placed(like: Any, loaded: ShardedTensor | torch.Tensor) -> Any:
 
 def _optimizer_prefix(index: DcpIndex, names: ModelNames, slots: list[TorchSlots]) -> str:
     groups = [
-        [f"state.{n}.{slot}" for n in names.leaves[path]]
+        [f"state.{n}.{slot}" for n in names.optimizer(path)]
         for s in slots
         for path, per in s.leaves().items()
         for slot in per
@@ -259,7 +295,7 @@ def _optimizer_requests(
     scalars: list[tuple[TorchSlots, str, int]] = []
     for s in slots:
         for leaf_path, per in s.leaves().items():
-            keys = [f"{prefix}state.{n}." for n in names.leaves[leaf_path]]
+            keys = [f"{prefix}state.{n}." for n in names.optimizer(leaf_path)]
             for name, target in per.items():
                 label = f"{name} of {leaf_path}"
                 requests.append(Request(label, tuple(k + name for k in keys), target))
@@ -282,7 +318,7 @@ def _check_slots(index: DcpIndex, names: ModelNames, slots: list[TorchSlots], pr
     for s in slots:
         known = set(s.tensors) | set(s.scalars)
         for leaf_path in s.leaves():
-            extra = set().union(*(held.get(n, set()) for n in names.leaves[leaf_path])) - known
+            extra = set().union(*(held.get(n, set()) for n in names.optimizer(leaf_path))) - known
             if extra:
                 raise CheckpointMismatchError(
                     f"{index.directory}: the optimizer state of {leaf_path} holds {sorted(extra)}, "

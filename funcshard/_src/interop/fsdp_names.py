@@ -18,29 +18,69 @@ DCP's tutorial. Beside them sit entries funcshard does not read
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from funcshard._src import tree
+from funcshard._src.checkpoint.chunks import local_pieces
 from funcshard._src.checkpoint.errors import CheckpointError
 from funcshard._src.interop.apply import Apply
+from funcshard._src.interop.state_hooks import Scope, named_tensors, scope_state
+from funcshard._src.shard.shard import unshard
+from funcshard._src.shard.sharded import ShardedTensor
 
 Names = Mapping[str, str | Sequence[str]]  # leaf path -> its state-dict name(s)
 
 
 @dataclass(frozen=True)
+class HookedScope:
+    """A submodule whose state-dict hook computes keys: what it needs and gives ([Note: state-dict hooks])."""
+
+    scope: Scope
+    leaves: Mapping[str, str]  # dotted name under it -> leaf path (gathered to run its hooks)
+    buffers: Mapping[str, torch.Tensor]  # dotted name under it -> apply.state's tensor
+    like: Mapping[str, torch.Tensor]  # dotted name -> a tensor of its shape and dtype
+    keys: Mapping[str, torch.Tensor]  # every key it gives -> a meta tensor of its shape
+
+    @property
+    def computed(self) -> tuple[str, ...]:
+        """The keys its hooks compute, in the module's order."""
+        return tuple(k for k in self.keys if k in self.scope.computed)
+
+
+@dataclass(frozen=True)
 class ModelNames:
-    """The state-dict names of a params tree: per leaf path (first: the optimizer's), and buffers."""
+    """The state-dict names of a params tree: per leaf path (first: the optimizer's), and buffers.
+
+    A leaf a state-dict hook consumes (torchtitan's fused ``wqkv``) may have no name
+    of its own: its scope's computed keys stand for it (``scopes``).
+    """
 
     leaves: Mapping[str, tuple[str, ...]]
     buffers: Mapping[str, torch.Tensor]  # persistent buffer name -> apply.state's tensor
+    scopes: tuple[HookedScope, ...] = ()
+    parameters: Mapping[str, str] = field(default_factory=dict)  # leaf path -> its dotted name
 
     def first(self, path: str, /) -> str:
         """The name ``get_optimizer_state_dict`` uses for leaf ``path``."""
-        return self.leaves[path][0]
+        return self.optimizer(path)[0]
+
+    def optimizer(self, path: str, /) -> tuple[str, ...]:
+        """The names torch's optimizer state may use for leaf ``path``: its keys, else its name."""
+        return self.leaves[path] or (self.parameters[path],)
+
+    @property
+    def hooked(self) -> frozenset[str]:
+        """Leaf paths under a scope: saved and loaded through its hooks."""
+        return frozenset(p for s in self.scopes for p in s.leaves.values())
+
+    def all_keys(self) -> list[str]:
+        """Every key of the module's state dict these names cover."""
+        keys = [n for group in self.leaves.values() for n in group] + list(self.buffers)
+        return keys + [k for s in self.scopes for k in s.keys if k not in keys]
 
 
 def model_names(like: Any, apply: Apply | Names | None, /) -> ModelNames:
@@ -48,6 +88,8 @@ def model_names(like: Any, apply: Apply | Names | None, /) -> ModelNames:
 
     Without ``apply`` a leaf's name is its path with ``.`` for ``/``
     (``blocks/0/w`` is ``blocks.0.w``); a mapping names the leaves it lists.
+    Through ``apply`` the names come from the module's ``state_dict`` run on the
+    meta device, its hooks included ([Note: state-dict hooks] in ``state_hooks.py``).
 
     Raises:
         ValueError: ``like`` is not ``apply``'s params tree, the mapping names paths
@@ -63,19 +105,17 @@ def model_names(like: Any, apply: Apply | Names | None, /) -> ModelNames:
         >>> dict(model_names({"w": torch.ones(1)}, {"w": "lm_head.weight"}).leaves)
         {'w': ('lm_head.weight',)}
     """
-    paths, leaves, treedef = tree.flatten_with_paths(like)
+    paths, _, treedef = tree.flatten_with_paths(like)
     buffers: dict[str, torch.Tensor] = {}
+    scopes: tuple[HookedScope, ...] = ()
+    parameters = {p: p.replace("/", ".") for p in paths}
     if isinstance(apply, Apply):
-        markers = [torch.empty(0) for _ in leaves]  # identity tells which key is which leaf
-        of_marker = {id(m): p for p, m in zip(paths, markers)}
-        found: dict[str, list[str]] = {p: [] for p in paths}
-        for key, value in apply.state_dict(tree.unflatten(treedef, markers)).items():
-            path = of_marker.get(id(value))
-            if path is not None:
-                found[path].append(key)
-            elif isinstance(value, torch.Tensor):
-                buffers[key] = value
-        names = {p: tuple(found[p]) for p in paths}
+        if treedef != apply._treedef:  # pyright: ignore[reportPrivateUsage]
+            raise ValueError(
+                f"the params do not have the structure functionalize returned for "
+                f"{type(apply.module).__name__} (got {treedef}); pass that tree or its fs.shard"
+            )
+        names, buffers, scopes, parameters = _apply_names(apply, paths)
     elif isinstance(apply, Mapping):
         names = _mapped(paths, apply)
     elif apply is None:
@@ -85,9 +125,10 @@ def model_names(like: Any, apply: Apply | Names | None, /) -> ModelNames:
             f"apply must be what fs.interop.functionalize returned, a mapping of leaf paths to "
             f"state-dict names, or None; got a {type(apply).__name__}"
         )
+    hooked = {p for s in scopes for p in s.leaves.values()}
     owner: dict[str, str] = {}
     for path, keys in names.items():
-        if not keys:
+        if not keys and path not in hooked:
             raise ValueError(f"{path or '<root>'}: the module's state_dict has no name for it")
         for key in keys:
             if key in owner:
@@ -96,7 +137,63 @@ def model_names(like: Any, apply: Apply | Names | None, /) -> ModelNames:
                     f"give every leaf its own state-dict name"
                 )
             owner[key] = path
-    return ModelNames(names, buffers)
+    return ModelNames(names, buffers, scopes, parameters)
+
+
+def _apply_names(
+    apply: Apply, paths: list[str]
+) -> tuple[
+    dict[str, tuple[str, ...]], dict[str, torch.Tensor], tuple[HookedScope, ...], dict[str, str]
+]:
+    """Names through the module's state dict on the meta device ([Note: state-dict hooks])."""
+    layout = apply.state_layout()
+    leaves = apply._leaves  # pyright: ignore[reportPrivateUsage]
+    state = apply._state.tensors  # pyright: ignore[reportPrivateUsage]
+    path_of = {name: leaf.path for leaf in leaves for name in leaf.names}
+    like = named_tensors(apply.module)
+    in_scope = {n for scope in layout.scopes for n in scope.names}
+    found: dict[str, list[str]] = {p: [] for p in paths}
+    buffers: dict[str, torch.Tensor] = {}
+    for key, name in layout.of_key.items():
+        if name in path_of:
+            found[path_of[name]].append(key)
+        elif name in state and name not in in_scope:
+            buffers[key] = state[name]
+    scopes = tuple(
+        HookedScope(
+            scope,
+            {n: path_of[n] for n in scope.names if n in path_of},
+            {n: state[n] for n in scope.names if n not in path_of and n in state},
+            {n: like[n] for n in scope.names},
+            {final: layout.metas[final] for _, final in scope.keys},
+        )
+        for scope in layout.scopes
+    )
+    parameters = {leaf.path: leaf.names[0] for leaf in leaves}
+    return {p: tuple(found[p]) for p in paths}, buffers, scopes, parameters
+
+
+def computed_values(hooked: HookedScope, by_path: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The keys ``hooked``'s state-dict hooks compute, from its leaves gathered; collective.
+
+    Only the scope's leaves are gathered (one unit's flat buffer, where they are a
+    unit's), and freed when the caller drops the result's source.
+    """
+    mine = {path: by_path[path] for path in sorted(set(hooked.leaves.values()))}
+    full = unshard(mine)
+    values = {name: full[path] for name, path in hooked.leaves.items()}
+    values.update(hooked.buffers)
+    return scope_state(hooked.scope, values)
+
+
+def fill_whole(target: ShardedTensor | torch.Tensor, value: torch.Tensor) -> None:
+    """Copies this rank's part of the whole ``value`` into ``target``; mutates the target."""
+    with torch.no_grad():
+        if isinstance(target, ShardedTensor):
+            for region, view in local_pieces(target):
+                view.copy_(value[tuple(slice(a, b) for a, b in region)].reshape(view.shape))
+        else:
+            target.copy_(value)
 
 
 def find_prefix(
@@ -172,7 +269,7 @@ def unexpected(
     where the model's top level is a sequence (``nn.Sequential``). The optimizer's
     entries never count.
     """
-    all_names = [n for group in names.leaves.values() for n in group] + list(names.buffers)
+    all_names = names.all_keys()
     known = {model + n for n in all_names}
     tops = {n.split(".")[0] for n in all_names}
     indexed = any(top.isdigit() for top in tops)

@@ -35,6 +35,7 @@ from funcshard._src.interop.safetensors_format import (
     shard_files,
 )
 from funcshard._src.interop.safetensors_io import LeafNames
+from funcshard._src.interop.state_hooks import named_tensors, probe
 from funcshard._src.shard.flat import unpack_gathered, whole_chunk
 from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.shard.sharded import ShardedTensor, flats_of
@@ -160,7 +161,17 @@ def _steps(
     state: Mapping[str, torch.Tensor],
 ) -> tuple[list[_Step], int, torch.dtype | None]:
     """What is written, in order: every flat buffer's leaves, whole leaves, persistent buffers."""
-    keys = list(module.state_dict(keep_vars=True))
+    layout = probe(module, named_tensors(module))  # See [Note: state-dict hooks] (state_hooks.py)
+    if layout.scopes:
+        scope = layout.scopes[0]
+        raise ValueError(
+            f"{scope.path or '<root>'}: {type(scope.module).__name__}'s state-dict hook "
+            f"({scope.hooks}) computes {sorted(scope.computed)[:3]} from its parameters, which "
+            f"save_pretrained (one file entry per parameter) does not write; save with "
+            f"fs.checkpoint.save_dcp(path, sparams, apply=apply), which runs the hook on the "
+            f"gathered parameters, or apply.state_dict(fs.unshard(sparams))"
+        )
+    keys = list(layout.keys)
     position = {k: i for i, k in enumerate(keys)}
     tied = _tied_patterns(module)
     covered: set[str] = set()
@@ -187,7 +198,8 @@ def _steps(
         if any(n in position for n in group):
             key = _kept_name(tuple(group), position, ())
             whole.append((key, _real(key, tensors[ident])))
-    other = [k for k in keys if k not in covered]
+    # a key a hook renamed (checkpoint_wrapper strips its prefix) holds a covered tensor
+    other = [k for k in keys if k not in covered and layout.of_key.get(k) not in covered]
     if other:
         raise ValueError(
             f"{other[0]}: in {type(module).__name__}'s state_dict but neither a parameter nor a "

@@ -23,8 +23,9 @@ from funcshard._src.interop.binding import current_binding
 
 __all__ = ["Placeholder", "UnboundParameterError", "install", "origin", "placeholder_of"]
 
-_HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+# with the separator: site-packages/torchtitan is not torch
+_HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 class UnboundParameterError(RuntimeError):
@@ -235,6 +236,22 @@ def _message(info: ParameterInfo, func: Any) -> str:
             f"Fix: read it inside that module's forward (or a hook on that module), or leave "
             f"{info.unit!r} out of units so that its parameters are in the root unit"
         )
+    hook = _state_dict_hook()
+    if hook is not None:
+        module_path, kind, name = hook
+        by_whom = (
+            f"{name} of module {module_path!r}"
+            if kind == "call"
+            else f"the {kind} {name} of module {module_path!r}"
+        )
+        return (
+            f"{what} was read by {by_whom}, outside apply{by}.\n"
+            f"The module holds placeholders: its state dict (and its hooks) need values bound.\n"
+            f"Fix: apply.state_dict(fs.unshard(sparams)), fs.checkpoint.save_dcp(path, sparams, "
+            f"apply=apply) or fs.checkpoint.load_dcp(path, like, apply=apply), which run the "
+            f"module's hooks on the gathered parameters; or `with apply.bound(full_params): "
+            f"module.state_dict()`"
+        )
     if backward:
         return (
             f"{what} was read in backward, after apply returned{by}.\n"
@@ -269,6 +286,36 @@ def _hook_message(info: ParameterInfo, method: str) -> str:
         f"Fix: transform the gradients the step returns (fs.tree.map over grads), or "
         f"register a full backward hook on the module"
     )
+
+
+def _state_dict_hook() -> tuple[str, str, str] | None:
+    """(module path, hook kind, hook name) when a module's state-dict hook runs now, else None.
+
+    Found on the stack: the innermost frame of torch's ``state_dict`` or
+    ``_load_from_state_dict`` names the module (its ``prefix``); the frame it called
+    outside torch and funcshard is the hook.
+    """
+    frame = sys._getframe(2)
+    hook_frame = None
+    while frame is not None:
+        code = frame.f_code
+        inside = os.path.abspath(code.co_filename).startswith((_HERE, _TORCH))
+        if not inside and not code.co_filename.startswith("<frozen"):
+            hook_frame = frame
+        elif code.co_name in ("state_dict", "_load_from_state_dict"):
+            owner = frame.f_locals.get("self")
+            prefix = frame.f_locals.get("prefix")
+            if isinstance(owner, nn.Module) and isinstance(prefix, str):
+                where = prefix.rstrip(".") or "<root>"
+                saving = code.co_name == "state_dict"
+                if hook_frame is None:  # torch's own copy: state_dict() or load_state_dict()
+                    call = "state_dict()" if saving else "load_state_dict()"
+                    return where, "call", f"{type(owner).__name__}.{call}"
+                kind = "state-dict hook" if saving else "load-state-dict hook"
+                code = hook_frame.f_code
+                return where, kind, getattr(code, "co_qualname", code.co_name)  # 3.11+: Class.fn
+        frame = frame.f_back
+    return None
 
 
 def _op_name(func: Any) -> str:

@@ -22,6 +22,7 @@ from funcshard._src.interop.safetensors_names import (
     matches,
     opened,
 )
+from funcshard._src.interop.state_hooks import named_tensors, probe
 from funcshard._src.plan.plan import Plan
 from funcshard._src.shard.flat import pieces
 from funcshard._src.shard.flat_shard import FlatShard
@@ -190,7 +191,7 @@ def load_pretrained(
             f"frozen=apply.frozen)"
         )
     rank = _rank_of(plan)
-    persistent = set(module.state_dict(keep_vars=True))
+    persistent = set(probe(module, named_tensors(module)).keys)  # See [Note: state-dict hooks]
     stored = checkpoint_tensors(path)
     entries, stored_as = _prefixed(stored, module, persistent=persistent)
     by_path = {leaf.path: tuple(leaf.names) for leaf in leaves}

@@ -15,9 +15,12 @@ import torch
 from torch import nn
 
 from funcshard._src import tree
+from funcshard._src.interop.binding import swapped
 from funcshard._src.interop.leaf_check import Leaf
 from funcshard._src.interop.module_init import materialize_buffers, materialize_module
+from funcshard._src.interop.module_layout import bind_once
 from funcshard._src.interop.module_state import ModuleState
+from funcshard._src.interop.state_hooks import StateLayout, named_tensors, probe, run_state_dict
 from funcshard._src.plan.plan import Plan
 
 __all__ = ["Weights"]
@@ -32,6 +35,8 @@ class Weights:
     _treedef: tree.TreeDef
     _leaves: tuple[Leaf, ...]
     _state: ModuleState
+    _redundant: frozenset[str]
+    _state_layout: StateLayout | None = None
 
     def _leaf_values(self, params: Params, *, what: str = "apply") -> dict[str, Any]:
         raise NotImplementedError
@@ -55,16 +60,32 @@ class Weights:
             True
         """
         by_path = self._leaf_values(params, what="state_dict")
-        # by the tensor the module holds (its placeholder, a buffer), not by name: a
-        # state-dict hook may rename keys (checkpoint_wrapper strips its prefix)
-        values: dict[int, Any] = {
-            id(self._module.get_parameter(leaf.names[0])): by_path[leaf.path]
-            for leaf in self._leaves
-        }
-        return {
-            key: values[id(value)] if id(value) in values else value.detach()
-            for key, value in self._module.state_dict(keep_vars=True).items()
-        }
+        tensors: dict[str, Any] = dict(self._state.tensors)
+        for leaf in self._leaves:
+            tensors.update(dict.fromkeys(leaf.names, by_path[leaf.path]))
+        bind_once(tensors, self._redundant)
+        leaf_ids = {id(v) for v in by_path.values()}
+        # the module's own state_dict with the values bound: its hooks (renaming keys, or
+        # computing them from parameters) run on these tensors; see [Note: state-dict hooks]
+        with swapped(self._module, tensors):
+            out = run_state_dict(self._module)
+        return {k: v if id(v) in leaf_ids else v.detach() for k, v in out.items()}
+
+    def state_layout(self) -> StateLayout:
+        """What the module's ``state_dict`` holds, learned on the meta device (computed once).
+
+        Which key holds which parameter or buffer, and which keys a state-dict hook
+        computes ([Note: state-dict hooks] in ``state_hooks.py``).
+
+        Example:
+            >>> import funcshard as fs
+            >>> params, apply = fs.interop.functionalize(torch.nn.Linear(2, 1))
+            >>> apply.state_layout().keys
+            ('weight', 'bias')
+        """
+        if self._state_layout is None:
+            self._state_layout = probe(self._module, named_tensors(self._module))
+        return self._state_layout
 
     def load_pretrained(
         self,
@@ -111,10 +132,29 @@ class Weights:
         HF key names, tied weights once, frozen parameters and persistent buffers, in files
         of at most ``max_shard_size``, one flat buffer gathered at a time. Returns the
         directory (a ``Path``). Details and an example:
-        ``funcshard._src.interop.hf_export.save_pretrained``.
+        ``funcshard._src.interop.hf_export.save_pretrained``. A peft model (``get_peft_model``)
+        saves its adapters through peft's own ``save_pretrained`` (the trainable leaves alone
+        are gathered), for ``PeftModel.from_pretrained``: ``peft_export.py``.
         """
         from funcshard._src.interop.hf_export import save_pretrained
+        from funcshard._src.interop.peft_export import is_peft, save_adapters
 
+        if is_peft(self._module):  # peft's layout: the adapters and adapter_config.json
+            paths, values, got = tree.flatten_with_paths(sparams)
+            by_path = dict(zip(paths, values))
+            if got != self._treedef:
+                raise ValueError(
+                    f"save_pretrained: sparams do not have the structure of "
+                    f"{type(self._module).__name__}'s params; pass fs.shard of what "
+                    f"functionalize returned, or a step's result"
+                )
+            return save_adapters(
+                by_path,
+                path,
+                module=self._module,
+                leaves=self._leaves,
+                layout=self.state_layout(),
+            )
         return save_pretrained(
             sparams,
             path,
