@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard._src.comm import arena
+from funcshard._src.comm import transport
 from funcshard._src.execute import chunks, reduce
 from tests.models import Model
 
@@ -30,12 +30,12 @@ def _grads(
         return chunks.reduce_in_chunks(*args, **kwargs)
 
     # the worker outlives this call: put both back after it
-    chunks.LARGE_BYTES = arena.LARGE_BYTES if large is None else large
+    chunks.LARGE_BYTES = transport.LARGE_BYTES if large is None else large
     reduce.reduce_in_chunks = counted
     try:
         return _step(mesh, strategy, micro, mode) | {"chunked": count[0]}
     finally:
-        chunks.LARGE_BYTES = arena.LARGE_BYTES
+        chunks.LARGE_BYTES = transport.LARGE_BYTES
         reduce.reduce_in_chunks = chunks.reduce_in_chunks
 
 

@@ -2,8 +2,8 @@
 
 [Note: reductions in chunks]
 On gloo, a reduce-scatter's input is packed straight into a shared-memory region
-(``comm/inputs.py``), and the arena gives a region of ``LARGE_BYTES`` or more its
-pages back while it is free (``comm/arena.py``), so that a root unit's embeddings
+(``comm/collectives.py: input_rows``), and that transport gives a region of
+``LARGE_BYTES`` or more its pages back while it is free, so that a root unit's embeddings
 are not resident all step twice over. Packing into such a region faults every page
 in again, every step: about 25 ms for the 32.5 MiB of the benchmark's root unit, 3 %
 of its step. A flat part whose packed gradients pass ``LARGE_BYTES`` is therefore
@@ -27,8 +27,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from funcshard._src.comm import inputs
-from funcshard._src.comm.arena import LARGE_BYTES
+from funcshard._src.comm import collectives
+from funcshard._src.comm.transport import LARGE_BYTES
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.gather_group import GatherGroup
 from funcshard._src.execute.pack import pack_rows
@@ -100,7 +100,7 @@ def reduce_in_chunks(
     result = out if out is not None else torch.empty(n, dtype=dtype, device=device)
     for start in range(0, n, columns):
         width = min(columns, n - start)
-        rows = inputs.reduce_scatter_input(unit.bound, unit.axes, width, dtype)
+        rows = collectives.input_rows(unit.bound, unit.axes, width, dtype)
         staged = None
         if rows is None:  # no shared memory: a buffer of the pool's
             staged = rows = pool.take(g * width, dtype, device).view(g, width)

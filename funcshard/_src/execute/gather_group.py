@@ -186,7 +186,7 @@ class GatherGroup(ReducingGroup):
                 )
                 continue
             # a shard (or its cast) is stable until the evaluation settles; a partial copy
-            # is freed by its unit ([Note: shards read in place] in comm/cross_memory.py)
+            # is freed by its unit ([Note: shards read in place] in comm/shm/cross_memory.py)
             part.inflight = collectives.all_gather(
                 local,
                 self.bound,
@@ -203,7 +203,7 @@ class GatherGroup(ReducingGroup):
     ) -> list[Pending]:
         """The collectives writing ``part.full`` over ``axes``: one per leaf (``by_leaf``), else one.
 
-        A flat part on ``LEAF_GATHERS``' backends is gathered by a ring too, which
+        A flat part where the transport gathers leaf by leaf is gathered by a ring too, which
         writes its storage without the staging of gloo's own all-gather.
         """
         if not part.by_leaf:

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 import torch
 
-from funcshard._src.comm import inputs
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
 from funcshard._src.shard.flat_rows import pack_flat_columns, row_order
@@ -44,7 +43,7 @@ def pack_rows(
         and row_order(layout.mesh, unit.axes) is None
         and exact_scale(scale)
     ):
-        me = inputs.group_rank(unit.bound, unit.axes)
+        me = unit.bound.group_rank(unit.axes)
         pack_flat_columns(layout, leaves, rows, start, scale, skip=me)
         return OwnRow(layout, leaves, me * layout.numel + start, width, scale)
     if start or width != layout.numel:

@@ -65,7 +65,7 @@ class Part:
 
     @property
     def by_leaf(self) -> bool:
-        """Whether the part is gathered in place with one collective per leaf (``LEAF_GATHERS``)."""
+        """Whether the part is gathered in place with one collective per leaf (``Capabilities.gathers_leaf_by_leaf``)."""
         return self.in_place and len(self.layout.slots) > 1 and not self.layout.flat
 
     @property

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import inputs
+from funcshard._src.comm import collectives
 from funcshard._src.comm.pending import Pending
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.chunks import chunk_columns, reduce_in_chunks
@@ -39,7 +39,7 @@ from funcshard._src.shard.sharded import ShardedTensor
 # unit's backward computes is all the overlap there is (a group runs its collectives one
 # after the other). An all-reduce in place on sockets (no_shard) holds nothing but the
 # gradient it becomes, so those queue without a wait, as DDP's buckets do; one through
-# shared memory holds a copy of its input until done (comm/shm.py) and counts.
+# shared memory holds a copy of its input until done (comm/shm/__init__.py) and counts.
 MAX_PENDING = 1
 
 
@@ -293,7 +293,7 @@ class Reducer:
                 and not unit.two_hop
             ):
                 # packed straight into shared memory, which the reduce-scatter sends as it is
-                shared = inputs.reduce_scatter_input(unit.bound, unit.axes, layout.numel, dtype)
+                shared = collectives.input_rows(unit.bound, unit.axes, layout.numel, dtype)
             pool = group.pool if unit.unit.is_root else self.pool  # the root's: not kept
             rows = (
                 shared
@@ -309,7 +309,9 @@ class Reducer:
         packed = rows
         if unit.group_size == 1 and replica and not defer and device.type == "cpu":
             # no_shard: packed straight into shared memory, summed from there into rows
-            into = inputs.all_reduce_input(unit.bound, replica, layout.numel, dtype)
+            into = collectives.input_rows(
+                unit.bound, replica, layout.numel, dtype, all_reduce=True
+            )
             packed = rows if into is None else into.view(1, -1)
         # a two-hop unit's rows come last axis major ([Note: two-hop reductions])
         order = unit.partial.order if unit.two_hop else unit.axes

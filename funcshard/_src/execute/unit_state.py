@@ -26,7 +26,8 @@ concatenation), is all-gathered straight into its full storage: no gathered buff
 beside it, no unpacking copy. On gloo over two ranks, so is a part of several
 leaves that all :func:`leaves_gather_in_place` (each split evenly on dim 0, the
 default placement): one collective per leaf, each writing its full leaf, a view
-of ``Part.full`` (``LEAF_GATHERS`` says why only there). The collectives write
+of ``Part.full`` (``Capabilities.gathers_leaf_by_leaf``, declared by the transport,
+says where). The collectives write
 into that storage, so after an error the group never frees the storage of such
 a gather in flight; the unit forgets it (:meth:`UnitRuntime.forget`), and the
 pending collectives keep it alive until drained.
@@ -61,11 +62,11 @@ from funcshard._src.execute.partial_copy import PartialCopy
 from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.quantize import Format, Quantized
 from funcshard._src.plan.strategy import (
-    LEAF_GATHERS,
     keeps_for_step,
     reduces_in_two_hops,
     reshards_after_forward,
     shard_axes,
+    transport_capabilities,
 )
 from funcshard._src.plan.units import Unit
 from funcshard._src.shard.flat import (
@@ -131,7 +132,7 @@ class UnitRuntime:
         self.grad_block = q.block if q is not None and self.grad_format else 0
         backend = str(dist.get_backend()) if bound.distributed else ""
         leafwise = self.leafwise = (
-            (backend, self.group_size) in LEAF_GATHERS
+            transport_capabilities(backend, self.group_size).gathers_leaf_by_leaf
             and self.partial.lifetime is None
             and not self.weight_block
         )
