@@ -25,7 +25,7 @@ from funcshard._src.execute.gather_group import GatherGroup
 from funcshard._src.execute.loss import split_loss
 from funcshard._src.execute.memory import GatheredMemory
 from funcshard._src.execute.reduce import Reducer
-from funcshard._src.execute.run import Run, current_run
+from funcshard._src.execute.run import Run, RunMode, step_run
 from funcshard._src.execute.step_params import shards_by_unit
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.plan.plan import Plan
@@ -162,7 +162,7 @@ class Step:
             >>> step.stats.staging_bytes
             0
         """
-        if current_run() is not None:
+        if step_run() is not None:
             raise RuntimeError(
                 "step.release() was called inside a running step; call it between steps"
             )
@@ -186,13 +186,12 @@ class Step:
         self.memory.peak = self.memory.current
         run = Run(
             groups,
+            mode=RunMode.EVALUATION,
             order_hint=self._order,
             prefetch=self.prefetch,
-            defer=False,
             reducer=Reducer(world_size=self.plan.mesh.size, spares={}, pool=self.reduce_pool),
             output_dtype=self.mixed_precision.output_dtype,
             param_dtype=self.mixed_precision.param_dtype,
-            evaluation=True,
         )
         try:
             with torch.no_grad():
@@ -259,10 +258,9 @@ class Step:
             self.memory.peak = self.memory.current
             run = Run(
                 groups,
+                mode=RunMode.of_micro_batch(i, len(batches), keep_whole=mode == "unsharded"),
                 order_hint=self._order,
                 prefetch=self.prefetch,
-                defer=mode == "unsharded" and i < len(batches) - 1,
-                last=i == len(batches) - 1,
                 reducer=reducer,
                 output_dtype=self.mixed_precision.output_dtype,
                 param_dtype=self.mixed_precision.param_dtype,
@@ -298,7 +296,7 @@ class Step:
         ``sparams`` against the plan and agrees with every rank on the signature.
         Returns every unit's gather group and this call's flat shards by unit.
         """
-        if current_run() is not None:
+        if step_run() is not None:
             raise RuntimeError(nested)
         self._runtimes()
         by_unit = shards_by_unit(sparams, self.plan, self._layouts)
