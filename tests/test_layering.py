@@ -119,12 +119,8 @@ ORDER = {
         "part",
         "partial_copy",
         "unit_state",
-        "packed",
         "pack",
-        "reduction",
-        "group_reduce",
-        "gather_group",
-        "bucket",
+        "param_group",
         "partial_gradient",
         "chunks",
         "reduce",
@@ -405,16 +401,15 @@ def _calls_by_module(names: set[str], package: str = "execute") -> dict[str, set
     return found
 
 
-def test_only_gather_groups_issue_the_executors_collectives():
-    """[Note: one owner per collective]: the executor gathers and reduces only in gather_group.py."""
+def test_only_parameter_groups_issue_the_executors_collectives():
+    """[Note: one owner per collective]: the executor gathers and reduces only in param_group.py."""
     moving = {"all_gather", "all_gather_pieces", "reduce_scatter", "all_reduce"}
     found = _calls_by_module(moving)
-    owner = {"gather_group", "group_reduce"}  # GatherGroup and its reducing half
     assert set().union(*found.values()) == moving, "the test no longer reads the collectives"
-    assert set(found) == owner, found
+    assert set(found) == {"param_group"}, found
 
 
-def test_only_gather_groups_move_a_units_state():
+def test_only_parameter_groups_move_a_units_state():
     """[Note: a unit's state is moved by its group alone]: its transitions are the group's to call."""
     transitions = {
         "mark_gathering",
@@ -427,8 +422,8 @@ def test_only_gather_groups_move_a_units_state():
         "forget",
     }
     found = _calls_by_module(transitions)
-    assert found.get("gather_group") == transitions, "the test no longer reads the transitions"
-    assert set(found) == {"gather_group"}, found
+    assert found.get("param_group") == transitions, "the test no longer reads the transitions"
+    assert set(found) == {"param_group"}, found
     assigning = [
         f"{path.name}:{node.lineno}"
         for path, pkg, _ in _src_modules()

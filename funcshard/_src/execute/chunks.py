@@ -30,7 +30,7 @@ import torch
 from funcshard._src.comm import collectives
 from funcshard._src.comm.transport import LARGE_BYTES
 from funcshard._src.execute.buffers import BufferPool
-from funcshard._src.execute.gather_group import GatherGroup
+from funcshard._src.execute.param_group import ParamGroup
 from funcshard._src.execute.pack import pack_rows
 from funcshard._src.execute.part import Part
 from funcshard._src.execute.unit_state import UnitRuntime
@@ -76,7 +76,7 @@ def chunk_columns(unit: UnitRuntime, part: Part, chunk_bytes: int, /, *, defer: 
 
 
 def reduce_in_chunks(
-    group: GatherGroup,
+    group: ParamGroup,
     unit: UnitRuntime,
     part: Part,
     leaves: Sequence[torch.Tensor | None],

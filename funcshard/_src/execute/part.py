@@ -1,6 +1,6 @@
 """One dtype of a unit on this rank (:class:`Part`) and the handles of the collectives that gather it.
 
-``gather_group.py`` issues those collectives and ``unit_state.py`` holds a unit's
+``param_group.py`` issues those collectives and ``unit_state.py`` holds a unit's
 states; this module holds what each part keeps across them.
 """
 

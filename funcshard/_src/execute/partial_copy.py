@@ -5,7 +5,7 @@ A ``partial_reshard`` or ``hybrid_shard_optimizer`` unit keeps a partial copy
 ([Note: partial copies] in ``plan/strategy.py``): the gathered rows of the ranks
 that share its coordinate on the last mesh axis, one buffer per part
 (``Part.partial``, in the compute dtype, its storage resized to zero when freed
-and kept for the next time, as ``Part.full`` is). The unit's gather group copies it
+and kept for the next time, as ``Part.full`` is). The unit's parameter group copies it
 out of the first gather's rows (:meth:`PartialCopy.keep`); it outlives the unit's
 ``free``, and while it is :attr:`~PartialCopy.held` the unit's next gather is an
 all-gather of the copy over :attr:`~PartialCopy.regather_axes` alone, through a

@@ -24,11 +24,10 @@ from funcshard._src.comm import collectives
 from funcshard._src.comm.pending import Pending
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.chunks import chunk_columns, reduce_in_chunks
-from funcshard._src.execute.gather_group import GatherGroup
+from funcshard._src.execute.param_group import ParamGroup, Reduction
 from funcshard._src.execute.pack import pack_rows
 from funcshard._src.execute.part import Part
 from funcshard._src.execute.partial_gradient import PartialGradient
-from funcshard._src.execute.reduction import Reduction
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
 from funcshard._src.shard.flat_shard import FlatShard, concatenate_leaves, held_leaves
@@ -65,10 +64,12 @@ class Reducer:
         self.spares = spares  # donated buffers of the last call, by layout
         self.grads: dict[FlatLayout, torch.Tensor] = {}  # the result, in the stored dtype
         self.deferred: dict[FlatLayout, torch.Tensor] = {}  # packed, (group_size, numel)
-        self.deferring: dict[str, tuple[GatherGroup, UnitRuntime]] = {}  # units that deferred
+        self.deferring: dict[str, tuple[ParamGroup, UnitRuntime]] = {}  # units that deferred
         # reductions in flight, oldest first, each with the group that waits for it
-        self.pending: list[tuple[GatherGroup, Reduction]] = []
-        self.open_rounds: list[tuple[GatherGroup, int]] = []  # buckets' rounds not yet reduced
+        self.pending: list[tuple[ParamGroup, Reduction]] = []
+        # buckets this call packed gradients into: their groups hold the rounds
+        self.bucketed: dict[ParamGroup, None] = {}
+        self.rounds_opened = 0  # rounds opened so far: their order
         # two-hop units' partial gradients, by layout: [Note: two-hop reductions]
         self.partial_sums: dict[FlatLayout, PartialGradient] = {}
         self.partial_bytes = 0  # partial gradients alive (stored dtype), and their peak
@@ -76,7 +77,7 @@ class Reducer:
 
     def reduce(
         self,
-        group: GatherGroup,
+        group: ParamGroup,
         unit: UnitRuntime,
         grads: Sequence[torch.Tensor | None],
         /,
@@ -123,8 +124,8 @@ class Reducer:
         After the step's last micro-batch (``last``) the partial gradients take
         their second hop ([Note: two-hop reductions]).
         """
-        while self.open_rounds:
-            group, j = self.open_rounds[0]
+        while rounds := self._open_rounds():
+            group, j = rounds[0]
             while self._staged() >= MAX_PENDING:
                 self._finish_oldest()
             self._flush(group, j)
@@ -187,12 +188,12 @@ class Reducer:
         self.deferring.clear()
         self.held.clear()
         self.partial_sums.clear()
-        self.open_rounds.clear()  # the groups forget their rounds in GatherGroup.discard
+        self.bucketed.clear()  # the groups forget their rounds in ParamGroup.discard
         return inflight
 
     def _reduce_in_round(
         self,
-        group: GatherGroup,
+        group: ParamGroup,
         unit: UnitRuntime,
         j: int,
         part: Part,
@@ -201,12 +202,11 @@ class Reducer:
         """Packs ``unit``'s gradients of part ``j`` into its bucket's round; the last member reduces it."""
         layout = part.layout
         self.spares.pop(layout, None)  # a bucket's result is one buffer: no donated one fits
-        columns, flushed = group.columns(unit, j, part.grad_dtype)
+        self.bucketed[group] = None
+        columns, flushed = group.columns(unit, j, part.grad_dtype, opened=self.rounds_opened)
+        self.rounds_opened += 1
         if flushed is not None:  # a unit reported twice in this round: that round is reducing
-            self.open_rounds.remove((group, j))
             self.pending.append((group, flushed))
-        if (group, j) not in self.open_rounds:
-            self.open_rounds.append((group, j))
         kept = self.deferred.pop(layout, None)
         dtype = part.grad_dtype
         leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
@@ -224,14 +224,18 @@ class Reducer:
         if group.complete(j):
             self._flush(group, j)
 
-    def _flush(self, group: GatherGroup, j: int) -> None:
+    def _flush(self, group: ParamGroup, j: int) -> None:
         """Has ``group`` start reducing its open round of part ``j``."""
-        self.open_rounds.remove((group, j))
         self.pending.append((group, group.flush(j)))
+
+    def _open_rounds(self) -> list[tuple[ParamGroup, int]]:
+        """The buckets' rounds not yet reduced, in the order they opened: (group, part)."""
+        rounds = [(opened, g, j) for g in self.bucketed for opened, j in g.open_rounds()]
+        return [(g, j) for _, g, j in sorted(rounds, key=lambda r: r[0])]
 
     def _reduce_part(
         self,
-        group: GatherGroup,
+        group: ParamGroup,
         unit: UnitRuntime,
         part: Part,
         mine: Sequence[torch.Tensor | None],

@@ -49,7 +49,7 @@ from funcshard._src.execute.desync import (
     check_reduction,
     check_unreached,
 )
-from funcshard._src.execute.gather_group import GatherGroup
+from funcshard._src.execute.param_group import ParamGroup
 from funcshard._src.execute.gather_node import GatherNode
 from funcshard._src.execute.guard import Watch, check_dense, watch
 from funcshard._src.execute.lifetimes import keeps_gathered, keeps_partial
@@ -111,7 +111,7 @@ class Run:
 
     def __init__(
         self,
-        groups: Sequence[GatherGroup],
+        groups: Sequence[ParamGroup],
         *,
         mode: RunMode,
         order_hint: Sequence[str],

@@ -3,13 +3,13 @@
 A unit is SHARDED, GATHERING (an all-gather in flight) or GATHERED.
 
 [Note: a unit's state is moved by its group alone]
-The unit's gather group (``gather_group.py``) issues and waits for the
+The unit's parameter group (``param_group.py``) issues and waits for the
 collectives and calls the transitions here (``mark_gathering``, ``mark_gathered``,
 ``hold``, ``unhold``, ``free``, ...), each of which checks the state it comes from
 (docs/executor.md draws them); no other module calls them, and only this one
 assigns ``state`` (``tests/test_layering.py``). A transition from the wrong state
 is an internal error (:class:`UnitStateError`), never silently allowed. A unit
-never calls its group: see [Note: one owner per collective] in ``gather_group.py``.
+never calls its group: see [Note: one owner per collective] in ``param_group.py``.
 
 [Note: persistent gathered storage]
 Every full leaf a unit hands to autograd is a view of one persistent buffer per
@@ -255,7 +255,7 @@ class UnitRuntime:
             if part.by_leaf:
                 part.in_place = False
 
-    # -- transitions, called by the unit's gather group ------------------------------
+    # -- transitions, called by the unit's parameter group ------------------------------
 
     def mark_gathering(self, *, from_partial: bool = False) -> None:
         """SHARDED -> GATHERING, once every part's all-gather (or share of one) is in flight.

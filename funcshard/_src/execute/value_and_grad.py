@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from funcshard._src.comm import groups
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.execute.bucket import default_bucket_bytes, make_groups
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.chunks import chunk_bytes_for
 from funcshard._src.execute.desync import (
@@ -21,7 +20,7 @@ from funcshard._src.execute.desync import (
     signature,
     start_forward_check,
 )
-from funcshard._src.execute.gather_group import GatherGroup
+from funcshard._src.execute.param_group import ParamGroup, default_bucket_bytes, make_groups
 from funcshard._src.execute.loss import split_loss
 from funcshard._src.execute.memory import GatheredMemory
 from funcshard._src.execute.reduce import Reducer
@@ -89,7 +88,7 @@ class Step:
         self.reduce_pool = BufferPool(depth=1)
         self._layouts = plan_layouts(plan)
         self._units: list[UnitRuntime] | None = None
-        self._groups: list[GatherGroup] = []  # every unit's, made with the units
+        self._groups: list[ParamGroup] = []  # every unit's, made with the units
         self._chunk_bytes = 0  # [Note: reductions in chunks] in chunks.py, made with the units
         self._last: list[FlatShard] = []  # the gradients last returned, with donate_grads
         # the call order of the last step, which forward prefetches follow; none before the
@@ -289,12 +288,12 @@ class Step:
 
     def _start(
         self, sparams: Any, accumulation: str, *, nested: str
-    ) -> tuple[list[GatherGroup], dict[str, list[FlatShard]]]:
+    ) -> tuple[list[ParamGroup], dict[str, list[FlatShard]]]:
         """What every call of a step or evaluation does first; collective (the start agreement).
 
         Refuses a call inside a running step (``nested`` is the message), checks
         ``sparams`` against the plan and agrees with every rank on the signature.
-        Returns every unit's gather group and this call's flat shards by unit.
+        Returns every unit's parameter group and this call's flat shards by unit.
         """
         if step_run() is not None:
             raise RuntimeError(nested)

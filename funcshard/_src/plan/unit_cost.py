@@ -216,14 +216,14 @@ def defers(cost: UnitCost, model: CostModel, /) -> bool:
 
 
 # [Note: staging buffers]
-# What the executor allocates for its collectives (execute/gather_group.py, execute/reduce.py):
-# - GatherGroup.prefetch: per part, an all-gather output of group_size * (shard numel) in the
+# What the executor allocates for its collectives (execute/param_group.py, execute/reduce.py):
+# - ParamGroup.prefetch: per part, an all-gather output of group_size * (shard numel) in the
 #   compute dtype, alive from the gather's start until its leaves are copied out, when the
 #   unit also holds its full leaves: the unit being unpacked holds both. None for a flat
 #   unit's part (its storage is the gathered buffer) or a part gathered in place (one leaf split evenly on dim 0 over exactly the shard axes: its
 #   output is its full storage; where the transport gathers leaf by leaf (gloo over two ranks), every leaf of the
 #   part so split, one collective per leaf) or aliased (no collective, no cast). Buckets
-#   (execute/bucket.py) gather their members packed: their staging is not modelled.
+#   (execute/param_group.py) gather their members packed: their staging is not modelled.
 # - Reducer._reduce_part: per trained part, packed rows of group_size * (shard numel) in the
 #   reduce dtype, alive while its reduction is in flight; MAX_PENDING = 1 reduction at a
 #   time (the older is waited for before the next is packed). no_shard (group_size 1)
