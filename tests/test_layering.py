@@ -120,6 +120,7 @@ ORDER = {
         "partial_copy",
         "unit_state",
         "pack",
+        "gradients",
         "param_group",
         "partial_gradient",
         "chunks",
@@ -434,3 +435,10 @@ def test_only_parameter_groups_move_a_units_state():
     ]
     assert assigning, "the test finds no assignment at all: it no longer reads the code"
     assert {a.split(":")[0] for a in assigning} == {"unit_state.py"}, assigning
+
+
+def test_gradients_without_communication_import_nothing_from_comm():
+    """[Note: gradients without communication] in execute/gradients.py."""
+    path = SRC / "execute" / "gradients.py"
+    comm = [name for name, _ in _imports(path) if name.startswith("funcshard._src.comm")]
+    assert comm == [], comm

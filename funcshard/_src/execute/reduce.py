@@ -15,23 +15,20 @@ call's results instead of fresh memory.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from funcshard._src import tree
 from funcshard._src.comm import collectives
 from funcshard._src.comm.pending import Pending
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.chunks import chunk_columns, reduce_in_chunks
+from funcshard._src.execute.gradients import Gradients
 from funcshard._src.execute.param_group import ParamGroup, Reduction
 from funcshard._src.execute.pack import pack_rows
 from funcshard._src.execute.part import Part
 from funcshard._src.execute.partial_gradient import PartialGradient
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
-from funcshard._src.shard.flat_shard import FlatShard, concatenate_leaves, held_leaves
-from funcshard._src.shard.sharded import ShardedTensor
 
 # reductions in flight that hold packed gradients (a staging buffer) when the next unit's
 # gradients are packed: the older ones are waited for first. One reducing while the next
@@ -56,14 +53,9 @@ class Reducer:
     ) -> None:
         self.world_size = world_size
         self.chunk_bytes = chunk_bytes  # see [Note: reductions in chunks] in chunks.py
-        # one micro-batch: a part that needs no communication keeps its gradients as
-        # autograd made them, see [Note: gradients held as leaves] in shard/flat_shard.py
-        self.hold_leaves = hold_leaves
-        self.held: dict[FlatLayout, tuple[torch.Tensor, ...]] = {}  # the result of those parts
         self.pool = BufferPool() if pool is None else pool  # see [Note: staging lifetimes]
-        self.spares = spares  # donated buffers of the last call, by layout
-        self.grads: dict[FlatLayout, torch.Tensor] = {}  # the result, in the stored dtype
-        self.deferred: dict[FlatLayout, torch.Tensor] = {}  # packed, (group_size, numel)
+        # the result, what is kept across micro-batches, donated buffers: gradients.py
+        self.gradients = Gradients(spares=spares, hold_leaves=hold_leaves)
         self.deferring: dict[str, tuple[ParamGroup, UnitRuntime]] = {}  # units that deferred
         # reductions in flight, oldest first, each with the group that waits for it
         self.pending: list[tuple[ParamGroup, Reduction]] = []
@@ -114,7 +106,7 @@ class Reducer:
         """
         for name in sorted(self.deferring):
             group, unit = self.deferring[name]
-            if any(p.layout in self.deferred for p in unit.parts):
+            if any(self.gradients.keeps(p.layout) for p in unit.parts):
                 self.reduce(group, unit, [None] * len(unit.slots), defer=False, final=True)
         self.deferring.clear()
 
@@ -143,50 +135,17 @@ class Reducer:
         """Starts the second hop of ``layout``'s partial gradient ([Note: two-hop reductions]); mutates."""
         p = self.partial_sums.pop(layout)
         sums = p.sums if p.sums.dtype == p.part.grad_dtype else p.sums.to(p.part.grad_dtype)
-        out = self._spare(layout, p.part.grad_dtype)
+        out = self.gradients.spare(layout, p.part.grad_dtype)
         reduction = p.group.reduce_across(p.unit, p.part, sums, out=out)
         reduction.partial_bytes = p.sums.numel() * p.sums.element_size()
         self.pending.append((p.group, reduction))
-
-    def gradient_tree(
-        self, sparams: Any, by_unit: dict[str, list[FlatShard]], /, *, micro_batches: int
-    ) -> Any:
-        """After :meth:`finish`: the sharded gradients, the mean over ``micro_batches`` (``None`` at frozen leaves)."""
-        grads, held = self.grads, self.held
-        if micro_batches > 1:
-            floating = [g for g in grads.values() if g.is_floating_point()]
-            torch._foreach_mul_(floating, 1.0 / micro_batches)
-        new: dict[FlatShard, FlatShard] = {}
-        for flats in by_unit.values():
-            for flat in flats:
-                layout = flat.layout
-                if layout.frozen:
-                    continue
-                if layout in held:
-                    new[flat] = FlatShard.of_leaves(layout, held[layout], flat.rank)
-                    continue
-                if layout not in grads:  # a part no reduction reached: integer leaves
-                    grads[layout] = torch.zeros_like(flat.data)
-                new[flat] = flat.with_data(grads[layout])
-        # map_flats(..., trainable(sparams)) in one pass: None at frozen leaves
-        leaves, treedef = tree.flatten(sparams)
-        return tree.unflatten(
-            treedef,
-            [
-                (None if x.flat.layout.frozen else ShardedTensor(new[x.flat], x.slot))
-                if isinstance(x, ShardedTensor)
-                else x
-                for x in leaves
-            ],
-        )
 
     def abandon(self) -> list[Pending]:
         """After an error: forgets every reduction, returning those in flight (for the caller to drain)."""
         inflight = [r.stage for _, r in self.pending]
         self.pending.clear()
-        self.deferred.clear()
+        self.gradients.clear()
         self.deferring.clear()
-        self.held.clear()
         self.partial_sums.clear()
         self.bucketed.clear()  # the groups forget their rounds in ParamGroup.discard
         return inflight
@@ -201,13 +160,13 @@ class Reducer:
     ) -> None:
         """Packs ``unit``'s gradients of part ``j`` into its bucket's round; the last member reduces it."""
         layout = part.layout
-        self.spares.pop(layout, None)  # a bucket's result is one buffer: no donated one fits
+        self.gradients.drop_spare(layout)  # a bucket's result is one buffer: no donated one fits
         self.bucketed[group] = None
         columns, flushed = group.columns(unit, j, part.grad_dtype, opened=self.rounds_opened)
         self.rounds_opened += 1
         if flushed is not None:  # a unit reported twice in this round: that round is reducing
             self.pending.append((group, flushed))
-        kept = self.deferred.pop(layout, None)
+        kept = self.gradients.take_kept(layout)
         dtype = part.grad_dtype
         leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
         pack_into(
@@ -247,21 +206,16 @@ class Reducer:
         layout = part.layout
         device = unit.device(part)
         if (
-            self.hold_leaves
+            self.gradients.hold_leaves
             and unit.group_size == 1
             and unit.replica_size == 1
             and part.grad_dtype == layout.dtype
-            and layout not in self.grads
+            and self.gradients.keep_as_leaves(layout, mine, device)
         ):
-            earlier = self.held.pop(layout, None)
-            if earlier is None:
-                self.held[layout] = held_leaves(layout, mine, device)
-                return
-            # a unit called twice in one step: add this call's gradients to a buffer
-            self.grads[layout] = concatenate_leaves(layout, earlier)
+            return
         # a two-hop unit's donated buffer receives its second hop ([Note: two-hop reductions])
-        spare = None if defer or unit.two_hop else self._spare(layout, part.grad_dtype)
-        kept = self.deferred.pop(layout, None)  # packed by earlier micro-batches' calls
+        spare = None if defer or unit.two_hop else self.gradients.spare(layout, part.grad_dtype)
+        kept = self.gradients.take_kept(layout)  # packed by earlier micro-batches' calls
         dtype = part.grad_dtype
         leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
         columns = chunk_columns(unit, part, self.chunk_bytes, defer=defer)
@@ -282,7 +236,7 @@ class Reducer:
             )
             if kept is not None:
                 self.pool.give(kept)
-            self._add(layout, reduced)
+            self.gradients.add(layout, reduced)
             return
         shared = None
         if spare is not None and unit.group_size == 1:
@@ -327,7 +281,7 @@ class Reducer:
             packed.add_(kept)
             self.pool.give(kept)
         if defer:
-            self.deferred[layout] = rows
+            self.gradients.keep(layout, rows)
             return
         if not direct:
             packed.div_(self.world_size)
@@ -338,18 +292,12 @@ class Reducer:
         reduction.then_across = reduction.first_hop and final
         self.pending.append((group, reduction))
 
-    def _spare(self, layout: FlatLayout, dtype: torch.dtype, /) -> torch.Tensor | None:
-        """The buffer the last call donated for ``layout``, if it holds ``dtype``; mutates (taken)."""
-        spare = self.spares.pop(layout, None)
-        return spare if spare is not None and spare.dtype == dtype else None
-
     def _staged(self) -> int:
         """Reductions in flight that hold packed gradients beside their result."""
         return sum(r.packed for _, r in self.pending)
 
     def _finish_oldest(self) -> None:
-        """The first reduction of a layout becomes its gradient buffer as it is: no zero-filled
-        buffer and no extra pass (cast to the stored dtype if need be)."""
+        """Waits for the oldest reduction; its result goes into the gradients (``gradients.py``)."""
         group, reduction = self.pending.pop(0)
         reduced = group.wait(reduction, self.pool)
         self.partial_bytes -= reduction.partial_bytes
@@ -369,12 +317,4 @@ class Reducer:
                 self._across(layout)
             return
         for layout, a, b in reduction.pieces:
-            self._add(layout, reduced if (a, b) == (0, reduced.numel()) else reduced[a:b])
-
-    def _add(self, layout: FlatLayout, reduced: torch.Tensor, /) -> None:
-        """Adds a reduced gradient of ``layout`` into :attr:`grads`; the first becomes it; mutates."""
-        out = reduced if reduced.dtype == layout.dtype else reduced.to(layout.dtype)
-        if layout in self.grads:
-            self.grads[layout].add_(out)
-        else:
-            self.grads[layout] = out
+            self.gradients.add(layout, reduced if (a, b) == (0, reduced.numel()) else reduced[a:b])

@@ -22,6 +22,7 @@ from funcshard._src.execute.desync import (
 )
 from funcshard._src.execute.param_group import ParamGroup, default_bucket_bytes, make_groups
 from funcshard._src.execute.loss import split_loss
+from funcshard._src.execute.gradients import take_donated
 from funcshard._src.execute.memory import GatheredMemory
 from funcshard._src.execute.reduce import Reducer
 from funcshard._src.execute.run import Run, RunMode, step_run
@@ -281,7 +282,7 @@ class Step:
             losses.append(loss.detach())
             auxes.append(aux)
         self._partial_peak = reducer.partial_peak
-        sharded_grads = reducer.gradient_tree(sparams, by_unit, micro_batches=len(batches))
+        sharded_grads = reducer.gradients.tree(sparams, by_unit, micro_batches=len(batches))
         if self.donate_grads:
             self._last = flats_of(sharded_grads)
         return (losses, auxes), sharded_grads
@@ -315,9 +316,8 @@ class Step:
 
         Mutates the last returned gradient tree (it is donated: reading it raises).
         """
-        donated = {flat.layout: flat.donate() for flat in self._last if not flat.donated}
-        self._last = []
-        return {layout: data for layout, data in donated.items() if data is not None}
+        last, self._last = self._last, []
+        return take_donated(last)
 
 
 def value_and_grad(
