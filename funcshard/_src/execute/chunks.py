@@ -50,7 +50,7 @@ def chunk_bytes_for(units: Iterable[UnitRuntime], /) -> int:
     sizes = [
         _input_bytes(u, p)
         for u in units
-        if not u.unit.is_root and u.group_size > 1
+        if not u.is_root and u.group_size > 1
         for p in u.parts
         if p.layout.dtype.is_floating_point and not p.layout.frozen
     ]

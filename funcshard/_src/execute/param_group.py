@@ -722,7 +722,7 @@ def make_groups(
 
 def _eligible(unit: UnitRuntime) -> bool:
     if (
-        unit.unit.is_root
+        unit.is_root
         or any(p.in_place and not p.by_leaf for p in unit.parts)
         or not unit.parts
         or unit.partial.lifetime is not None  # its partial copy is per unit

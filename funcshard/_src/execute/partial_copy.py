@@ -13,7 +13,7 @@ staging buffer whose rows come row-major over :attr:`~PartialCopy.order` (the la
 axis major): a flat part, or one gathered in place elsewhere, is filled from it by
 one transposing copy, any other unpacked in that order. Such units never gather
 leaf by leaf, so the rows of the first gather are always there to copy from.
-``lifetimes.py`` says which release frees it.
+[Note: what a release keeps] in ``run.py`` says which release frees it.
 """
 
 from __future__ import annotations

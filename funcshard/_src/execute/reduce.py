@@ -252,7 +252,7 @@ class Reducer:
             ):
                 # packed straight into shared memory, which the reduce-scatter sends as it is
                 shared = collectives.input_rows(unit.bound, unit.axes, layout.numel, dtype)
-            pool = group.pool if unit.unit.is_root else self.pool  # the root's: not kept
+            pool = group.pool if unit.is_root else self.pool  # the root's: not kept
             rows = (
                 shared
                 if shared is not None
@@ -287,7 +287,7 @@ class Reducer:
             packed.div_(self.world_size)
         # over one rank, rows is the result; the root's rows are not kept for the next
         # step; shared rows belong to the group's regions
-        keep = unit.group_size > 1 and not unit.unit.is_root and shared is None
+        keep = unit.group_size > 1 and not unit.is_root and shared is None
         reduction = group.reduce(unit, part, rows, packed, out=spare, keep_rows=keep, own=own)
         reduction.then_across = reduction.first_hop and final
         self.pending.append((group, reduction))

@@ -52,7 +52,6 @@ from funcshard._src.execute.desync import (
 from funcshard._src.execute.param_group import ParamGroup
 from funcshard._src.execute.gather_node import GatherNode
 from funcshard._src.execute.guard import Watch, check_dense, watch
-from funcshard._src.execute.lifetimes import keeps_gathered, keeps_partial
 from funcshard._src.execute.local_calls import local_leaves
 from funcshard._src.execute.reduce import Reducer
 from funcshard._src.execute.unit_state import UnitRuntime, UnitState
@@ -158,7 +157,7 @@ class Run:
 
     @property
     def last(self) -> bool:
-        """No later micro-batch: a release keeps nothing (``lifetimes.py``)."""
+        """No later micro-batch: a release keeps nothing ([Note: what a release keeps])."""
         return self.mode in (RunMode.LAST, RunMode.EVALUATION)
 
     @property
@@ -175,7 +174,7 @@ class Run:
             unit.bind(flats)
             for flat in flats:
                 self.flat_owner[id(flat)] = unit
-        root_unit = next((u for u in self.units.values() if u.unit.is_root), None)
+        root_unit = next((u for u in self.units.values() if u.is_root), None)
         root_leaves: dict[int, torch.Tensor] = {}
         if root_unit is not None:
             self._acquire(root_unit)  # before any prefetch: one unit's all-gather buffer at a time
@@ -441,3 +440,27 @@ class Run:
 
     def _awaits_backward(self, record: CallRecord) -> bool:
         return record.expects_backward and record.phase in (CallPhase.KEPT, CallPhase.WAITING)
+
+
+# [Note: what a release keeps]
+# What a release keeps past a call: a unit's gathered storage, or its partial copy.
+#
+# A release frees a unit's gathered storage unless the unit keeps it for the step's
+# next micro-batch (``shard_optimizer``; [Note: shard_optimizer] in
+# ``plan/strategy.py``), and frees its partial copy unless backward still needs it
+# (the release at the end of a call's forward) or the unit keeps it for the step
+# (``hybrid_shard_optimizer``; [Note: partial copies] there). The step's last
+# micro-batch keeps nothing: shards change at the update, so nothing gathered from
+# them may outlive the step. ``Run`` asks here at every release.
+
+
+def keeps_gathered(unit: UnitRuntime, /, *, last: bool) -> bool:
+    """Whether a release of ``unit`` leaves it gathered, for the step's next micro-batch."""
+    return not last and unit.keeps_for_step
+
+
+def keeps_partial(
+    unit: UnitRuntime, /, *, after_forward: bool, evaluation: bool, last: bool
+) -> bool:
+    """Whether a release of ``unit`` keeps its partial copy: for its backward, or for the step's next micro-batch."""
+    return (after_forward and not evaluation) or (not last and unit.partial.for_step)

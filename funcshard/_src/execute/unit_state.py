@@ -106,6 +106,9 @@ class UnitRuntime:
         quantize: Quantized | None = None,
     ) -> None:
         self.unit = unit
+        self.is_root = unit.is_root  # what a step asks of the plan, asked once
+        self._frees_after_forward = reshards_after_forward(unit.strategy) and not unit.is_root
+        self._keeps_for_step = keeps_for_step(unit.strategy)
         self.bound = bound
         self.ledger = ledger
         self.memory = memory
@@ -178,12 +181,12 @@ class UnitRuntime:
     @property
     def frees_after_forward(self) -> bool:
         """Whether forward frees the gathered parameters (``full_shard``, ``hybrid_shard``; not the root unit)."""
-        return reshards_after_forward(self.unit.strategy) and not self.unit.is_root
+        return self._frees_after_forward
 
     @property
     def keeps_for_step(self) -> bool:
         """Whether the unit stays gathered and defers its reduction across micro-batches (``shard_optimizer``)."""
-        return keeps_for_step(self.unit.strategy)
+        return self._keeps_for_step
 
     @property
     def gathered_bytes(self) -> int:

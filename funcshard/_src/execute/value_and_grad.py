@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from funcshard._src import tree
 from funcshard._src.comm import groups
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute.buffers import BufferPool
@@ -21,12 +22,10 @@ from funcshard._src.execute.desync import (
     start_forward_check,
 )
 from funcshard._src.execute.param_group import ParamGroup, default_bucket_bytes, make_groups
-from funcshard._src.execute.loss import split_loss
 from funcshard._src.execute.gradients import take_donated
 from funcshard._src.execute.memory import GatheredMemory
 from funcshard._src.execute.reduce import Reducer
 from funcshard._src.execute.run import Run, RunMode, step_run
-from funcshard._src.execute.step_params import shards_by_unit
 from funcshard._src.execute.unit_state import UnitRuntime
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
@@ -34,7 +33,7 @@ from funcshard._src.plan.quantize import Quantized, quantize_for
 from funcshard._src.shard.flat import FlatLayout
 from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.shard.shard import plan_layouts
-from funcshard._src.shard.sharded import flats_of
+from funcshard._src.shard.sharded import ShardedTensor, flats_of
 
 Accumulation = Literal["sharded", "unsharded"]
 
@@ -88,6 +87,8 @@ class Step:
         self.gather_pool = BufferPool(depth=max(1, prefetch))
         self.reduce_pool = BufferPool(depth=1)
         self._layouts = plan_layouts(plan)
+        self._fingerprint = plan.fingerprint()  # asked once: the plan is data, never changed
+        self._world_size = plan.mesh.size
         self._units: list[UnitRuntime] | None = None
         self._groups: list[ParamGroup] = []  # every unit's, made with the units
         self._chunk_bytes = 0  # [Note: reductions in chunks] in chunks.py, made with the units
@@ -189,7 +190,7 @@ class Step:
             mode=RunMode.EVALUATION,
             order_hint=self._order,
             prefetch=self.prefetch,
-            reducer=Reducer(world_size=self.plan.mesh.size, spares={}, pool=self.reduce_pool),
+            reducer=Reducer(world_size=self._world_size, spares={}, pool=self.reduce_pool),
             output_dtype=self.mixed_precision.output_dtype,
             param_dtype=self.mixed_precision.param_dtype,
         )
@@ -246,7 +247,7 @@ class Step:
             nested="a step was called inside another step's loss_fn; call steps one after the other",
         )
         reducer = Reducer(
-            world_size=self.plan.mesh.size,
+            world_size=self._world_size,
             spares=self._take_donated(),
             pool=self.reduce_pool,
             hold_leaves=len(batches) == 1,
@@ -302,7 +303,7 @@ class Step:
         by_unit = shards_by_unit(sparams, self.plan, self._layouts)
         check_start(
             signature(
-                self.plan,
+                self._fingerprint,
                 mixed_precision=self.mixed_precision,
                 prefetch=self.prefetch,
                 accumulation=accumulation,
@@ -393,3 +394,87 @@ def value_and_grad(
         bucket_bytes=bucket_bytes,
         quantize=quantize,
     )
+
+
+# -- what a step accepts and what loss_fn returns ----------------------------------------
+# What a step accepts as params: the plan's tree of this rank's sharded leaves, found by unit.
+
+
+def shards_by_unit(
+    sparams: Any, plan: Plan, layouts: Sequence[FlatLayout], /
+) -> dict[str, list[FlatShard]]:
+    """``sparams``' flat shards by unit (one per part, in ``layouts``' order), if sharded with ``plan``.
+
+    Raises:
+        ValueError: another tree structure, or shards of another plan or rank.
+        TypeError: a leaf that is not sharded.
+    """
+    leaves, treedef = tree.flatten(sparams)
+    if treedef != plan.treedef:
+        raise ValueError(
+            "the params passed to the step do not have the plan's tree structure; pass the tree "
+            "fs.shard(params, plan) returned (or an optimizer's update of it)"
+        )
+    if not all(isinstance(leaf, ShardedTensor) for leaf in leaves):
+        paths, leaves, _ = tree.flatten_with_paths(sparams)
+        path, leaf = next((p, x) for p, x in zip(paths, leaves) if not isinstance(x, ShardedTensor))
+        raise TypeError(
+            f"{path or '<root>'}: the step needs sharded params (from fs.shard), got a "
+            f"{type(leaf).__name__}"
+        )
+    bound = groups.bind(plan.mesh)
+    found: dict[FlatLayout, FlatShard] = {}
+    expected = {(lt.unit, lt.dtype, lt.frozen): lt for lt in layouts}
+    for flat in dict.fromkeys(leaf.flat for leaf in leaves):  # flats_of, without a flatten
+        layout = expected.get((flat.layout.unit, flat.layout.dtype, flat.layout.frozen))
+        if (
+            layout is None
+            or (flat.layout is not layout and flat.layout != layout)
+            or flat.rank != bound.rank
+        ):
+            raise ValueError(
+                f"unit {flat.layout.unit!r}: the params were sharded with another plan or rank than "
+                f"this step's (plan fingerprint {plan.fingerprint()}); shard them with this plan"
+            )
+        found[layout] = flat
+    by_unit: dict[str, list[FlatShard]] = {}
+    for layout in layouts:  # each unit's parts in the order of its runtime's
+        if layout in found:
+            by_unit.setdefault(layout.unit, []).append(found[layout])
+    return by_unit
+
+
+# What ``loss_fn`` returned: the loss (and aux), checked before backward runs.
+
+
+def split_loss(out: Any, *, has_aux: bool) -> tuple[torch.Tensor, Any]:
+    """``(loss, aux)`` from what ``loss_fn`` returned, checked: a floating scalar that needs grad."""
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"has_aux=True: loss_fn must return (loss, aux), got {type(out).__name__}"
+            )
+        loss, aux = out
+    else:
+        loss, aux = out, None
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        hint = (
+            "; to return (loss, aux), pass has_aux=True"
+            if not has_aux and isinstance(loss, tuple)
+            else ""
+        )
+        raise TypeError(
+            f"loss_fn must return a floating-point scalar tensor as the loss, got {_kind(loss)}{hint}"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not depend on any parameter (it does not require grad); use the params "
+            "loss_fn receives, through fs.call for unit leaves"
+        )
+    return loss.reshape(()), aux
+
+
+def _kind(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"
