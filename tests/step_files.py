@@ -48,9 +48,7 @@ def step_files(mesh: dict[str, int] | None = None) -> list[str]:
         step(sparams, *batch)
     finally:
         sys.setprofile(None)
-    return sorted(
-        str(Path(f).resolve().relative_to(ROOT)) for f in seen if f.startswith(PACKAGE)
-    )
+    return sorted(str(Path(f).resolve().relative_to(ROOT)) for f in seen if f.startswith(PACKAGE))
 
 
 def main() -> None:

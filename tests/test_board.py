@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from funcshard._src.comm.shm.board import PAGE_BYTES, SLOTS, Board
 from funcshard._src.comm.runtime import CollectiveError
+from funcshard._src.comm.shm.board import PAGE_BYTES, SLOTS, Board
 
 
 def _boards(pids: list[int] | None = None) -> tuple[Board, Board]:

@@ -21,9 +21,8 @@ import torch.distributed as dist
 
 import funcshard as fs
 from funcshard._src.comm import collectives, groups, runtime, shm
-from funcshard._src.comm.shm import regions
-from funcshard._src.comm.shm import cross_memory
 from funcshard._src.comm.runtime import CollectiveError
+from funcshard._src.comm.shm import cross_memory, regions
 
 AXES = ("fsdp",)
 

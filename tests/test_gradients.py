@@ -37,7 +37,8 @@ def test_kept_rows_are_taken_once():
     g.keep(layout, rows)
     assert g.keeps(layout)
     assert g.take_kept(layout) is rows
-    assert g.take_kept(layout) is None and not g.keeps(layout)
+    assert g.take_kept(layout) is None
+    assert not g.keeps(layout)
 
 
 def test_a_donated_buffer_is_handed_out_once_and_only_in_its_dtype():

@@ -110,13 +110,10 @@ ORDER = {
     ],
     "execute": [
         "reference",
-        "memory",
         "huge_pages",
         "buffers",
         "desync",
         "guard",
-        "part",
-        "partial_copy",
         "unit_state",
         "pack",
         "gradients",

@@ -22,9 +22,8 @@ from funcshard._src.comm.ledger import Ledger
 from funcshard._src.comm.pending import Pending
 from funcshard._src.execute import param_group
 from funcshard._src.execute.buffers import BufferPool
-from funcshard._src.execute.memory import GatheredMemory
 from funcshard._src.execute.param_group import ParamGroup, make_groups
-from funcshard._src.execute.unit_state import UnitRuntime, UnitState
+from funcshard._src.execute.unit_state import GatheredMemory, UnitRuntime, UnitState
 from funcshard._src.plan.precision import FULL_PRECISION
 from funcshard._src.shard.shard import plan_layouts, shard_for_rank
 from funcshard._src.shard.sharded import flats_of
@@ -102,23 +101,26 @@ def test_a_unit_alone_is_gathered_held_and_freed_by_its_group(built):
     assert unit.state is UnitState.GATHERING
     assert fake.issued == [("all_gather", "a")] * len(unit.parts)
     group.acquire(unit)
-    assert unit.state is UnitState.GATHERED and unit.holders == 1
+    assert unit.state is UnitState.GATHERED
+    assert unit.holders == 1
     paths, leaves, _ = flatten_with_paths(PARAMS)
     expected = dict(zip(paths, leaves))
     for slot, leaf in zip(unit.slots, unit.full_leaves()):
         assert torch.equal(leaf, expected[slot.path]), slot.path
     group.release(unit)
-    assert unit.state is UnitState.SHARDED and unit.holders == 0
+    assert unit.state is UnitState.SHARDED
+    assert unit.holders == 0
     assert memory.current == 0
 
 
 def test_a_prefetched_unit_no_call_holds_is_dropped(built):
-    units, fake, memory = built
+    units, _fake, memory = built
     unit = units[0]
     group = ParamGroup([unit], BufferPool(), BufferPool())
     group.prefetch(unit)
     group.drop_unused(unit)
-    assert unit.state is UnitState.SHARDED and memory.current == 0
+    assert unit.state is UnitState.SHARDED
+    assert memory.current == 0
 
 
 def test_a_bucket_gathers_its_members_in_one_collective_per_part_and_frees_them_one_by_one(built):
@@ -131,17 +133,21 @@ def test_a_bucket_gathers_its_members_in_one_collective_per_part_and_frees_them_
     for unit in units:
         group.acquire(unit)
     group.release(units[0])
-    assert units[0].state is UnitState.SHARDED and units[1].state is UnitState.GATHERED
+    assert units[0].state is UnitState.SHARDED
+    assert units[1].state is UnitState.GATHERED
     group.release(units[1])
     assert memory.current == 0
 
 
-def test_a_bucket_reduces_a_round_once_every_member_reported_and_early_when_one_reports_twice(built):
+def test_a_bucket_reduces_a_round_once_every_member_reported_and_early_when_one_reports_twice(
+    built,
+):
     units, fake, _ = built
     (group,) = make_groups(units, 1 << 20, BufferPool(), BufferPool())
     dtype = units[0].parts[0].grad_dtype
     group.columns(units[0], 0, dtype, opened=0)
-    assert not group.complete(0) and group.open_rounds() == [(0, 0)]
+    assert not group.complete(0)
+    assert group.open_rounds() == [(0, 0)]
     group.columns(units[1], 0, dtype, opened=1)
     assert group.complete(0)
     group.flush(0)
@@ -149,4 +155,5 @@ def test_a_bucket_reduces_a_round_once_every_member_reported_and_early_when_one_
     assert fake.issued == [("reduce_scatter", group.name)]
     group.columns(units[0], 0, dtype, opened=2)
     _, flushed = group.columns(units[0], 0, dtype, opened=3)  # reported twice: flushed first
-    assert flushed is not None and group.open_rounds() == [(3, 0)]
+    assert flushed is not None
+    assert group.open_rounds() == [(3, 0)]

@@ -21,9 +21,9 @@ import torch.distributed as dist
 import funcshard as fs
 from funcshard._src.comm import all_gather as ag
 from funcshard._src.comm import collectives, groups, shm
-from funcshard._src.comm.shm import regions
 from funcshard._src.comm import reduce_scatter as rs
 from funcshard._src.comm.runtime import CollectiveError
+from funcshard._src.comm.shm import regions
 
 MESHES = {
     "world2": ({"fsdp": 2}, ("fsdp",)),

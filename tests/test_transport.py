@@ -49,7 +49,9 @@ def _step() -> dict[str, Any]:
 def _step_with_shm_blocked() -> dict[str, Any]:
     """The step with the package unimportable; the worker's own modules put back after."""
     package = transport.SHM_PACKAGE
-    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k.split(".")[:4] == package.split(".")}
+    saved = {
+        k: sys.modules.pop(k) for k in list(sys.modules) if k.split(".")[:4] == package.split(".")
+    }
     transport._plugin.cache_clear()
     blocker = _Blocked()
     sys.meta_path.insert(0, blocker)
@@ -70,7 +72,8 @@ def test_a_step_with_the_shared_memory_package_blocked_equals_the_reference(pool
     batches = [MODEL.batch_for(r) for r in range(2)]
     _, reference = reference_value_and_grad(MODEL.loss_fn, MODEL.init(0), batches)
     for rank, (s, b) in enumerate(zip(shared, blocked)):
-        assert b["plugin"] is None and b["imported"] == [], f"rank {rank}: {b['imported']}"
+        assert b["plugin"] is None, f"rank {rank}"
+        assert b["imported"] == [], f"rank {rank}: {b['imported']}"
         assert b["loss"] == s["loss"]
         for x, y in zip(fs.tree.leaves(s["grads"]), fs.tree.leaves(b["grads"])):
             assert torch.equal(x, y), f"rank {rank}: gradients differ from shared memory's"

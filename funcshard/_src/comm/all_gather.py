@@ -180,7 +180,11 @@ def start(
     """
     if algorithm == "shm":
         plugin = transport.shared_memory()
-        work = None if plugin is None else plugin.all_gather(group, flat.view(-1), [(0, rows)], stable=stable)
+        work = (
+            None
+            if plugin is None
+            else plugin.all_gather(group, flat.view(-1), [(0, rows)], stable=stable)
+        )
         if work is not None:
             return work
         algorithm = fallback_to

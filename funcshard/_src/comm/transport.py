@@ -33,7 +33,6 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from funcshard._src.plan.strategy import Capabilities, declare_transport
 

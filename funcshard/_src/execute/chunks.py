@@ -30,10 +30,9 @@ import torch
 from funcshard._src.comm import collectives
 from funcshard._src.comm.transport import LARGE_BYTES
 from funcshard._src.execute.buffers import BufferPool
-from funcshard._src.execute.param_group import ParamGroup
 from funcshard._src.execute.pack import pack_rows
-from funcshard._src.execute.part import Part
-from funcshard._src.execute.unit_state import UnitRuntime
+from funcshard._src.execute.param_group import ParamGroup
+from funcshard._src.execute.unit_state import Part, UnitRuntime
 
 
 def _input_bytes(unit: UnitRuntime, part: Part, /) -> int:

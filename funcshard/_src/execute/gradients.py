@@ -101,7 +101,9 @@ class Gradients:
         else:
             self.sums[layout] = out
 
-    def tree(self, sparams: Any, by_unit: dict[str, list[FlatShard]], /, *, micro_batches: int) -> Any:
+    def tree(
+        self, sparams: Any, by_unit: dict[str, list[FlatShard]], /, *, micro_batches: int
+    ) -> Any:
         """The sharded gradients of ``sparams``, the mean over ``micro_batches`` (``None`` at frozen leaves)."""
         grads, held = self.sums, self.held
         if micro_batches > 1:

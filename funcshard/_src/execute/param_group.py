@@ -51,8 +51,7 @@ from funcshard._src.comm import all_gather as _ag
 from funcshard._src.comm import collectives, quantized
 from funcshard._src.comm.pending import Pending
 from funcshard._src.execute.buffers import BufferPool
-from funcshard._src.execute.part import LeafGathers, Part
-from funcshard._src.execute.unit_state import UnitRuntime, UnitState
+from funcshard._src.execute.unit_state import LeafGathers, Part, UnitRuntime, UnitState
 from funcshard._src.shard.flat import FlatLayout, unpack_into
 from funcshard._src.shard.own_row import OwnRow
 

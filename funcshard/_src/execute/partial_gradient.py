@@ -29,8 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from funcshard._src.execute.param_group import ParamGroup
-from funcshard._src.execute.part import Part
-from funcshard._src.execute.unit_state import UnitRuntime
+from funcshard._src.execute.unit_state import Part, UnitRuntime
 
 
 @dataclass

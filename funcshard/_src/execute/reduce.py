@@ -23,11 +23,10 @@ from funcshard._src.comm.pending import Pending
 from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.chunks import chunk_columns, reduce_in_chunks
 from funcshard._src.execute.gradients import Gradients
-from funcshard._src.execute.param_group import ParamGroup, Reduction
 from funcshard._src.execute.pack import pack_rows
-from funcshard._src.execute.part import Part
+from funcshard._src.execute.param_group import ParamGroup, Reduction
 from funcshard._src.execute.partial_gradient import PartialGradient
-from funcshard._src.execute.unit_state import UnitRuntime
+from funcshard._src.execute.unit_state import Part, UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
 
 # reductions in flight that hold packed gradients (a staging buffer) when the next unit's
@@ -267,9 +266,7 @@ class Reducer:
         packed = rows
         if unit.group_size == 1 and replica and not defer and device.type == "cpu":
             # no_shard: packed straight into shared memory, summed from there into rows
-            into = collectives.input_rows(
-                unit.bound, replica, layout.numel, dtype, all_reduce=True
-            )
+            into = collectives.input_rows(unit.bound, replica, layout.numel, dtype, all_reduce=True)
             packed = rows if into is None else into.view(1, -1)
         # a two-hop unit's rows come last axis major ([Note: two-hop reductions])
         order = unit.partial.order if unit.two_hop else unit.axes

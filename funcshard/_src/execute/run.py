@@ -49,13 +49,14 @@ from funcshard._src.execute.desync import (
     check_reduction,
     check_unreached,
 )
-from funcshard._src.execute.param_group import ParamGroup
 from funcshard._src.execute.gather_node import GatherNode
 from funcshard._src.execute.guard import Watch, check_dense, watch
 from funcshard._src.execute.local_calls import local_leaves
+from funcshard._src.execute.param_group import ParamGroup
 from funcshard._src.execute.reduce import Reducer
 from funcshard._src.execute.unit_state import UnitRuntime, UnitState
 from funcshard._src.shard.sharded import ShardedTensor
+
 
 class RunMode(enum.Enum):
     """What a run is for: it decides what a release keeps and whether gradients are reduced now."""

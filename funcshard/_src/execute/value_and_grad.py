@@ -21,12 +21,11 @@ from funcshard._src.execute.desync import (
     signature,
     start_forward_check,
 )
-from funcshard._src.execute.param_group import ParamGroup, default_bucket_bytes, make_groups
 from funcshard._src.execute.gradients import take_donated
-from funcshard._src.execute.memory import GatheredMemory
+from funcshard._src.execute.param_group import ParamGroup, default_bucket_bytes, make_groups
 from funcshard._src.execute.reduce import Reducer
 from funcshard._src.execute.run import Run, RunMode, step_run
-from funcshard._src.execute.unit_state import UnitRuntime
+from funcshard._src.execute.unit_state import GatheredMemory, UnitRuntime
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
 from funcshard._src.plan.quantize import Quantized, quantize_for

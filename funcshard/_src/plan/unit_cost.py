@@ -117,7 +117,9 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     weights = quantize.weight_format if quantize is not None else None
     gradients = quantize.gradient_format if quantize is not None else None
     leafwise = (
-        transport_capabilities(model.backend, g).gathers_leaf_by_leaf and not partial and not weights
+        transport_capabilities(model.backend, g).gathers_leaf_by_leaf
+        and not partial
+        and not weights
     )
     in_place: set[tuple[torch.dtype, bool]] = (
         _gathers_in_place(plan, unit, axes, leafwise=leafwise) if g > 1 else set()

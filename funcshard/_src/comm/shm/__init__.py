@@ -87,11 +87,11 @@ from typing import Any
 
 import torch
 
+import funcshard._src.comm.shm.cross_memory as cross_memory
 from funcshard._src.comm import runtime
 from funcshard._src.comm.algorithm import Timeout, wait_work
 from funcshard._src.comm.channel import all_gather_single
 from funcshard._src.comm.runtime import CollectiveError
-import funcshard._src.comm.shm.cross_memory as cross_memory
 from funcshard._src.comm.shm.regions import (
     ENV,
     MAGIC,
@@ -109,6 +109,7 @@ from funcshard._src.comm.transport import Capabilities, OwnTerm, Work
 __all__ = [
     "ENV",
     "MIN_BYTES",
+    "TRANSPORT",
     "Arena",
     "Exchange",
     "OwnTerm",
@@ -121,7 +122,6 @@ __all__ = [
     "input_rows",
     "reduce_scatter",
     "settle_all",
-    "TRANSPORT",
 ]
 
 
