@@ -267,7 +267,7 @@ class ParamGroup:
     ) -> Pending:
         """Starts reducing one range of columns of a reduction in chunks into ``out``.
 
-        See [Note: reductions in chunks] in ``chunks.py``; the trace logs the unit's
+        See [Note: reductions in chunks] in ``reduce.py``; the trace logs the unit's
         reduction at its ``first`` range.
         """
         if first:

@@ -13,7 +13,6 @@ from funcshard._src import tree
 from funcshard._src.comm import groups
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute.buffers import BufferPool
-from funcshard._src.execute.chunks import chunk_bytes_for
 from funcshard._src.execute.desync import (
     check_end,
     check_start,
@@ -23,7 +22,7 @@ from funcshard._src.execute.desync import (
 )
 from funcshard._src.execute.gradients import take_donated
 from funcshard._src.execute.param_group import ParamGroup, default_bucket_bytes, make_groups
-from funcshard._src.execute.reduce import Reducer
+from funcshard._src.execute.reduce import Reducer, chunk_bytes_for
 from funcshard._src.execute.run import Run, RunMode, step_run
 from funcshard._src.execute.unit_state import GatheredMemory, UnitRuntime
 from funcshard._src.plan.plan import Plan
@@ -90,7 +89,7 @@ class Step:
         self._world_size = plan.mesh.size
         self._units: list[UnitRuntime] | None = None
         self._groups: list[ParamGroup] = []  # every unit's, made with the units
-        self._chunk_bytes = 0  # [Note: reductions in chunks] in chunks.py, made with the units
+        self._chunk_bytes = 0  # [Note: reductions in chunks] in reduce.py, made with the units
         self._last: list[FlatShard] = []  # the gradients last returned, with donate_grads
         # the call order of the last step, which forward prefetches follow; none before the
         # first (the plan's tree order is a guess, wrong for {"embed", "blocks", "head"}
