@@ -111,7 +111,6 @@ ORDER = {
     "execute": [
         "reference",
         "huge_pages",
-        "buffers",
         "desync",
         "guard",
         "unit_state",

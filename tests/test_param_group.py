@@ -21,8 +21,7 @@ from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.comm.pending import Pending
 from funcshard._src.execute import param_group
-from funcshard._src.execute.buffers import BufferPool
-from funcshard._src.execute.param_group import ParamGroup, make_groups
+from funcshard._src.execute.param_group import BufferPool, ParamGroup, make_groups
 from funcshard._src.execute.unit_state import GatheredMemory, UnitRuntime, UnitState
 from funcshard._src.plan.precision import FULL_PRECISION
 from funcshard._src.shard.shard import plan_layouts, shard_for_rank

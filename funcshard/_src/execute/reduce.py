@@ -48,9 +48,8 @@ import torch
 from funcshard._src.comm import collectives
 from funcshard._src.comm.pending import Pending
 from funcshard._src.comm.transport import LARGE_BYTES
-from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.gradients import Gradients
-from funcshard._src.execute.param_group import ParamGroup, Reduction
+from funcshard._src.execute.param_group import BufferPool, ParamGroup, Reduction
 from funcshard._src.execute.partial_gradient import PartialGradient
 from funcshard._src.execute.unit_state import Part, UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from funcshard._src import tree
 from funcshard._src.comm import groups
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.execute.buffers import BufferPool
 from funcshard._src.execute.desync import (
     check_end,
     check_start,
@@ -21,7 +20,12 @@ from funcshard._src.execute.desync import (
     start_forward_check,
 )
 from funcshard._src.execute.gradients import take_donated
-from funcshard._src.execute.param_group import ParamGroup, default_bucket_bytes, make_groups
+from funcshard._src.execute.param_group import (
+    BufferPool,
+    ParamGroup,
+    default_bucket_bytes,
+    make_groups,
+)
 from funcshard._src.execute.reduce import Reducer, chunk_bytes_for
 from funcshard._src.execute.run import Run, RunMode, step_run
 from funcshard._src.execute.unit_state import GatheredMemory, UnitRuntime
