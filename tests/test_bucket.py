@@ -1,6 +1,6 @@
 """Buckets: small consecutive units share collectives, and training is unchanged.
 
-Reference: ``funcshard/_src/execute/bucket.py``. Every bucket size trains like one
+Reference: ``funcshard/_src/execute/param_group.py``. Every bucket size trains like one
 device (also drawn in tests/test_value_and_grad.py); these cases add a unit called
 twice in a step (a bucket flushed early), micro-batches kept unsharded, every
 strategy, the ledger against the cost model, and the count of collectives.

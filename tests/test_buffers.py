@@ -1,6 +1,6 @@
 """Staging buffers are reused: in steady state a step allocates none (docs/performance.md).
 
-Reference: [Note: staging lifetimes] in ``funcshard/_src/execute/buffers.py``.
+Reference: [Note: staging lifetimes] in ``funcshard/_src/execute/param_group.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard._src.execute.buffers import BufferPool
+from funcshard._src.execute.param_group import BufferPool
 from funcshard.testing import assert_trees_close, reference_value_and_grad
 
 

@@ -1,4 +1,4 @@
-"""Reductions in chunks ([Note: reductions in chunks] in ``execute/chunks.py``).
+"""Reductions in chunks ([Note: reductions in chunks] in ``execute/reduce.py``).
 
 A flat part whose packed gradients pass ``LARGE_BYTES`` is reduced a range of
 columns at a time. The threshold is lowered inside the workers so that a small
@@ -14,9 +14,11 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard._src.comm import arena
-from funcshard._src.execute import chunks, reduce
+from funcshard._src.comm import transport
+from funcshard._src.execute import reduce
 from tests.models import Model
+
+WHOLE = reduce.reduce_in_chunks  # put back after each worker body
 
 
 def _grads(
@@ -27,16 +29,16 @@ def _grads(
 
     def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
         count[0] += 1
-        return chunks.reduce_in_chunks(*args, **kwargs)
+        return WHOLE(*args, **kwargs)
 
     # the worker outlives this call: put both back after it
-    chunks.LARGE_BYTES = arena.LARGE_BYTES if large is None else large
+    reduce.LARGE_BYTES = transport.LARGE_BYTES if large is None else large
     reduce.reduce_in_chunks = counted
     try:
         return _step(mesh, strategy, micro, mode) | {"chunked": count[0]}
     finally:
-        chunks.LARGE_BYTES = arena.LARGE_BYTES
-        reduce.reduce_in_chunks = chunks.reduce_in_chunks
+        reduce.LARGE_BYTES = transport.LARGE_BYTES
+        reduce.reduce_in_chunks = WHOLE
 
 
 def _step(mesh: dict[str, int], strategy: str, micro: int, mode: Any) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Shards read in place across processes: exact, agreed by every rank, and never read once written.
 
-[Note: shards read in place] in ``comm/cross_memory.py``: where the kernel lets
+[Note: shards read in place] in ``comm/shm/cross_memory.py``: where the kernel lets
 ranks read each other's memory, an all-gather whose input is stable publishes it
 as it is and peers copy it straight into their rows. The ranks agree on it at
 the shared-memory probe; a rank that cannot (or will not) read its peers' memory
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
-from funcshard._src.comm import arena as regions
-from funcshard._src.comm import collectives, cross_memory, groups, runtime, shm
+from funcshard._src.comm import collectives, groups, runtime, shm
 from funcshard._src.comm.runtime import CollectiveError
+from funcshard._src.comm.shm import cross_memory, regions
 
 AXES = ("fsdp",)
 

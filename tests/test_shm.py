@@ -1,7 +1,7 @@
 """Shared-memory collectives: exact results with many in flight, bounded regions, and every way out.
 
 Each worker runs all-gathers, reduce-scatters and all-reduces through
-``shm.py`` with several in flight and waits for them in another order than it
+``comm/shm/`` with several in flight and waits for them in another order than it
 started them, as the executor does; the references are gloo's own collectives
 on the same inputs. The all-reduce must give the same bits on every rank (a
 replicated parameter must stay replicated). Ranks that cannot map each other's
@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 import funcshard as fs
 from funcshard._src.comm import all_gather as ag
-from funcshard._src.comm import arena as regions
-from funcshard._src.comm import collectives, groups, inputs, shm
+from funcshard._src.comm import collectives, groups, shm
 from funcshard._src.comm import reduce_scatter as rs
 from funcshard._src.comm.runtime import CollectiveError
+from funcshard._src.comm.shm import regions
 
 MESHES = {
     "world2": ({"fsdp": 2}, ("fsdp",)),
@@ -212,7 +212,7 @@ def _inputs_in_regions(mesh: dict[str, int], axes: tuple[str, ...]) -> dict[str,
     gen = torch.Generator().manual_seed(bound.rank)
     wrong = []
     for it in range(4):
-        rows = inputs.reduce_scatter_input(bound, axes, n, torch.float32)
+        rows = collectives.input_rows(bound, axes, n, torch.float32)
         assert rows is not None
         assert arena.owner(rows) is not None
         rows.copy_(torch.randn(w, n, generator=gen))
@@ -221,7 +221,7 @@ def _inputs_in_regions(mesh: dict[str, int], axes: tuple[str, ...]) -> dict[str,
         dist.all_reduce(reference, group=group)
         if not torch.allclose(out, reference[arena.me], rtol=1e-5, atol=1e-5):
             wrong.append(f"reduce-scatter, round {it}")
-        buf = inputs.all_reduce_input(bound, axes, n, torch.float32)
+        buf = collectives.input_rows(bound, axes, n, torch.float32, all_reduce=True)
         assert buf is not None
         buf.copy_(torch.randn(n, generator=gen))
         reference = buf.clone()
@@ -270,11 +270,11 @@ def _own_row_apart(mesh: dict[str, int], axes: tuple[str, ...]) -> dict[str, Any
     wrong = []
     for it in range(3):
         grads = torch.randn(w, n, generator=gen)
-        rows = inputs.reduce_scatter_input(bound, axes, n, torch.float32)
+        rows = collectives.input_rows(bound, axes, n, torch.float32)
         assert rows is not None
         rows.copy_(grads * 0.5)
         whole = collectives.reduce_scatter(rows, bound, axes).wait().clone()
-        rows = inputs.reduce_scatter_input(bound, axes, n, torch.float32)
+        rows = collectives.input_rows(bound, axes, n, torch.float32)
         assert rows is not None
         rows.fill_(float("nan"))
         rows[[r for r in range(w) if r != me]] = grads[[r for r in range(w) if r != me]] * 0.5
@@ -292,7 +292,7 @@ def _own_row_apart(mesh: dict[str, int], axes: tuple[str, ...]) -> dict[str, Any
         collectives.reduce_scatter(torch.zeros(w, n), bound, axes, own=own).wait()
         wrong.append("own with rows outside a region was accepted")
     except ValueError as e:
-        if "reduce_scatter_input" not in str(e):
+        if "collectives.input_rows" not in str(e):
             wrong.append(f"unclear error: {e}")
     return {"wrong": wrong}
 

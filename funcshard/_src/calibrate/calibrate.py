@@ -193,7 +193,7 @@ def _measure_all(s: Settings, device: torch.device) -> dict[str, float]:
         return _timed_together(fn, seconds=s.seconds)
 
     # funcshard's own collectives, with the algorithms a step runs (on one host, gloo's
-    # ranks go through shared memory: comm/shm.py)
+    # ranks go through shared memory: comm/shm/__init__.py)
     bound = groups.bind(Mesh({_AXES[0]: w}))
     axes = _AXES
     sent = (w - 1) / w * s.comm_bytes  # ledger bytes of a gather or a reduce-scatter

@@ -14,7 +14,7 @@ algorithms here, over a group of ``W`` ranks, gather ``flat`` ``(n,)`` into
 - ``"ring_overlapped"``: the ring, with the copy of this rank's row made after
   the first step is issued, while it runs.
 - ``"shm"``: ranks on one host read each other's shards from shared memory
-  (``shm.py``, [Note: shared-memory collectives]); where the group's ranks
+  (the plug-in of ``transport.py``, [Note: transports]); where the group's ranks
   cannot share memory it runs :func:`fallback`'s choice.
 
 Both rings send exactly ``(W - 1) / W`` of the gathered bytes per rank, the
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from funcshard._src.comm import algorithm as _algorithm
-from funcshard._src.comm import shm
+from funcshard._src.comm import transport
 from funcshard._src.comm.algorithm import Timeout, from_env, wait_work
 from funcshard._src.comm.channel import all_gather_single
 
@@ -71,7 +71,7 @@ def resolve(algorithm: Algorithm, backend: str, world_size: int, nbytes: int, /)
     """The algorithm that runs for ``algorithm`` on ``backend`` over ``world_size`` ranks.
 
     ``"auto"`` keeps the backend's own collective, except on gloo: there it runs
-    ``"shm"`` where the transport is enabled (``shm.enabled()``; the ranks'
+    ``"shm"`` where the transport is there (``transport.shared_memory()``; the ranks'
     sharing memory is found out when it starts), else ``"ring_overlapped"`` (the
     pairwise exchange) for two ranks and outputs of at least
     :data:`RING_MIN_BYTES`, where it measured faster, and ``"native"`` otherwise.
@@ -92,10 +92,11 @@ def resolve(algorithm: Algorithm, backend: str, world_size: int, nbytes: int, /)
     Example:
         >>> resolve("auto", "nccl", 8, 1 << 30)
         'native'
-        >>> resolve("auto", "gloo", 2, 64 << 20) == ("shm" if shm.enabled() else "ring_overlapped")
+        >>> shared = transport.shared_memory() is not None
+        >>> resolve("auto", "gloo", 2, 64 << 20) == ("shm" if shared else "ring_overlapped")
         True
     """
-    shared = shm.enabled() and nbytes >= shm.MIN_BYTES
+    shared = transport.uses_shared_memory(nbytes)
     chosen = _algorithm.resolve(CHOICES, algorithm, backend, world_size, nbytes, shared)
     return cast("Algorithm", chosen)
 
@@ -143,13 +144,13 @@ def leaf_algorithm() -> Algorithm:
     the overlapped ring for ``"shm"`` too (:func:`start`).
 
     Example:
-        >>> leaf_algorithm() == ("shm" if shm.enabled() else "ring_overlapped")
+        >>> leaf_algorithm() == ("shm" if transport.shared_memory() else "ring_overlapped")
         True
     """
     chosen = default_algorithm()
     if chosen != "auto":
         return chosen
-    return "shm" if shm.enabled() else "ring_overlapped"
+    return "shm" if transport.shared_memory() is not None else "ring_overlapped"
 
 
 def start(
@@ -167,7 +168,7 @@ def start(
     Returns a handle whose ``wait(timeout=...)`` finishes it (``rows[j]`` then
     holds group rank ``j``'s ``flat``), as a ``torch.distributed`` ``Work`` does.
 
-    ``"shm"`` is collective the first time it runs on ``group`` (``shm.arena``);
+    ``"shm"`` is collective the first time it runs on ``group`` (the probe);
     where the group's ranks cannot share memory it runs ``fallback_to``
     (:func:`fallback`), the same on every rank. ``stable``: see
     ``collectives.all_gather``.
@@ -178,9 +179,14 @@ def start(
             overwrite ``flat`` before it is sent).
     """
     if algorithm == "shm":
-        arena = shm.arena(group)
-        if arena is not None:
-            return shm.all_gather(arena, flat.view(-1), rows, stable=stable)
+        plugin = transport.shared_memory()
+        work = (
+            None
+            if plugin is None
+            else plugin.all_gather(group, flat.view(-1), [(0, rows)], stable=stable)
+        )
+        if work is not None:
+            return work
         algorithm = fallback_to
     if algorithm == "native":
         return all_gather_single(rows.view(-1), flat, group=group, async_op=True)

@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 
 from funcshard._src.comm import all_gather as _ag
-from funcshard._src.comm import channel, shm
+from funcshard._src.comm import channel, transport
 from funcshard._src.comm import reduce_scatter as _rs
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.comm.pending import Each, Pending, issue
 from funcshard._src.comm.reduce_scatter import Algorithm
+from funcshard._src.comm.torch_transport import TORCH
 
 _all_gather_single = channel.all_gather_single
 _reduce_scatter_single = channel.reduce_scatter_single
@@ -71,7 +72,7 @@ def all_gather(
             ``"native"``.
         stable: the caller promises that nothing frees or writes ``flat`` until its
             evaluation ends and :func:`settle` has returned; peers may then read it
-            in place ([Note: shards read in place] in ``cross_memory.py``).
+            in place ([Note: shards read in place] in ``shm/cross_memory.py``).
 
     Raises:
         CollectiveError: the collective could not start.
@@ -126,8 +127,8 @@ def all_gather_pieces(
 
     A piece ``(offset, rows)``, ``rows`` of shape ``(group_size, n)``, gets group
     rank ``j``'s ``flat[offset : offset + n]`` in row ``j``: a unit's leaves, each
-    into its full storage. Through shared memory (``shm.py``) it is one
-    collective for all of them; elsewhere one all-gather per piece, with
+    into its full storage. Through shared memory (the plug-in of
+    ``transport.py``) it is one collective for all of them; elsewhere one all-gather per piece, with
     ``all_gather.leaf_algorithm()`` on gloo. The ledger counts every piece as
     an all-gather of its rows. ``stable``: as for :func:`all_gather`.
 
@@ -148,9 +149,10 @@ def all_gather_pieces(
     chosen = _ag.resolve(requested, backend, size, nbytes)
 
     def call() -> Any:
-        arena = shm.arena(group) if gloo and chosen == "shm" else None
-        if arena is not None:
-            return shm.all_gather_pieces(arena, flat, pieces, stable=stable)
+        plugin = transport.shared_memory() if gloo and chosen == "shm" else None
+        work = None if plugin is None else plugin.all_gather(group, flat, pieces, stable=stable)
+        if work is not None:
+            return work
         algorithm = chosen if chosen != "shm" else _ag.fallback(requested, size, nbytes)
         each = []
         for lo, rows in pieces:
@@ -168,11 +170,47 @@ def all_gather_pieces(
     return pending
 
 
+def input_rows(
+    bound: BoundMesh,
+    axes: tuple[str, ...],
+    numel: int,
+    dtype: torch.dtype,
+    /,
+    *,
+    all_reduce: bool = False,
+) -> torch.Tensor | None:
+    """An input that the next collective over ``axes`` sends as it is, or ``None``.
+
+    A ``(group_size, numel)`` input of a reduce-scatter, or with ``all_reduce``
+    a ``(numel,)`` input of an all-reduce whose sum goes to its ``out=``. Where
+    the group's transport sends inputs in place (shared memory, once a
+    collective has set it up on the group), a buffer of the transport's own:
+    packing into it saves the copy of the input. Elsewhere ``None``: the caller
+    packs into a buffer of its own. Start that collective before any other on
+    the group.
+    """
+    group = bound.group(axes)
+    if group is None or dist.get_backend(group) != "gloo":
+        return None
+    plugin = transport.shared_memory()
+    if plugin is None:
+        return None
+    rows = 1 if all_reduce else group_size(bound, axes)
+    nbytes = rows * numel * dtype.itemsize
+    if all_reduce:
+        if nbytes < transport.SHM_MIN_BYTES:  # the test all_reduce makes
+            return None
+    elif _rs.resolve(_rs.default_algorithm(), "gloo", rows, nbytes) != "shm":
+        return None
+    held = plugin.input_rows(group, rows, numel, dtype)
+    return held.view(-1) if held is not None and all_reduce else held
+
+
 def settle() -> None:
     """Returns once every peer has read what this rank's gathers published in place.
 
     Called when an evaluation ends, before its caller may write the shards it
-    gathered ([Note: shards read in place] in ``cross_memory.py``); at once where
+    gathered ([Note: shards read in place] in ``shm/cross_memory.py``); at once where
     nothing was.
 
     Raises:
@@ -181,7 +219,7 @@ def settle() -> None:
     Example:
         >>> settle()
     """
-    shm.settle_all()
+    transport.settle()
 
 
 def reduce_scatter(
@@ -194,7 +232,7 @@ def reduce_scatter(
     ledger: Ledger | None = None,
     tag: str = "",
     algorithm: Algorithm | None = None,
-    own: shm.OwnTerm | None = None,
+    own: transport.OwnTerm | None = None,
 ) -> Pending:
     """Sums ``rows`` ``(group_size, numel)`` over the group; group rank ``i`` gets row ``i``'s sum.
 
@@ -211,7 +249,7 @@ def reduce_scatter(
         algorithm: see ``reduce_scatter.py``; ``None`` is ``FUNCSHARD_REDUCE_SCATTER``, else ``"auto"``.
             Every rank must use the same. Anything but gloo always runs ``"native"``.
         own: makes this rank's row when summed, which ``rows`` then need not hold:
-            ``rows`` from ``inputs.reduce_scatter_input`` only ([Note: the own row
+            ``rows`` from ``collectives.input_rows`` only ([Note: the own row
             from the leaves] in ``shard/own_row.py``).
 
     Raises:
@@ -235,11 +273,11 @@ def reduce_scatter(
     chosen = _rs.resolve(requested, backend, size, nbytes)
     gloo = backend == "gloo"
     if own is not None:
-        arena = shm.existing(group) if gloo and chosen == "shm" else None
-        if arena is None or arena.owner(rows) is None:
+        plugin = transport.shared_memory() if gloo and chosen == "shm" else None
+        if plugin is None or not plugin.owns(group, rows):
             raise ValueError(
                 "a reduce-scatter with its own row apart needs rows from "
-                "inputs.reduce_scatter_input, sent through shared memory"
+                "collectives.input_rows, sent through shared memory"
             )
 
     def call() -> Any:  # nccl: the backend's own, exactly as before
@@ -275,32 +313,29 @@ def all_reduce(
 ) -> Pending:
     """Sums ``buf`` over the group over ``axes``, in place or into ``out``; mutates ``buf``, and ``out`` when given.
 
-    On gloo, ranks that share a host add from each other's memory (``shm.py``);
-    a ``buf`` from ``inputs.all_reduce_input`` is sent from there as it is, and its
-    sum must go to ``out``.
+    On gloo, ranks that share a host add from each other's memory (the plug-in
+    of ``transport.py``); a ``buf`` from :func:`input_rows` (``all_reduce=True``)
+    is sent from there as it is, and its sum must go to ``out``.
     """
     size = group_size(bound, axes)
     group = bound.group(axes)
     if group is None:
         return Pending(buf if out is None else out.copy_(buf))
     nbytes = buf.numel() * buf.element_size()
-    shared = dist.get_backend(group) == "gloo" and shm.enabled() and nbytes >= shm.MIN_BYTES
+    plugin = (
+        transport.shared_memory()
+        if dist.get_backend(group) == "gloo" and transport.uses_shared_memory(nbytes)
+        else None
+    )
 
-    def call() -> Any:  # on one host, gloo's ranks add from each other's memory: shm.py
-        arena = shm.arena(group) if shared else None
-        if arena is not None:
-            return shm.all_reduce(arena, buf, out=out)
-        return dist.all_reduce(buf, group=group, async_op=True)
+    def call() -> Any:  # on one host, gloo's ranks add from each other's memory
+        work = None if plugin is None else plugin.all_reduce(group, buf, out=out)
+        if work is not None:
+            return work
+        return TORCH.all_reduce(group, buf, out=out)
 
     pending = issue("all_reduce", tag, axes, bound, group, buf, call)
-    pending.holds_copy = isinstance(pending.work, shm.Exchange)
-    if out is not None and not pending.holds_copy:
-        target = out
-
-        def copy_out() -> None:  # gloo summed in place
-            target.copy_(buf)
-
-        pending.then = copy_out
+    pending.holds_copy = plugin is not None and plugin.holds_copy(pending.work)
     if ledger is not None:
         ledger.record(
             "all_reduce", axes, group_size=size, full_bytes=buf.numel() * buf.element_size()

@@ -70,6 +70,11 @@ class BoundMesh:
             )
         return group
 
+    def group_rank(self, axes: tuple[str, ...], /) -> int:
+        """This rank's index in the group over ``axes``: the row of a reduce-scatter's input it gets the sum of."""
+        group = self.group(axes)
+        return 0 if group is None else dist.get_group_rank(group, dist.get_rank())
+
     def _make_group(self, axes: tuple[str, ...]) -> weakref.ref[dist.ProcessGroup] | None:
         size = 1
         for a in axes:

@@ -8,7 +8,7 @@ twice that. A gather to one rank sends ``B / g`` from every other rank.
 
 What "sent" means per algorithm: the rings send exactly these counts; gloo's
 own reduce-scatter (an all-reduce) moves twice its count. Through shared memory
-(``shm.py``) a rank sends nothing over a link: its peers read what it published,
+(``shm/__init__.py``) a rank sends nothing over a link: its peers read what it published,
 ``(g - 1) / g * B`` for an all-gather or a reduce-scatter as counted, and for an
 all-reduce ``(g - 1) * B`` (each peer reads the whole buffer), which equals the
 count at ``g = 2``.

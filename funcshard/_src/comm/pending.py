@@ -34,7 +34,7 @@ class Pending:
     work: Any = None  # a torch.distributed Work handle, or None when already done
     what: str = ""  # "all_gather of unit 'blocks/0' over ('fsdp',) on rank 1", for errors
     then: Callable[[], None] | None = None  # runs once the work is done (e.g. copy a chunk out)
-    holds_copy: bool = False  # holds a copy of its input until done (shared memory: shm.py)
+    holds_copy: bool = False  # holds a copy of its input until done (shared memory: comm/shm/)
 
     def wait(self) -> torch.Tensor:
         """Blocks until the collective is done and returns its result.

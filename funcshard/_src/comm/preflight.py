@@ -26,7 +26,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from funcshard._src.comm import agree, channel, runtime, shm
+from funcshard._src.comm import agree, channel, runtime, transport
 from funcshard._src.comm import all_gather as _ag
 from funcshard._src.comm import reduce_scatter as _rs
 from funcshard._src.comm.channel import Kind
@@ -46,7 +46,7 @@ def settings() -> dict[str, str]:
         ['FUNCSHARD_ALL_GATHER', 'FUNCSHARD_DEBUG', 'FUNCSHARD_REDUCE_SCATTER', 'FUNCSHARD_SHM']
     """
     return {
-        shm.ENV: "on" if shm.enabled() else "off",
+        transport.SHM_ENV: "on" if transport.shm_enabled() else "off",
         _ag.ALGORITHM_ENV: os.environ.get(_ag.ALGORITHM_ENV, "auto"),
         _rs.ALGORITHM_ENV: os.environ.get(_rs.ALGORITHM_ENV, "auto"),
         runtime.DEBUG_ENV: "on" if runtime.debug_collectives() else "off",

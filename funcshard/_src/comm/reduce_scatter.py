@@ -17,7 +17,7 @@ algorithms here, over a group of ``W`` ranks and ``rows`` of shape
 - ``"ring_pipelined"``: the ring with each row in pieces, so that adding
   piece ``i`` overlaps the transfer of the pieces after it.
 - ``"shm"``: ranks on one host add from each other's rows in shared memory
-  (``shm.py``, [Note: shared-memory collectives]); where the group's ranks
+  (the plug-in of ``transport.py``, [Note: transports]); where the group's ranks
   cannot share memory it runs :func:`fallback`'s choice.
 
 ``all_to_all`` and both rings send exactly ``(W - 1) / W`` of the input per
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from funcshard._src.comm import algorithm as _algorithm
-from funcshard._src.comm import shm
+from funcshard._src.comm import transport
 from funcshard._src.comm.algorithm import Timeout, from_env, wait_work
 from funcshard._src.comm.channel import reduce_scatter_single
 
@@ -74,7 +74,7 @@ def resolve(algorithm: Algorithm, backend: str, world_size: int, nbytes: int, /)
     """The algorithm that runs for ``algorithm`` on ``backend`` over ``world_size`` ranks.
 
     ``"auto"`` keeps the backend's own collective, except on gloo: there it runs
-    ``"shm"`` where the transport is enabled (``shm.enabled()``; the ranks'
+    ``"shm"`` where the transport is there (``transport.shared_memory()``; the ranks'
     sharing memory is found out when it starts), else the ring (the pairwise
     exchange) for two ranks and inputs of at least :data:`RING_MIN_BYTES`, where
     it measured faster, and ``"all_reduce"`` otherwise. Anything but gloo always
@@ -95,10 +95,10 @@ def resolve(algorithm: Algorithm, backend: str, world_size: int, nbytes: int, /)
     Example:
         >>> resolve("auto", "nccl", 8, 1 << 30)
         'native'
-        >>> resolve("auto", "gloo", 2, 64 << 20) == ("shm" if shm.enabled() else "ring")
+        >>> resolve("auto", "gloo", 2, 64 << 20) == ("shm" if transport.shared_memory() else "ring")
         True
     """
-    shared = shm.enabled() and nbytes >= shm.MIN_BYTES
+    shared = transport.uses_shared_memory(nbytes)
     chosen = _algorithm.resolve(CHOICES, algorithm, backend, world_size, nbytes, shared)
     return cast("Algorithm", chosen)
 
@@ -139,7 +139,7 @@ def start(
     *,
     pieces: int | None = None,
     fallback_to: Algorithm = "all_reduce",
-    own: shm.OwnTerm | None = None,
+    own: transport.OwnTerm | None = None,
 ) -> Any:
     """Starts a reduce-scatter of ``rows`` ``(W, n)`` into ``out`` ``(n,)``; may overwrite ``rows``.
 
@@ -148,19 +148,20 @@ def start(
     the sum of every rank's row at this rank's group rank), as a
     ``torch.distributed`` ``Work`` does. ``pieces`` overrides how many pieces
     ``"ring_pipelined"`` cuts a row into. ``"shm"`` is collective the first time
-    it runs on ``group`` (``shm.arena``); where the group's ranks cannot share
+    it runs on ``group`` (the probe); where the group's ranks cannot share
     memory it runs ``fallback_to`` (:func:`fallback`), the same on every rank.
-    ``own`` makes this rank's own row when summed (``shm.reduce_scatter``): shared
-    memory only, with ``rows`` from ``shm.input_rows``.
+    ``own`` makes this rank's own row when summed: shared memory only, with
+    ``rows`` from ``collectives.input_rows``.
 
     Raises:
         ValueError: ``own`` is given and the collective does not go through shared memory.
     """
     me = dist.get_group_rank(group, dist.get_rank())
     if algorithm == "shm":
-        arena = shm.arena(group)
-        if arena is not None:
-            return shm.reduce_scatter(arena, rows, out, own=own)
+        plugin = transport.shared_memory()
+        work = None if plugin is None else plugin.reduce_scatter(group, rows, out, own=own)
+        if work is not None:
+            return work
         algorithm = fallback_to
     if own is not None:
         raise ValueError(

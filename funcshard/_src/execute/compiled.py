@@ -70,7 +70,7 @@ def compiled_runtime(run: Run, name: str, slots: Sequence[int]) -> UnitRuntime:
         raise ValueError(
             f"fs.call (compiled): no unit {name!r} in this step (units: {sorted(run.units)})"
         )
-    if sorted(slots) != sorted(unit.position) or unit.unit.is_root:
+    if sorted(slots) != sorted(unit.position) or unit.is_root:
         raise ValueError(
             f"fs.call (compiled) got {len(set(slots))} of the {len(unit.slots)} leaves of unit "
             f"{name!r}; pass the unit's whole subtree"

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from funcshard._src.comm import agree, channel, settle
 from funcshard._src.comm.channel import Kind
 from funcshard._src.comm.pending import Pending
-from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import MixedPrecision
 
 _SAME_PLAN = (
@@ -34,7 +33,7 @@ _SAME_CALLS = (
 
 
 def signature(
-    plan: Plan,
+    fingerprint: str,
     /,
     *,
     mixed_precision: MixedPrecision,
@@ -45,10 +44,10 @@ def signature(
     """What must be equal on every rank at the start of a step.
 
     The params' tree structure is the plan's (the step checked it), which the
-    plan's fingerprint covers.
+    plan's ``fingerprint`` covers.
     """
     return {
-        "plan fingerprint": plan.fingerprint(),
+        "plan fingerprint": fingerprint,
         "mixed precision": repr(mixed_precision),
         "prefetch": str(prefetch),
         "accumulation": accumulation,

@@ -28,16 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
-from funcshard._src.execute.gather_group import GatherGroup
-from funcshard._src.execute.part import Part
-from funcshard._src.execute.unit_state import UnitRuntime
+from funcshard._src.execute.param_group import ParamGroup
+from funcshard._src.execute.unit_state import Part, UnitRuntime
 
 
 @dataclass
 class PartialGradient:
     """A two-hop unit's partial gradient of one part, and who takes it across the other axes; mutable (summed into)."""
 
-    group: GatherGroup
+    group: ParamGroup
     unit: UnitRuntime
     part: Part
     sums: torch.Tensor  # (copy rows * numel,), in the stored dtype

@@ -10,36 +10,58 @@ communication, like FSDP's ``no_sync``). The reduced gradients are keyed by
 the :class:`FlatLayout` of the flat buffer they belong to. Buffers donated by
 the last call (see [Note: donation] in ``shard/flat_shard.py``) receive this
 call's results instead of fresh memory.
+
+A part's gradients are packed (:func:`pack_rows`) into every row, or every row
+but this rank's own: see [Note: the own row from the leaves] in
+``shard/own_row.py``. Where the rows
+are in shared memory and go to a reduce-scatter alone (not deferred, nothing
+kept to add, the plain row order of a flat layout, a power-of-two mean), this
+rank's row is left out and summed from the leaves instead.
+
+[Note: reductions in chunks]
+On gloo, a reduce-scatter's input is packed straight into a shared-memory region
+(``comm/collectives.py: input_rows``), and that transport gives a region of
+``LARGE_BYTES`` or more its pages back while it is free, so that a root unit's embeddings
+are not resident all step twice over. Packing into such a region faults every page
+in again, every step: about 25 ms for the 32.5 MiB of the benchmark's root unit, 3 %
+of its step. A flat part whose packed gradients pass ``LARGE_BYTES`` is therefore
+reduced a range of columns at a time, each of at most ``chunk_bytes``: the largest
+reduce-scatter input of the other units, and at most half of ``LARGE_BYTES``. Each
+range is packed (``shard/flat_rows.pack_flat_columns``), reduce-scattered into its
+columns of the gradient and waited for before the next, so the ranges reuse the
+warm regions the other units' reductions leave free, and no large region is made.
+Each element's sum is the same as the whole reduce-scatter's, in the same order:
+the gradient is bitwise that of one reduce-scatter, and the ledger counts the same
+bytes. The ranges start after every reduction in flight is done and run one after
+another: such a part is a root unit's, whose reduction ends backward with nothing
+left to overlap. Whether a part is reduced in chunks follows from the plan alone
+(a CPU device, a group of several ranks, a flat part, exact gradients, no replica
+axes, not two-hop, not deferred), so every rank issues the same collectives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from funcshard._src import tree
-from funcshard._src.comm import inputs
+from funcshard._src.comm import collectives
 from funcshard._src.comm.pending import Pending
-from funcshard._src.execute.buffers import BufferPool
-from funcshard._src.execute.chunks import chunk_columns, reduce_in_chunks
-from funcshard._src.execute.gather_group import GatherGroup
-from funcshard._src.execute.pack import pack_rows
-from funcshard._src.execute.part import Part
+from funcshard._src.comm.transport import LARGE_BYTES
+from funcshard._src.execute.gradients import Gradients
+from funcshard._src.execute.param_group import BufferPool, ParamGroup, Reduction
 from funcshard._src.execute.partial_gradient import PartialGradient
-from funcshard._src.execute.reduction import Reduction
-from funcshard._src.execute.unit_state import UnitRuntime
+from funcshard._src.execute.unit_state import Part, UnitRuntime
 from funcshard._src.shard.flat import FlatLayout, pack_into
-from funcshard._src.shard.flat_shard import FlatShard, concatenate_leaves, held_leaves
-from funcshard._src.shard.sharded import ShardedTensor
+from funcshard._src.shard.flat_rows import pack_flat_columns, row_order
+from funcshard._src.shard.own_row import OwnRow, exact_scale
 
 # reductions in flight that hold packed gradients (a staging buffer) when the next unit's
 # gradients are packed: the older ones are waited for first. One reducing while the next
 # unit's backward computes is all the overlap there is (a group runs its collectives one
 # after the other). An all-reduce in place on sockets (no_shard) holds nothing but the
 # gradient it becomes, so those queue without a wait, as DDP's buckets do; one through
-# shared memory holds a copy of its input until done (comm/shm.py) and counts.
+# shared memory holds a copy of its input until done (comm/shm/__init__.py) and counts.
 MAX_PENDING = 1
 
 
@@ -56,19 +78,16 @@ class Reducer:
         chunk_bytes: int = 0,
     ) -> None:
         self.world_size = world_size
-        self.chunk_bytes = chunk_bytes  # see [Note: reductions in chunks] in chunks.py
-        # one micro-batch: a part that needs no communication keeps its gradients as
-        # autograd made them, see [Note: gradients held as leaves] in shard/flat_shard.py
-        self.hold_leaves = hold_leaves
-        self.held: dict[FlatLayout, tuple[torch.Tensor, ...]] = {}  # the result of those parts
+        self.chunk_bytes = chunk_bytes  # see [Note: reductions in chunks]
         self.pool = BufferPool() if pool is None else pool  # see [Note: staging lifetimes]
-        self.spares = spares  # donated buffers of the last call, by layout
-        self.grads: dict[FlatLayout, torch.Tensor] = {}  # the result, in the stored dtype
-        self.deferred: dict[FlatLayout, torch.Tensor] = {}  # packed, (group_size, numel)
-        self.deferring: dict[str, tuple[GatherGroup, UnitRuntime]] = {}  # units that deferred
+        # the result, what is kept across micro-batches, donated buffers: gradients.py
+        self.gradients = Gradients(spares=spares, hold_leaves=hold_leaves)
+        self.deferring: dict[str, tuple[ParamGroup, UnitRuntime]] = {}  # units that deferred
         # reductions in flight, oldest first, each with the group that waits for it
-        self.pending: list[tuple[GatherGroup, Reduction]] = []
-        self.open_rounds: list[tuple[GatherGroup, int]] = []  # buckets' rounds not yet reduced
+        self.pending: list[tuple[ParamGroup, Reduction]] = []
+        # buckets this call packed gradients into: their groups hold the rounds
+        self.bucketed: dict[ParamGroup, None] = {}
+        self.rounds_opened = 0  # rounds opened so far: their order
         # two-hop units' partial gradients, by layout: [Note: two-hop reductions]
         self.partial_sums: dict[FlatLayout, PartialGradient] = {}
         self.partial_bytes = 0  # partial gradients alive (stored dtype), and their peak
@@ -76,7 +95,7 @@ class Reducer:
 
     def reduce(
         self,
-        group: GatherGroup,
+        group: ParamGroup,
         unit: UnitRuntime,
         grads: Sequence[torch.Tensor | None],
         /,
@@ -113,7 +132,7 @@ class Reducer:
         """
         for name in sorted(self.deferring):
             group, unit = self.deferring[name]
-            if any(p.layout in self.deferred for p in unit.parts):
+            if any(self.gradients.keeps(p.layout) for p in unit.parts):
                 self.reduce(group, unit, [None] * len(unit.slots), defer=False, final=True)
         self.deferring.clear()
 
@@ -123,8 +142,8 @@ class Reducer:
         After the step's last micro-batch (``last``) the partial gradients take
         their second hop ([Note: two-hop reductions]).
         """
-        while self.open_rounds:
-            group, j = self.open_rounds[0]
+        while rounds := self._open_rounds():
+            group, j = rounds[0]
             while self._staged() >= MAX_PENDING:
                 self._finish_oldest()
             self._flush(group, j)
@@ -142,57 +161,24 @@ class Reducer:
         """Starts the second hop of ``layout``'s partial gradient ([Note: two-hop reductions]); mutates."""
         p = self.partial_sums.pop(layout)
         sums = p.sums if p.sums.dtype == p.part.grad_dtype else p.sums.to(p.part.grad_dtype)
-        out = self._spare(layout, p.part.grad_dtype)
+        out = self.gradients.spare(layout, p.part.grad_dtype)
         reduction = p.group.reduce_across(p.unit, p.part, sums, out=out)
         reduction.partial_bytes = p.sums.numel() * p.sums.element_size()
         self.pending.append((p.group, reduction))
-
-    def gradient_tree(
-        self, sparams: Any, by_unit: dict[str, list[FlatShard]], /, *, micro_batches: int
-    ) -> Any:
-        """After :meth:`finish`: the sharded gradients, the mean over ``micro_batches`` (``None`` at frozen leaves)."""
-        grads, held = self.grads, self.held
-        if micro_batches > 1:
-            floating = [g for g in grads.values() if g.is_floating_point()]
-            torch._foreach_mul_(floating, 1.0 / micro_batches)
-        new: dict[FlatShard, FlatShard] = {}
-        for flats in by_unit.values():
-            for flat in flats:
-                layout = flat.layout
-                if layout.frozen:
-                    continue
-                if layout in held:
-                    new[flat] = FlatShard.of_leaves(layout, held[layout], flat.rank)
-                    continue
-                if layout not in grads:  # a part no reduction reached: integer leaves
-                    grads[layout] = torch.zeros_like(flat.data)
-                new[flat] = flat.with_data(grads[layout])
-        # map_flats(..., trainable(sparams)) in one pass: None at frozen leaves
-        leaves, treedef = tree.flatten(sparams)
-        return tree.unflatten(
-            treedef,
-            [
-                (None if x.flat.layout.frozen else ShardedTensor(new[x.flat], x.slot))
-                if isinstance(x, ShardedTensor)
-                else x
-                for x in leaves
-            ],
-        )
 
     def abandon(self) -> list[Pending]:
         """After an error: forgets every reduction, returning those in flight (for the caller to drain)."""
         inflight = [r.stage for _, r in self.pending]
         self.pending.clear()
-        self.deferred.clear()
+        self.gradients.clear()
         self.deferring.clear()
-        self.held.clear()
         self.partial_sums.clear()
-        self.open_rounds.clear()  # the groups forget their rounds in GatherGroup.discard
+        self.bucketed.clear()  # the groups forget their rounds in ParamGroup.discard
         return inflight
 
     def _reduce_in_round(
         self,
-        group: GatherGroup,
+        group: ParamGroup,
         unit: UnitRuntime,
         j: int,
         part: Part,
@@ -200,14 +186,13 @@ class Reducer:
     ) -> None:
         """Packs ``unit``'s gradients of part ``j`` into its bucket's round; the last member reduces it."""
         layout = part.layout
-        self.spares.pop(layout, None)  # a bucket's result is one buffer: no donated one fits
-        columns, flushed = group.columns(unit, j, part.grad_dtype)
+        self.gradients.drop_spare(layout)  # a bucket's result is one buffer: no donated one fits
+        self.bucketed[group] = None
+        columns, flushed = group.columns(unit, j, part.grad_dtype, opened=self.rounds_opened)
+        self.rounds_opened += 1
         if flushed is not None:  # a unit reported twice in this round: that round is reducing
-            self.open_rounds.remove((group, j))
             self.pending.append((group, flushed))
-        if (group, j) not in self.open_rounds:
-            self.open_rounds.append((group, j))
-        kept = self.deferred.pop(layout, None)
+        kept = self.gradients.take_kept(layout)
         dtype = part.grad_dtype
         leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
         pack_into(
@@ -224,14 +209,18 @@ class Reducer:
         if group.complete(j):
             self._flush(group, j)
 
-    def _flush(self, group: GatherGroup, j: int) -> None:
+    def _flush(self, group: ParamGroup, j: int) -> None:
         """Has ``group`` start reducing its open round of part ``j``."""
-        self.open_rounds.remove((group, j))
         self.pending.append((group, group.flush(j)))
+
+    def _open_rounds(self) -> list[tuple[ParamGroup, int]]:
+        """The buckets' rounds not yet reduced, in the order they opened: (group, part)."""
+        rounds = [(opened, g, j) for g in self.bucketed for opened, j in g.open_rounds()]
+        return [(g, j) for _, g, j in sorted(rounds, key=lambda r: r[0])]
 
     def _reduce_part(
         self,
-        group: GatherGroup,
+        group: ParamGroup,
         unit: UnitRuntime,
         part: Part,
         mine: Sequence[torch.Tensor | None],
@@ -243,25 +232,20 @@ class Reducer:
         layout = part.layout
         device = unit.device(part)
         if (
-            self.hold_leaves
+            self.gradients.hold_leaves
             and unit.group_size == 1
             and unit.replica_size == 1
             and part.grad_dtype == layout.dtype
-            and layout not in self.grads
+            and self.gradients.keep_as_leaves(layout, mine, device)
         ):
-            earlier = self.held.pop(layout, None)
-            if earlier is None:
-                self.held[layout] = held_leaves(layout, mine, device)
-                return
-            # a unit called twice in one step: add this call's gradients to a buffer
-            self.grads[layout] = concatenate_leaves(layout, earlier)
+            return
         # a two-hop unit's donated buffer receives its second hop ([Note: two-hop reductions])
-        spare = None if defer or unit.two_hop else self._spare(layout, part.grad_dtype)
-        kept = self.deferred.pop(layout, None)  # packed by earlier micro-batches' calls
+        spare = None if defer or unit.two_hop else self.gradients.spare(layout, part.grad_dtype)
+        kept = self.gradients.take_kept(layout)  # packed by earlier micro-batches' calls
         dtype = part.grad_dtype
         leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
         columns = chunk_columns(unit, part, self.chunk_bytes, defer=defer)
-        if columns:  # [Note: reductions in chunks] in chunks.py
+        if columns:  # [Note: reductions in chunks]
             while self.pending:  # the ranges reuse the regions these hold
                 self._finish_oldest()
             pool = group.pool  # as the root's whole rows: not kept for the next step
@@ -278,7 +262,7 @@ class Reducer:
             )
             if kept is not None:
                 self.pool.give(kept)
-            self._add(layout, reduced)
+            self.gradients.add(layout, reduced)
             return
         shared = None
         if spare is not None and unit.group_size == 1:
@@ -293,8 +277,8 @@ class Reducer:
                 and not unit.two_hop
             ):
                 # packed straight into shared memory, which the reduce-scatter sends as it is
-                shared = inputs.reduce_scatter_input(unit.bound, unit.axes, layout.numel, dtype)
-            pool = group.pool if unit.unit.is_root else self.pool  # the root's: not kept
+                shared = collectives.input_rows(unit.bound, unit.axes, layout.numel, dtype)
+            pool = group.pool if unit.is_root else self.pool  # the root's: not kept
             rows = (
                 shared
                 if shared is not None
@@ -309,7 +293,7 @@ class Reducer:
         packed = rows
         if unit.group_size == 1 and replica and not defer and device.type == "cpu":
             # no_shard: packed straight into shared memory, summed from there into rows
-            into = inputs.all_reduce_input(unit.bound, replica, layout.numel, dtype)
+            into = collectives.input_rows(unit.bound, replica, layout.numel, dtype, all_reduce=True)
             packed = rows if into is None else into.view(1, -1)
         # a two-hop unit's rows come last axis major ([Note: two-hop reductions])
         order = unit.partial.order if unit.two_hop else unit.axes
@@ -321,29 +305,23 @@ class Reducer:
             packed.add_(kept)
             self.pool.give(kept)
         if defer:
-            self.deferred[layout] = rows
+            self.gradients.keep(layout, rows)
             return
         if not direct:
             packed.div_(self.world_size)
         # over one rank, rows is the result; the root's rows are not kept for the next
         # step; shared rows belong to the group's regions
-        keep = unit.group_size > 1 and not unit.unit.is_root and shared is None
+        keep = unit.group_size > 1 and not unit.is_root and shared is None
         reduction = group.reduce(unit, part, rows, packed, out=spare, keep_rows=keep, own=own)
         reduction.then_across = reduction.first_hop and final
         self.pending.append((group, reduction))
-
-    def _spare(self, layout: FlatLayout, dtype: torch.dtype, /) -> torch.Tensor | None:
-        """The buffer the last call donated for ``layout``, if it holds ``dtype``; mutates (taken)."""
-        spare = self.spares.pop(layout, None)
-        return spare if spare is not None and spare.dtype == dtype else None
 
     def _staged(self) -> int:
         """Reductions in flight that hold packed gradients beside their result."""
         return sum(r.packed for _, r in self.pending)
 
     def _finish_oldest(self) -> None:
-        """The first reduction of a layout becomes its gradient buffer as it is: no zero-filled
-        buffer and no extra pass (cast to the stored dtype if need be)."""
+        """Waits for the oldest reduction; its result goes into the gradients (``gradients.py``)."""
         group, reduction = self.pending.pop(0)
         reduced = group.wait(reduction, self.pool)
         self.partial_bytes -= reduction.partial_bytes
@@ -363,12 +341,127 @@ class Reducer:
                 self._across(layout)
             return
         for layout, a, b in reduction.pieces:
-            self._add(layout, reduced if (a, b) == (0, reduced.numel()) else reduced[a:b])
+            self.gradients.add(layout, reduced if (a, b) == (0, reduced.numel()) else reduced[a:b])
 
-    def _add(self, layout: FlatLayout, reduced: torch.Tensor, /) -> None:
-        """Adds a reduced gradient of ``layout`` into :attr:`grads`; the first becomes it; mutates."""
-        out = reduced if reduced.dtype == layout.dtype else reduced.to(layout.dtype)
-        if layout in self.grads:
-            self.grads[layout].add_(out)
-        else:
-            self.grads[layout] = out
+
+# -- packing one part's gradients --------------------------------------------------------
+
+
+def pack_rows(
+    unit: UnitRuntime,
+    layout: FlatLayout,
+    leaves: Sequence[torch.Tensor | None],
+    rows: torch.Tensor,
+    order: Sequence[str],
+    /,
+    *,
+    scale: float,
+    shared: bool,
+    start: int = 0,
+) -> OwnRow | None:
+    """Packs ``leaves`` times ``scale`` into ``rows`` ``(group_size, width)``, columns from ``start``; mutates ``rows``.
+
+    Returns the :class:`OwnRow` the reduce-scatter sums this rank's row from, where
+    ``rows`` (``shared``: in shared memory) are packed without it, else ``None``.
+    """
+    width = rows.shape[1]
+    if (
+        shared
+        and layout.flat
+        and tuple(order) == unit.axes
+        and row_order(layout.mesh, unit.axes) is None
+        and exact_scale(scale)
+    ):
+        me = unit.bound.group_rank(unit.axes)
+        pack_flat_columns(layout, leaves, rows, start, scale, skip=me)
+        return OwnRow(layout, leaves, me * layout.numel + start, width, scale)
+    if start or width != layout.numel:
+        pack_flat_columns(layout, leaves, rows, start, scale)
+    else:
+        pack_into(layout, leaves, rows, order, scale=scale)
+    return None
+
+
+# -- reductions in chunks ---------------------------------------------------------------
+
+
+def _input_bytes(unit: UnitRuntime, part: Part, /) -> int:
+    """Bytes of ``part``'s packed gradients, ``(group_size, numel)`` in the reduce dtype."""
+    return unit.group_size * part.layout.numel * part.grad_dtype.itemsize
+
+
+def chunk_bytes_for(units: Iterable[UnitRuntime], /) -> int:
+    """The most bytes a range of a reduction in chunks packs: see [Note: reductions in chunks].
+
+    The largest reduce-scatter input of the units other than the root, at most half
+    of ``LARGE_BYTES``; 0 where no such unit reduces (nothing is chunked).
+    """
+    sizes = [
+        _input_bytes(u, p)
+        for u in units
+        if not u.is_root and u.group_size > 1
+        for p in u.parts
+        if p.layout.dtype.is_floating_point and not p.layout.frozen
+    ]
+    return min(max(sizes, default=0), LARGE_BYTES // 2)
+
+
+def chunk_columns(unit: UnitRuntime, part: Part, chunk_bytes: int, /, *, defer: bool) -> int:
+    """Columns a range of ``part``'s reduction holds, or 0 where it is reduced whole."""
+    layout = part.layout
+    if (
+        defer
+        or not layout.flat
+        or unit.group_size == 1
+        or unit.all_reduce_axes
+        or unit.grad_format
+        or unit.two_hop
+        or unit.device(part).type != "cpu"
+        or _input_bytes(unit, part) <= LARGE_BYTES
+    ):
+        return 0
+    columns = chunk_bytes // (unit.group_size * part.grad_dtype.itemsize)
+    return columns if 0 < columns < layout.numel else 0
+
+
+def reduce_in_chunks(
+    group: ParamGroup,
+    unit: UnitRuntime,
+    part: Part,
+    leaves: Sequence[torch.Tensor | None],
+    kept: torch.Tensor | None,
+    pool: BufferPool,
+    /,
+    *,
+    out: torch.Tensor | None,
+    columns: int,
+    world_size: int,
+) -> torch.Tensor:
+    """Reduces ``part``'s gradients ``columns`` at a time; returns this rank's ``(numel,)`` of the mean.
+
+    ``leaves`` are this call's full gradients (in the reduce dtype); ``kept``, the
+    packed gradients earlier micro-batches deferred. Writes into ``out`` where
+    given. See [Note: reductions in chunks].
+    """
+    layout, dtype = part.layout, part.grad_dtype
+    n, g = layout.numel, unit.group_size
+    device = unit.device(part)
+    result = out if out is not None else torch.empty(n, dtype=dtype, device=device)
+    for start in range(0, n, columns):
+        width = min(columns, n - start)
+        rows = collectives.input_rows(unit.bound, unit.axes, width, dtype)
+        staged = None
+        if rows is None:  # no shared memory: a buffer of the pool's
+            staged = rows = pool.take(g * width, dtype, device).view(g, width)
+        scale = 1.0 / world_size if kept is None else 1.0
+        shared = staged is None and kept is None
+        own = pack_rows(
+            unit, layout, leaves, rows, unit.axes, scale=scale, shared=shared, start=start
+        )
+        if kept is not None:
+            rows.add_(kept[:, start : start + width]).div_(world_size)
+        into = result[start : start + width]
+        group.reduce_columns(unit, rows, into, first=start == 0, own=own).wait()
+        if staged is not None:
+            pool.give(staged)
+    return result

@@ -30,6 +30,7 @@ the wrong ones.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import Any
@@ -48,31 +49,61 @@ from funcshard._src.execute.desync import (
     check_reduction,
     check_unreached,
 )
-from funcshard._src.execute.gather_group import GatherGroup
 from funcshard._src.execute.gather_node import GatherNode
 from funcshard._src.execute.guard import Watch, check_dense, watch
-from funcshard._src.execute.lifetimes import keeps_gathered, keeps_partial
 from funcshard._src.execute.local_calls import local_leaves
+from funcshard._src.execute.param_group import ParamGroup
 from funcshard._src.execute.reduce import Reducer
 from funcshard._src.execute.unit_state import UnitRuntime, UnitState
 from funcshard._src.shard.sharded import ShardedTensor
 
-_CURRENT: ContextVar[Run | None] = ContextVar("funcshard_run", default=None)
+
+class RunMode(enum.Enum):
+    """What a run is for: it decides what a release keeps and whether gradients are reduced now."""
+
+    EVALUATION = "evaluation"  # forward only: every call frees its unit, none is hooked
+    LAST = "last micro-batch"  # a step's last (or only) micro-batch: a release keeps nothing
+    SHARDED = "micro-batch"  # an earlier micro-batch whose gradients are reduced as it goes
+    DEFERRED = "deferred micro-batch"  # an earlier one whose gradients are kept whole
+
+    @staticmethod
+    def of_micro_batch(i: int, count: int, *, keep_whole: bool) -> RunMode:
+        """The mode of micro-batch ``i`` of ``count``; ``keep_whole``: accumulate unsharded.
+
+        Example:
+            >>> [RunMode.of_micro_batch(i, 2, keep_whole=True).name for i in range(2)]
+            ['DEFERRED', 'LAST']
+        """
+        if i == count - 1:
+            return RunMode.LAST
+        return RunMode.DEFERRED if keep_whole else RunMode.SHARDED
+
+
+class Stage(enum.Enum):
+    """Where a run is: its forward (``loss_fn``), after it (backward, finishing), or ended."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    ENDED = "ended"
+
+
+# [Note: the current run]
+# One context variable holds the run from its begin to its end (finish, close_evaluation or
+# abort); its stage says whether its forward is running. Backward on the CPU runs on the
+# thread that called it, in the same context, so autograd's hooks and a checkpoint's
+# recompute in backward find the run here too.
+_RUN: ContextVar[Run | None] = ContextVar("funcshard_run", default=None)
 
 
 def current_run() -> Run | None:
     """The run whose forward is executing in this context, if any."""
-    return _CURRENT.get()
-
-
-# the run between its begin and its end (finish, close_evaluation or abort), whatever the thread:
-# the kernels of compiled calls run in backward too, maybe on autograd's device threads
-_STEP_RUN: list[Run | None] = [None]
+    run = _RUN.get()
+    return run if run is not None and run.stage is Stage.FORWARD else None
 
 
 def step_run() -> Run | None:
-    """The run of the step in progress in this process (forward or backward), if any."""
-    return _STEP_RUN[0]
+    """The run of the step in progress in this context (forward or backward), if any."""
+    return _RUN.get()
 
 
 class Run:
@@ -80,26 +111,23 @@ class Run:
 
     def __init__(
         self,
-        groups: Sequence[GatherGroup],
+        groups: Sequence[ParamGroup],
         *,
+        mode: RunMode,
         order_hint: Sequence[str],
         prefetch: int,
-        defer: bool,
         reducer: Reducer,
-        last: bool = True,
         output_dtype: torch.dtype | None = None,
         param_dtype: torch.dtype | None = None,
-        evaluation: bool = False,
     ) -> None:
         self.units = {u.name: u for g in groups for u in g.members}
         self.groups = list(groups)
         # every collective goes through the unit's group: [Note: one owner per collective]
         self.group_of = {u.name: g for g in groups for u in g.members}
-        self.evaluation = evaluation  # forward only: every call frees its unit, none is hooked
+        self.mode = mode
+        self.stage = Stage.FORWARD
         self.order_hint = list(order_hint)
         self.prefetch = prefetch
-        self.defer = defer
-        self.last = last  # the step's last micro-batch: a release keeps nothing (lifetimes.py)
         self.reducer = reducer
         self.output_dtype = output_dtype
         self.param_dtype = param_dtype  # what floating leaves compute in (MixedPrecision)
@@ -115,9 +143,28 @@ class Run:
         self._in_backward: set[int] = set()  # calls whose backward began and has not reduced
         self.forward_check: Agreement | None = None  # finished before backward's first collective
         self._token: Any = None
-        self.forward_done = False
         self._root_grads: list[torch.Tensor | None] | None = None  # see gathered_grads
         self._root_guard: Watch | None = None  # See [Note: what a call may do to its parameters]
+
+    @property
+    def evaluation(self) -> bool:
+        """Forward only: every call frees its unit, none is hooked."""
+        return self.mode is RunMode.EVALUATION
+
+    @property
+    def defer(self) -> bool:
+        """Gradients are kept whole, not reduced (an unsharded micro-batch before the last)."""
+        return self.mode is RunMode.DEFERRED
+
+    @property
+    def last(self) -> bool:
+        """No later micro-batch: a release keeps nothing ([Note: what a release keeps])."""
+        return self.mode in (RunMode.LAST, RunMode.EVALUATION)
+
+    @property
+    def forward_done(self) -> bool:
+        """The forward has ended: a call now is a recompute in backward."""
+        return self.stage is not Stage.FORWARD
 
     # -- forward -----------------------------------------------------------------
 
@@ -128,7 +175,7 @@ class Run:
             unit.bind(flats)
             for flat in flats:
                 self.flat_owner[id(flat)] = unit
-        root_unit = next((u for u in self.units.values() if u.unit.is_root), None)
+        root_unit = next((u for u in self.units.values() if u.is_root), None)
         root_leaves: dict[int, torch.Tensor] = {}
         if root_unit is not None:
             self._acquire(root_unit)  # before any prefetch: one unit's all-gather buffer at a time
@@ -143,8 +190,7 @@ class Run:
                 self.root_leaf_ids.add(id(leaf))
             self._root_guard = watch(root_unit.name, root_unit.slots, outs)
         self._prefetch_forward(0)
-        self._token = _CURRENT.set(self)
-        _STEP_RUN[0] = self
+        self._token = _RUN.set(self)  # see [Note: the current run]
         leaves, treedef = tree.flatten(sparams)
         if root_leaves:  # one pass in a comprehension: this runs every step over every leaf
             leaves = [
@@ -234,13 +280,10 @@ class Run:
         if self._root_guard is not None:  # then dropped: it holds the root's leaves
             guard, self._root_guard = self._root_guard, None
             guard.check()
-        if self._token is not None:
-            _CURRENT.reset(self._token)
-            self._token = None
         for unit in self.units.values():
             self.group_of[unit.name].drop_unused(unit)
         self._next_backward = len(self.calls) - 1
-        self.forward_done = True
+        self.stage = Stage.BACKWARD
         return [c.unit.name for c in self.calls]
 
     # -- backward ----------------------------------------------------------------
@@ -341,14 +384,14 @@ class Run:
         self.reducer.finish(last=self.last)
         for group in self.groups:
             group.release_all(keep=not self.last)
-        _STEP_RUN[0] = None
+        self._end()
         collectives.settle()  # the caller may write the shards next
 
     def close_evaluation(self) -> None:
         """After an evaluation's forward: frees every unit (the root unit's hold included)."""
         for group in self.groups:
             group.release_all()
-        _STEP_RUN[0] = None
+        self._end()
         collectives.settle()  # the caller may write the shards next
 
     def abort(self) -> list[Pending]:
@@ -358,16 +401,20 @@ class Run:
         so none is waited for here; they are returned, for the caller to wait
         for once it knows every rank gave up alike (see [Note: out of step]).
         """
-        if self._token is not None:
-            _CURRENT.reset(self._token)
-            self._token = None
-        _STEP_RUN[0] = None
+        self._end()
         inflight = self.reducer.abandon()
         for group in self.groups:
             inflight.extend(group.discard())
         return inflight
 
     # -- helpers -----------------------------------------------------------------
+
+    def _end(self) -> None:
+        """Leaves the context: no call finds this run any more; see [Note: the current run]."""
+        self.stage = Stage.ENDED
+        if self._token is not None:
+            _RUN.reset(self._token)
+            self._token = None
 
     def _prefetch_forward(self, start: int) -> None:
         for name in self.order_hint[start : start + self.prefetch]:
@@ -394,3 +441,27 @@ class Run:
 
     def _awaits_backward(self, record: CallRecord) -> bool:
         return record.expects_backward and record.phase in (CallPhase.KEPT, CallPhase.WAITING)
+
+
+# [Note: what a release keeps]
+# What a release keeps past a call: a unit's gathered storage, or its partial copy.
+#
+# A release frees a unit's gathered storage unless the unit keeps it for the step's
+# next micro-batch (``shard_optimizer``; [Note: shard_optimizer] in
+# ``plan/strategy.py``), and frees its partial copy unless backward still needs it
+# (the release at the end of a call's forward) or the unit keeps it for the step
+# (``hybrid_shard_optimizer``; [Note: partial copies] there). The step's last
+# micro-batch keeps nothing: shards change at the update, so nothing gathered from
+# them may outlive the step. ``Run`` asks here at every release.
+
+
+def keeps_gathered(unit: UnitRuntime, /, *, last: bool) -> bool:
+    """Whether a release of ``unit`` leaves it gathered, for the step's next micro-batch."""
+    return not last and unit.keeps_for_step
+
+
+def keeps_partial(
+    unit: UnitRuntime, /, *, after_forward: bool, evaluation: bool, last: bool
+) -> bool:
+    """Whether a release of ``unit`` keeps its partial copy: for its backward, or for the step's next micro-batch."""
+    return (after_forward and not evaluation) or (not last and unit.partial.for_step)

@@ -3,13 +3,13 @@
 A unit is SHARDED, GATHERING (an all-gather in flight) or GATHERED.
 
 [Note: a unit's state is moved by its group alone]
-The unit's gather group (``gather_group.py``) issues and waits for the
+The unit's parameter group (``param_group.py``) issues and waits for the
 collectives and calls the transitions here (``mark_gathering``, ``mark_gathered``,
 ``hold``, ``unhold``, ``free``, ...), each of which checks the state it comes from
 (docs/executor.md draws them); no other module calls them, and only this one
 assigns ``state`` (``tests/test_layering.py``). A transition from the wrong state
 is an internal error (:class:`UnitStateError`), never silently allowed. A unit
-never calls its group: see [Note: one owner per collective] in ``gather_group.py``.
+never calls its group: see [Note: one owner per collective] in ``param_group.py``.
 
 [Note: persistent gathered storage]
 Every full leaf a unit hands to autograd is a view of one persistent buffer per
@@ -26,19 +26,39 @@ concatenation), is all-gathered straight into its full storage: no gathered buff
 beside it, no unpacking copy. On gloo over two ranks, so is a part of several
 leaves that all :func:`leaves_gather_in_place` (each split evenly on dim 0, the
 default placement): one collective per leaf, each writing its full leaf, a view
-of ``Part.full`` (``LEAF_GATHERS`` says why only there). The collectives write
+of ``Part.full`` (``Capabilities.gathers_leaf_by_leaf``, declared by the transport,
+says where). The collectives write
 into that storage, so after an error the group never frees the storage of such
 a gather in flight; the unit forgets it (:meth:`UnitRuntime.forget`), and the
 pending collectives keep it alive until drained.
 
 A ``partial_reshard`` or ``hybrid_shard_optimizer`` unit also keeps a partial
 copy (:attr:`UnitRuntime.partial`; [Note: a partial copy on the executor] in
-``partial_copy.py``).
+``unit_state.py``).
 
 [Note: aliased units]
 A part that needs no collective and no cast (``no_shard`` without mixed
 precision, or any unit on a mesh of one rank) has full leaves that are exactly
 its flat shard: the full views alias the shard and freeing is a no-op.
+
+The bytes of gathered parameters alive on this rank are counted here as units
+move (:class:`GatheredMemory`); a unit's dtypes are its :class:`Part` s, and a
+unit that keeps a partial copy holds it in a :class:`PartialCopy`.
+
+[Note: a partial copy on the executor]
+A ``partial_reshard`` or ``hybrid_shard_optimizer`` unit keeps a partial copy
+([Note: partial copies] in ``plan/strategy.py``): the gathered rows of the ranks
+that share its coordinate on the last mesh axis, one buffer per part
+(``Part.partial``, in the compute dtype, its storage resized to zero when freed
+and kept for the next time, as ``Part.full`` is). The unit's parameter group copies it
+out of the first gather's rows (:meth:`PartialCopy.keep`); it outlives the unit's
+``free``, and while it is :attr:`~PartialCopy.held` the unit's next gather is an
+all-gather of the copy over :attr:`~PartialCopy.regather_axes` alone, through a
+staging buffer whose rows come row-major over :attr:`~PartialCopy.order` (the last
+axis major): a flat part, or one gathered in place elsewhere, is filled from it by
+one transposing copy, any other unpacked in that order. Such units never gather
+leaf by leaf, so the rows of the first gather are always there to copy from.
+[Note: what a release keeps] in ``run.py`` says which release frees it.
 """
 
 from __future__ import annotations
@@ -46,7 +66,8 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,18 +75,18 @@ import torch.distributed as dist
 from funcshard._src.comm import collectives
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
+from funcshard._src.comm.pending import Pending
 from funcshard._src.execute import huge_pages
-from funcshard._src.execute.memory import GatheredMemory
-from funcshard._src.execute.part import Part
-from funcshard._src.execute.partial_copy import PartialCopy
 from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.quantize import Format, Quantized
 from funcshard._src.plan.strategy import (
-    LEAF_GATHERS,
     keeps_for_step,
+    partial_axes,
+    partial_copy_lifetime,
     reduces_in_two_hops,
     reshards_after_forward,
     shard_axes,
+    transport_capabilities,
 )
 from funcshard._src.plan.units import Unit
 from funcshard._src.shard.flat import (
@@ -75,6 +96,184 @@ from funcshard._src.shard.flat import (
     leaves_gather_in_place,
 )
 from funcshard._src.shard.flat_shard import FlatShard
+from funcshard._src.spec.flat_sharding import FlatSharding
+
+# -- gathered memory ------------------------------------------------------------------
+
+
+@dataclass
+class GatheredMemory:
+    """Bytes of gathered parameters alive on this rank, and their peak; optionally a trace.
+
+    With ``events`` a list, every unit transition appends ``(event, unit name)``:
+    ``start`` (all-gather issued), ``finish`` (gathered), ``free`` and ``reduce``.
+    """
+
+    current: int = 0
+    peak: int = 0
+    events: list[tuple[str, str]] | None = None
+
+    def log(self, event: str, unit: str) -> None:
+        """Appends to ``events`` when tracing; mutates."""
+        if self.events is not None:
+            self.events.append((event, unit))
+
+    def add(self, nbytes: int) -> None:
+        """Counts ``nbytes`` more; mutates."""
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def sub(self, nbytes: int) -> None:
+        """Counts ``nbytes`` fewer; mutates."""
+        self.current -= nbytes
+
+
+# -- a unit's parts and the collectives that gather them ----------------------------
+
+
+class InFlight(Protocol):
+    """An all-gather in flight for one part: a :class:`Pending`, or a share of a bucket's."""
+
+    result: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        """Blocks until the part's gathered ``(group_size, numel)`` buffer is ready."""
+        ...
+
+
+@dataclass
+class LeafGathers:
+    """The all-gathers of a part gathered in place: each writes full leaves straight into ``result``.
+
+    One for a part of one leaf, and one for a part gathered leaf by leaf
+    (:attr:`Part.by_leaf`): ``collectives.all_gather_pieces`` writes every leaf,
+    through shared memory in one collective, else by one ring per leaf.
+    """
+
+    pendings: list[Pending]
+    result: torch.Tensor  # the part's full storage
+
+    def wait(self) -> torch.Tensor:
+        """Waits for every leaf's collective, in the order they were issued."""
+        for pending in self.pendings:
+            pending.wait()
+        return self.result
+
+
+@dataclass(eq=False)
+class Part:
+    """One dtype of a unit: its layout, persistent full storage and full leaf views."""
+
+    layout: FlatLayout
+    compute_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    aliased: bool
+    in_place: bool  # gathered straight into ``full``; see [Note: persistent gathered storage]
+    full: torch.Tensor | None = None  # persistent, see [Note: persistent gathered storage]
+    views: list[torch.Tensor] = field(default_factory=list)
+    inflight: InFlight | None = None  # this part's all-gather, while the unit is GATHERING
+    version: torch.autograd._unsafe_preserve_version_counter | None = None  # in_place, GATHERING
+    # the partial copy, (copy rows * numel,) in the compute dtype: [Note: a partial copy on the executor] in
+    # unit_state.py; kept across frees like ``full``, its storage resized to zero
+    partial: torch.Tensor | None = None
+
+    @property
+    def by_leaf(self) -> bool:
+        """Whether the part is gathered in place with one collective per leaf (``Capabilities.gathers_leaf_by_leaf``)."""
+        return self.in_place and len(self.layout.slots) > 1 and not self.layout.flat
+
+    @property
+    def full_numel(self) -> int:
+        """Elements of all full leaves of this part (a flat part's: its gathered concatenation)."""
+        sharding = self.layout.slots[0].sharding if self.layout.slots else None
+        if isinstance(sharding, FlatSharding):
+            return self.layout.numel * sharding.group_size  # the end padding included
+        return sum(math.prod(s.shape) for s in self.layout.slots)
+
+    def free(self, unit: str, /) -> None:
+        """Gives the gathered storage's bytes back (resized to zero, kept for the next gather); mutates.
+
+        Raises:
+            RuntimeError: code outside torch holds the memory (numpy), naming the unit and the fix.
+        """
+        assert self.full is not None
+        try:
+            self.full.untyped_storage().resize_(0)
+        except RuntimeError as e:
+            if "not resizable" not in str(e):
+                raise
+            raise RuntimeError(
+                f"unit {unit!r}: its gathered parameters cannot be freed, because code outside "
+                f"torch holds their memory: w.detach().numpy() or np.asarray(w) of a parameter "
+                f"in forward shares it with numpy. Fix: copy it out (w.detach().numpy().copy(), "
+                f"w.tolist()) before numpy uses it"
+            ) from None
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of this part's gathered storage (none of its own when aliased)."""
+        return 0 if self.aliased else self.full_numel * self.compute_dtype.itemsize
+
+
+# -- a partial copy ---------------------------------------------------------------------
+
+
+class PartialCopy:
+    """One unit's partial copy on this rank; see [Note: a partial copy on the executor]."""
+
+    def __init__(self, unit: Unit, bound: BoundMesh, memory: GatheredMemory) -> None:
+        regather, replicated = partial_axes(unit.strategy, bound.mesh)
+        self.name = unit.name
+        self.memory = memory
+        self.regather_axes = regather
+        self.rows = collectives.group_size(bound, replicated)  # the shards in the copy
+        self.regather_size = collectives.group_size(bound, regather)
+        # "call", "step", or None: the unit keeps no copy (the root, one axis, one rank)
+        self.lifetime = partial_copy_lifetime(unit.strategy, bound.mesh, is_root=unit.is_root)
+        # the gathered rows are row-major over the mesh axes, the last (regather) one minor:
+        # the copy is the rows of this rank's index on it; a regather's rows come row-major
+        # over ``order``
+        self.index = bound.coords[regather[0]] if regather else 0
+        self.order = regather + replicated
+        self.held = False
+        self.in_flight = False  # the unit's all-gather in flight is of this copy
+
+    @property
+    def for_step(self) -> bool:
+        """Whether the copy is kept across micro-batches (``hybrid_shard_optimizer``)."""
+        return self.lifetime == "step"
+
+    def keep(self, part: Part, rows: torch.Tensor, /) -> None:
+        """Copies this rank's copy out of ``part``'s gathered ``(group_size, numel)`` rows; mutates ``part``."""
+        n = self.rows * part.layout.numel
+        if part.partial is None:
+            part.partial = torch.empty(n, dtype=part.compute_dtype, device=rows.device)
+        elif part.partial.untyped_storage().size() == 0:
+            part.partial.untyped_storage().resize_(n * part.compute_dtype.itemsize)
+        grid = rows.view(self.rows, self.regather_size, -1)
+        with torch.no_grad():
+            part.partial.view(self.rows, -1).copy_(grid[:, self.index])
+        self.memory.add(self.nbytes(part))
+
+    def free(self, parts: Sequence[Part], /) -> None:
+        """Releases every part's copy, held or half taken (after an error); mutates."""
+        if self.lifetime is None:  # never taken: nothing to look at on the hot path
+            return
+        for part in parts:
+            if part.partial is not None and part.partial.untyped_storage().size():
+                part.partial.untyped_storage().resize_(0)
+                self.memory.sub(self.nbytes(part))
+        if self.held:
+            self.memory.log("free_partial", self.name)
+        self.held = False
+
+    def nbytes(self, part: Part, /) -> int:
+        """Bytes of ``part``'s copy: ``rows`` shards in the compute dtype."""
+        return self.rows * part.layout.numel * part.compute_dtype.itemsize
+
+
+# -- a unit ---------------------------------------------------------------------------
+
 
 _T = TypeVar("_T")
 
@@ -105,6 +304,9 @@ class UnitRuntime:
         quantize: Quantized | None = None,
     ) -> None:
         self.unit = unit
+        self.is_root = unit.is_root  # what a step asks of the plan, asked once
+        self._frees_after_forward = reshards_after_forward(unit.strategy) and not unit.is_root
+        self._keeps_for_step = keeps_for_step(unit.strategy)
         self.bound = bound
         self.ledger = ledger
         self.memory = memory
@@ -131,7 +333,7 @@ class UnitRuntime:
         self.grad_block = q.block if q is not None and self.grad_format else 0
         backend = str(dist.get_backend()) if bound.distributed else ""
         leafwise = self.leafwise = (
-            (backend, self.group_size) in LEAF_GATHERS
+            transport_capabilities(backend, self.group_size).gathers_leaf_by_leaf
             and self.partial.lifetime is None
             and not self.weight_block
         )
@@ -177,12 +379,12 @@ class UnitRuntime:
     @property
     def frees_after_forward(self) -> bool:
         """Whether forward frees the gathered parameters (``full_shard``, ``hybrid_shard``; not the root unit)."""
-        return reshards_after_forward(self.unit.strategy) and not self.unit.is_root
+        return self._frees_after_forward
 
     @property
     def keeps_for_step(self) -> bool:
         """Whether the unit stays gathered and defers its reduction across micro-batches (``shard_optimizer``)."""
-        return keeps_for_step(self.unit.strategy)
+        return self._keeps_for_step
 
     @property
     def gathered_bytes(self) -> int:
@@ -254,7 +456,7 @@ class UnitRuntime:
             if part.by_leaf:
                 part.in_place = False
 
-    # -- transitions, called by the unit's gather group ------------------------------
+    # -- transitions, called by the unit's parameter group ------------------------------
 
     def mark_gathering(self, *, from_partial: bool = False) -> None:
         """SHARDED -> GATHERING, once every part's all-gather (or share of one) is in flight.

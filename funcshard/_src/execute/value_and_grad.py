@@ -9,11 +9,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from funcshard._src import tree
 from funcshard._src.comm import groups
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.execute.bucket import default_bucket_bytes, make_groups
-from funcshard._src.execute.buffers import BufferPool
-from funcshard._src.execute.chunks import chunk_bytes_for
 from funcshard._src.execute.desync import (
     check_end,
     check_start,
@@ -21,20 +19,23 @@ from funcshard._src.execute.desync import (
     signature,
     start_forward_check,
 )
-from funcshard._src.execute.gather_group import GatherGroup
-from funcshard._src.execute.loss import split_loss
-from funcshard._src.execute.memory import GatheredMemory
-from funcshard._src.execute.reduce import Reducer
-from funcshard._src.execute.run import Run, current_run
-from funcshard._src.execute.step_params import shards_by_unit
-from funcshard._src.execute.unit_state import UnitRuntime
+from funcshard._src.execute.gradients import take_donated
+from funcshard._src.execute.param_group import (
+    BufferPool,
+    ParamGroup,
+    default_bucket_bytes,
+    make_groups,
+)
+from funcshard._src.execute.reduce import Reducer, chunk_bytes_for
+from funcshard._src.execute.run import Run, RunMode, step_run
+from funcshard._src.execute.unit_state import GatheredMemory, UnitRuntime
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
 from funcshard._src.plan.quantize import Quantized, quantize_for
 from funcshard._src.shard.flat import FlatLayout
 from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.shard.shard import plan_layouts
-from funcshard._src.shard.sharded import flats_of
+from funcshard._src.shard.sharded import ShardedTensor, flats_of
 
 Accumulation = Literal["sharded", "unsharded"]
 
@@ -88,9 +89,11 @@ class Step:
         self.gather_pool = BufferPool(depth=max(1, prefetch))
         self.reduce_pool = BufferPool(depth=1)
         self._layouts = plan_layouts(plan)
+        self._fingerprint = plan.fingerprint()  # asked once: the plan is data, never changed
+        self._world_size = plan.mesh.size
         self._units: list[UnitRuntime] | None = None
-        self._groups: list[GatherGroup] = []  # every unit's, made with the units
-        self._chunk_bytes = 0  # [Note: reductions in chunks] in chunks.py, made with the units
+        self._groups: list[ParamGroup] = []  # every unit's, made with the units
+        self._chunk_bytes = 0  # [Note: reductions in chunks] in reduce.py, made with the units
         self._last: list[FlatShard] = []  # the gradients last returned, with donate_grads
         # the call order of the last step, which forward prefetches follow; none before the
         # first (the plan's tree order is a guess, wrong for {"embed", "blocks", "head"}
@@ -162,7 +165,7 @@ class Step:
             >>> step.stats.staging_bytes
             0
         """
-        if current_run() is not None:
+        if step_run() is not None:
             raise RuntimeError(
                 "step.release() was called inside a running step; call it between steps"
             )
@@ -186,13 +189,12 @@ class Step:
         self.memory.peak = self.memory.current
         run = Run(
             groups,
+            mode=RunMode.EVALUATION,
             order_hint=self._order,
             prefetch=self.prefetch,
-            defer=False,
-            reducer=Reducer(world_size=self.plan.mesh.size, spares={}, pool=self.reduce_pool),
+            reducer=Reducer(world_size=self._world_size, spares={}, pool=self.reduce_pool),
             output_dtype=self.mixed_precision.output_dtype,
             param_dtype=self.mixed_precision.param_dtype,
-            evaluation=True,
         )
         try:
             with torch.no_grad():
@@ -247,7 +249,7 @@ class Step:
             nested="a step was called inside another step's loss_fn; call steps one after the other",
         )
         reducer = Reducer(
-            world_size=self.plan.mesh.size,
+            world_size=self._world_size,
             spares=self._take_donated(),
             pool=self.reduce_pool,
             hold_leaves=len(batches) == 1,
@@ -259,10 +261,9 @@ class Step:
             self.memory.peak = self.memory.current
             run = Run(
                 groups,
+                mode=RunMode.of_micro_batch(i, len(batches), keep_whole=mode == "unsharded"),
                 order_hint=self._order,
                 prefetch=self.prefetch,
-                defer=mode == "unsharded" and i < len(batches) - 1,
-                last=i == len(batches) - 1,
                 reducer=reducer,
                 output_dtype=self.mixed_precision.output_dtype,
                 param_dtype=self.mixed_precision.param_dtype,
@@ -284,27 +285,27 @@ class Step:
             losses.append(loss.detach())
             auxes.append(aux)
         self._partial_peak = reducer.partial_peak
-        sharded_grads = reducer.gradient_tree(sparams, by_unit, micro_batches=len(batches))
+        sharded_grads = reducer.gradients.tree(sparams, by_unit, micro_batches=len(batches))
         if self.donate_grads:
             self._last = flats_of(sharded_grads)
         return (losses, auxes), sharded_grads
 
     def _start(
         self, sparams: Any, accumulation: str, *, nested: str
-    ) -> tuple[list[GatherGroup], dict[str, list[FlatShard]]]:
+    ) -> tuple[list[ParamGroup], dict[str, list[FlatShard]]]:
         """What every call of a step or evaluation does first; collective (the start agreement).
 
         Refuses a call inside a running step (``nested`` is the message), checks
         ``sparams`` against the plan and agrees with every rank on the signature.
-        Returns every unit's gather group and this call's flat shards by unit.
+        Returns every unit's parameter group and this call's flat shards by unit.
         """
-        if current_run() is not None:
+        if step_run() is not None:
             raise RuntimeError(nested)
         self._runtimes()
         by_unit = shards_by_unit(sparams, self.plan, self._layouts)
         check_start(
             signature(
-                self.plan,
+                self._fingerprint,
                 mixed_precision=self.mixed_precision,
                 prefetch=self.prefetch,
                 accumulation=accumulation,
@@ -318,9 +319,8 @@ class Step:
 
         Mutates the last returned gradient tree (it is donated: reading it raises).
         """
-        donated = {flat.layout: flat.donate() for flat in self._last if not flat.donated}
-        self._last = []
-        return {layout: data for layout, data in donated.items() if data is not None}
+        last, self._last = self._last, []
+        return take_donated(last)
 
 
 def value_and_grad(
@@ -396,3 +396,87 @@ def value_and_grad(
         bucket_bytes=bucket_bytes,
         quantize=quantize,
     )
+
+
+# -- what a step accepts and what loss_fn returns ----------------------------------------
+# What a step accepts as params: the plan's tree of this rank's sharded leaves, found by unit.
+
+
+def shards_by_unit(
+    sparams: Any, plan: Plan, layouts: Sequence[FlatLayout], /
+) -> dict[str, list[FlatShard]]:
+    """``sparams``' flat shards by unit (one per part, in ``layouts``' order), if sharded with ``plan``.
+
+    Raises:
+        ValueError: another tree structure, or shards of another plan or rank.
+        TypeError: a leaf that is not sharded.
+    """
+    leaves, treedef = tree.flatten(sparams)
+    if treedef != plan.treedef:
+        raise ValueError(
+            "the params passed to the step do not have the plan's tree structure; pass the tree "
+            "fs.shard(params, plan) returned (or an optimizer's update of it)"
+        )
+    if not all(isinstance(leaf, ShardedTensor) for leaf in leaves):
+        paths, leaves, _ = tree.flatten_with_paths(sparams)
+        path, leaf = next((p, x) for p, x in zip(paths, leaves) if not isinstance(x, ShardedTensor))
+        raise TypeError(
+            f"{path or '<root>'}: the step needs sharded params (from fs.shard), got a "
+            f"{type(leaf).__name__}"
+        )
+    bound = groups.bind(plan.mesh)
+    found: dict[FlatLayout, FlatShard] = {}
+    expected = {(lt.unit, lt.dtype, lt.frozen): lt for lt in layouts}
+    for flat in dict.fromkeys(leaf.flat for leaf in leaves):  # flats_of, without a flatten
+        layout = expected.get((flat.layout.unit, flat.layout.dtype, flat.layout.frozen))
+        if (
+            layout is None
+            or (flat.layout is not layout and flat.layout != layout)
+            or flat.rank != bound.rank
+        ):
+            raise ValueError(
+                f"unit {flat.layout.unit!r}: the params were sharded with another plan or rank than "
+                f"this step's (plan fingerprint {plan.fingerprint()}); shard them with this plan"
+            )
+        found[layout] = flat
+    by_unit: dict[str, list[FlatShard]] = {}
+    for layout in layouts:  # each unit's parts in the order of its runtime's
+        if layout in found:
+            by_unit.setdefault(layout.unit, []).append(found[layout])
+    return by_unit
+
+
+# What ``loss_fn`` returned: the loss (and aux), checked before backward runs.
+
+
+def split_loss(out: Any, *, has_aux: bool) -> tuple[torch.Tensor, Any]:
+    """``(loss, aux)`` from what ``loss_fn`` returned, checked: a floating scalar that needs grad."""
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"has_aux=True: loss_fn must return (loss, aux), got {type(out).__name__}"
+            )
+        loss, aux = out
+    else:
+        loss, aux = out, None
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        hint = (
+            "; to return (loss, aux), pass has_aux=True"
+            if not has_aux and isinstance(loss, tuple)
+            else ""
+        )
+        raise TypeError(
+            f"loss_fn must return a floating-point scalar tensor as the loss, got {_kind(loss)}{hint}"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not depend on any parameter (it does not require grad); use the params "
+            "loss_fn receives, through fs.call for unit leaves"
+        )
+    return loss.reshape(()), aux
+
+
+def _kind(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"

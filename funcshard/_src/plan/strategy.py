@@ -70,6 +70,8 @@ the memory the strategies trade for the gathers they keep inside the last axis.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, TypeAlias, get_args
 
 from funcshard._src.spec.mesh import Mesh
@@ -237,15 +239,49 @@ def shard_axes(strategy: Strategy, mesh: Mesh, /) -> tuple[str, ...]:
     return mesh.axis_names
 
 
-# Where a part of several leaves is gathered leaf by leaf into its storage
-# (execute/unit_state.py, [Note: persistent gathered storage]): (backend, group size). On
-# gloo over two ranks one ring per leaf writes straight into the leaf and saves the
-# unpacking copy into fresh pages (comm/all_gather.py, leaf_algorithm). Elsewhere it is not
-# measured: gloo's native all-gather and its rings over more ranks step through buffers or
-# waits of their own, and on nccl one collective per leaf costs a launch each where the
-# unpacking copy is cheap. execute/gather_group.py gathers so and plan/unit_cost.py counts no
-# staging buffer for such a part.
-LEAF_GATHERS: frozenset[tuple[str, int]] = frozenset({("gloo", 2)})
+@dataclass(frozen=True)
+class Capabilities:
+    """What the transport does for a group, as the cost model and the executor ask.
+
+    A transport declares them (``comm/transport.py``, [Note: transports] there);
+    the plan knows no transport by name.
+
+    Attributes:
+        gathers_leaf_by_leaf: a part of several leaves, each split evenly on dim 0,
+            is gathered straight into each leaf's full storage
+            (execute/unit_state.py, [Note: persistent gathered storage]): no
+            staging buffer (plan/unit_cost.py counts none) and no unpacking copy.
+        sends_inputs_in_place: an input packed into a buffer the transport gives
+            out is sent as it is, with no copy.
+    """
+
+    gathers_leaf_by_leaf: bool = False
+    sends_inputs_in_place: bool = False
+
+
+_DECLARED: list[Callable[[str, int], Capabilities]] = []
+
+
+def declare_transport(capabilities: Callable[[str, int], Capabilities], /) -> None:
+    """Declares what the transport does, by backend and group size; replaces an earlier declaration.
+
+    Called once by ``comm/transport.py`` when it is imported (as ``import funcshard`` does).
+    """
+    _DECLARED[:] = [capabilities]
+
+
+def transport_capabilities(backend: str, group_size: int, /) -> Capabilities:
+    """The declared transport's :class:`Capabilities` for a group of ``group_size`` ranks on ``backend``.
+
+    Nothing special where no transport was declared.
+
+    Example:
+        >>> isinstance(transport_capabilities("gloo", 2), Capabilities)
+        True
+    """
+    if not _DECLARED:
+        return Capabilities()
+    return _DECLARED[0](backend, group_size)
 
 
 def default_spec(

@@ -28,7 +28,6 @@ from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
 from funcshard._src.plan.quantize import quantize_for, quantized_bytes
 from funcshard._src.plan.step_counts import collectives_per_step, gathers_from_shards
 from funcshard._src.plan.strategy import (
-    LEAF_GATHERS,
     Strategy,
     keeps_for_step,
     partial_axes,
@@ -36,6 +35,7 @@ from funcshard._src.plan.strategy import (
     reduces_in_two_hops,
     reshards_after_forward,
     shard_axes,
+    transport_capabilities,
 )
 from funcshard._src.plan.units import Unit
 
@@ -116,7 +116,11 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     block = quantize.block if quantize is not None else 0
     weights = quantize.weight_format if quantize is not None else None
     gradients = quantize.gradient_format if quantize is not None else None
-    leafwise = (model.backend, g) in LEAF_GATHERS and not partial and not weights
+    leafwise = (
+        transport_capabilities(model.backend, g).gathers_leaf_by_leaf
+        and not partial
+        and not weights
+    )
     in_place: set[tuple[torch.dtype, bool]] = (
         _gathers_in_place(plan, unit, axes, leafwise=leafwise) if g > 1 else set()
     )
@@ -214,14 +218,14 @@ def defers(cost: UnitCost, model: CostModel, /) -> bool:
 
 
 # [Note: staging buffers]
-# What the executor allocates for its collectives (execute/gather_group.py, execute/reduce.py):
-# - GatherGroup.prefetch: per part, an all-gather output of group_size * (shard numel) in the
+# What the executor allocates for its collectives (execute/param_group.py, execute/reduce.py):
+# - ParamGroup.prefetch: per part, an all-gather output of group_size * (shard numel) in the
 #   compute dtype, alive from the gather's start until its leaves are copied out, when the
 #   unit also holds its full leaves: the unit being unpacked holds both. None for a flat
 #   unit's part (its storage is the gathered buffer) or a part gathered in place (one leaf split evenly on dim 0 over exactly the shard axes: its
-#   output is its full storage; on gloo over two ranks, LEAF_GATHERS, every leaf of the
+#   output is its full storage; where the transport gathers leaf by leaf (gloo over two ranks), every leaf of the
 #   part so split, one collective per leaf) or aliased (no collective, no cast). Buckets
-#   (execute/bucket.py) gather their members packed: their staging is not modelled.
+#   (execute/param_group.py) gather their members packed: their staging is not modelled.
 # - Reducer._reduce_part: per trained part, packed rows of group_size * (shard numel) in the
 #   reduce dtype, alive while its reduction is in flight; MAX_PENDING = 1 reduction at a
 #   time (the older is waited for before the next is packed). no_shard (group_size 1)
@@ -238,7 +242,7 @@ def _gathers_in_place(
 
     Every part of a flat unit; a part of one leaf, split evenly on dim 0 over exactly ``axes`` and nowhere else
     (``funcshard._src.shard.flat.gathers_in_place``): an embedding or a head alone;
-    with ``leafwise`` (``LEAF_GATHERS``), a part whose every leaf is so split
+    with ``leafwise`` (``Capabilities.gathers_leaf_by_leaf``), a part whose every leaf is so split
     (``leaves_gather_in_place``), gathered one leaf at a time.
     """
     members: dict[tuple[torch.dtype, bool], list[str]] = {}

@@ -12,10 +12,10 @@ its peers map through ``/proc/<pid>/fd/<fd>``, and a collective is:
 1. start: the rank copies what its peers need into a free region of its own
    (an all-gather: its shard; a reduce-scatter: every row but its own; an
    all-reduce: its buffer), unless the caller packed it into one already
-   (``inputs.py``), then publishes a 64-byte *descriptor* (magic, sequence
+   (``collectives.input_rows``), then publishes a 64-byte *descriptor* (magic, sequence
    number, pid, fd, bytes, read mark, layout, size): in a slot of its probe
    page where the ranks' pages are shared live ([Note: descriptors on the
-   board] in ``board.py``), else by an all-gather on the group, asynchronously.
+   board] in ``board.py``; the ordering is under "Memory ordering" below), else by an all-gather on the group, asynchronously.
    A gather of a stable input where the ranks may read each other's memory
    copies nothing: its descriptor carries the input's address instead
    ([Note: shards read in place] in ``cross_memory.py``);
@@ -45,6 +45,37 @@ ranks exchange descriptors, every rank maps its peers' probes and checks the
 nonces, and an all-reduce of the results decides for all of them. Ranks on
 different hosts, in different PID namespaces, or without ``memfd`` (not
 Linux) keep gloo's sockets. ``FUNCSHARD_SHM=0`` turns the transport off.
+
+This package is a plug-in of ``comm/transport.py`` ([Note: transports] there):
+nothing outside it names its modules or types, it is imported only when
+chosen, and where it is missing gloo and NCCL run as with ``FUNCSHARD_SHM=0``.
+A rank maps its peers' regions and probe pages read-only (``PROT_READ``): it
+only ever writes its own.
+
+Memory ordering. Where descriptors and read marks go through the probe pages
+(the board, x86 only), nothing but plain loads and stores orders them:
+
+- data before its descriptor: the writer stores its data into its region
+  (``copy_``, a ``memcpy`` that has returned), then the descriptor's words,
+  then the slot's flag word (``seq + 1``) last, each an aligned 8-byte store
+  through a ``memoryview`` of the mapped page (one ``mov``, never torn). The
+  reader loads the flag, and only once it reads ``seq + 1`` loads the
+  descriptor and then the data. x86-64's model (TSO) keeps store after store
+  and load after load in program order as other cores see them, so a reader
+  that sees the flag sees every store made before it;
+- reads before reuse: a reader finishes its loads of a peer's region, then
+  stores its read mark; a writer loads its peers' marks, then stores into a
+  region again. TSO never moves a store ahead of an earlier load, so a region
+  is rewritten only after every load of it that its readers' marks claim;
+- the one reordering TSO allows, a load passing an earlier store to another
+  address, is relied on nowhere: no rank stores and then loads a peer's word
+  expecting the peer to have seen the store.
+
+CPython runs each of these accesses as a separate C call, which neither the
+interpreter nor the C compiler moves across another. Machines with weaker
+ordering (Arm, POWER) do not use the board: their descriptors go through a
+gloo all-gather, whose system calls order everything, and only the marks the
+descriptors carry are used ([Note: read marks] in ``regions.py``).
 """
 
 from __future__ import annotations
@@ -52,13 +83,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from funcshard._src.comm import cross_memory, runtime
+import funcshard._src.comm.shm.cross_memory as cross_memory
+from funcshard._src.comm import runtime
 from funcshard._src.comm.algorithm import Timeout, wait_work
-from funcshard._src.comm.arena import (
+from funcshard._src.comm.channel import all_gather_single
+from funcshard._src.comm.runtime import CollectiveError
+from funcshard._src.comm.shm.regions import (
     ENV,
     MAGIC,
     MIN_BYTES,
@@ -70,12 +104,12 @@ from funcshard._src.comm.arena import (
     existing,
     settle_all,
 )
-from funcshard._src.comm.channel import all_gather_single
-from funcshard._src.comm.runtime import CollectiveError
+from funcshard._src.comm.transport import Capabilities, OwnTerm, Work
 
 __all__ = [
     "ENV",
     "MIN_BYTES",
+    "TRANSPORT",
     "Arena",
     "Exchange",
     "OwnTerm",
@@ -116,12 +150,6 @@ class Remote:
                     f"reads: the ranks are out of step"
                 )
         cross_memory.read(self.pid, self.address, targets)
-
-
-class OwnTerm(Protocol):
-    """This rank's own row of a reduce-scatter, made when summed: ``out = base + row`` (``row`` for ``None``)."""
-
-    def __call__(self, out: torch.Tensor, base: torch.Tensor | None, /) -> None: ...
 
 
 class Exchange:
@@ -373,3 +401,68 @@ def all_reduce(a: Arena, buf: torch.Tensor, /, *, out: torch.Tensor | None = Non
     assert op.region is not None  # an all-reduce is never read in place
     holder.append(op.region.data[: op.nbytes].view(flat.dtype))
     return op
+
+
+class _SharedMemory:
+    """The shared-memory transport as ``comm/transport.py``'s ``Transport``; see [Note: transports] there.
+
+    Each method returns ``None`` where the group's ranks cannot share memory (the
+    probe of :func:`arena` found so, on every rank alike); the caller then runs
+    torch's collective.
+    """
+
+    def all_gather(
+        self,
+        group: Any,
+        flat: torch.Tensor,
+        pieces: Sequence[tuple[int, torch.Tensor]],
+        /,
+        *,
+        stable: bool = False,
+    ) -> Work | None:
+        a = arena(group)
+        return None if a is None else all_gather_pieces(a, flat, pieces, stable=stable)
+
+    def reduce_scatter(
+        self,
+        group: Any,
+        rows: torch.Tensor,
+        out: torch.Tensor,
+        /,
+        *,
+        own: OwnTerm | None = None,
+    ) -> Work | None:
+        a = arena(group)
+        return None if a is None else reduce_scatter(a, rows, out, own=own)
+
+    def all_reduce(
+        self, group: Any, buf: torch.Tensor, /, *, out: torch.Tensor | None = None
+    ) -> Work | None:
+        a = arena(group)
+        return None if a is None else all_reduce(a, buf, out=out)
+
+    def input_rows(
+        self, group: Any, rows: int, numel: int, dtype: torch.dtype, /
+    ) -> torch.Tensor | None:
+        """A buffer in a region of this rank's, where a collective has set up the group's arena."""
+        a = existing(group)
+        if a is None:
+            return None
+        return input_rows(a, rows, numel, dtype)
+
+    def holds_copy(self, work: Work, /) -> bool:
+        return isinstance(work, Exchange)
+
+    def owns(self, group: Any, rows: torch.Tensor, /) -> bool:
+        """Whether ``rows`` is a region held for the next collective on ``group``."""
+        a = existing(group)
+        return a is not None and a.owner(rows) is not None
+
+    def settle(self) -> None:
+        settle_all()
+
+    def capabilities(self, backend: str, group_size: int, /) -> Capabilities:
+        return Capabilities(gathers_leaf_by_leaf=True, sends_inputs_in_place=True)
+
+
+TRANSPORT = _SharedMemory()

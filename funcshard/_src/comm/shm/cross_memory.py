@@ -1,7 +1,7 @@
 """Reading a peer process's memory with one copy: Linux's ``process_vm_readv`` (cross-memory attach).
 
 [Note: shards read in place]
-An all-gather through shared memory (``shm.py``) copies the rank's shard into a
+An all-gather through shared memory (``shm/__init__.py``) copies the rank's shard into a
 region, and each peer copies it out again: two copies of every shard, on top of
 the copy of the rank's own row into its gathered storage. Where the kernel lets
 ranks read each other's memory (``process_vm_readv``, which MPI libraries use for
@@ -14,14 +14,14 @@ That is safe only while the owner neither frees nor writes the tensor, so:
   the executor's gathers of a unit's shard (or of its cast copy), which nothing
   writes during an evaluation; staging buffers from a pool never are;
 - the arena keeps a reference to each tensor published so until every peer's
-  read mark passes it (``arena.py``, [Note: read marks]), so it is not freed;
+  read mark passes it (``regions.py``, [Note: read marks]), so it is not freed;
 - an evaluation returns to the caller, who may then update the shards in place
   (an optimizer step), only once every peer has read what it published
   (``Arena.settle``). In training this is already so when the step's last
   reduction is in, since every peer gathered each unit before reducing it; an
   evaluation alone may wait for a slower peer to finish its last gather.
 
-The ranks agree on it with the shared-memory probe (``arena.py``): each reads
+The ranks agree on it with the shared-memory probe (``regions.py``): each reads
 its peers' probe pages this way, and all use it only if all can and their read
 marks are shared live (x86). Containers or hosts whose ptrace policy forbids the
 call (Yama's ``ptrace_scope`` 1 between sibling processes, a seccomp filter) keep

@@ -1,6 +1,6 @@
 """Shared regions of one process group on one host: made, mapped by peers, reused once read.
 
-The memory the shared-memory collectives (``shm.py``, [Note: shared-memory
+The memory the shared-memory collectives (``shm/__init__.py``, [Note: shared-memory
 collectives]) move data through: each rank's regions (``memfd`` files its peers
 map through ``/proc/<pid>/fd/<fd>``), which of them every peer has finished
 reading (the read marks), and the probe that decides, once per group and on
@@ -14,6 +14,7 @@ import mmap
 import os
 import platform
 import secrets
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,26 +22,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from funcshard._src.comm import cross_memory, runtime
+import funcshard._src.comm.shm.cross_memory as cross_memory
+from funcshard._src.comm import runtime
 from funcshard._src.comm.algorithm import Timeout, wait_work
-from funcshard._src.comm.board import PAGE_BYTES, Board
 from funcshard._src.comm.channel import all_gather_single
 from funcshard._src.comm.runtime import CollectiveError
+from funcshard._src.comm.shm.board import PAGE_BYTES, Board
+from funcshard._src.comm.transport import LARGE_BYTES, SHM_ENV, SHM_MIN_BYTES, shm_enabled
 
-ENV = "FUNCSHARD_SHM"
+ENV = SHM_ENV
 MAGIC = 0x6673_73686D  # "fsshm"
 WORDS = 8  # a descriptor: (WORDS,) int64
 PROBE_BYTES = PAGE_BYTES
-# collectives of fewer bytes keep gloo's own. 0: every collective of a group that shares
-# memory goes through it; with descriptors on the board (board.py) a tiny one takes 0.13 ms
-# at W=2 against 0.19 ms for gloo's own (python -m bench.all_gather), though with gloo's
-# all-gather of descriptors (not x86) 0.36 ms; a threshold measured per machine is not done
-MIN_BYTES = 0
+MIN_BYTES = SHM_MIN_BYTES
 _ALIGN = 4096
-# regions this large give their pages back while free (MADV_REMOVE): a root unit's
-# embeddings are gathered once and reduced once a step, and their copies would otherwise
-# stay resident all step in the owner
-LARGE_BYTES = 32 << 20
+# regions of LARGE_BYTES or more (comm/transport.py) give their pages back while free
+# (MADV_REMOVE): a root unit's embeddings are gathered once and reduced once a step, and
+# their copies would otherwise stay resident all step in the owner
 # [Note: peers' pages]
 # A page a rank reads from a peer's region counts in its own resident set as a shared page,
 # so a reader that kept its views would hold, in RSS, every page of every peer's regions it
@@ -61,18 +59,12 @@ _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 # finishing a collective's reads; a writer reads its peers' marks there before reusing a
 # region. That a peer's reads are done before its mark is seen, and the mark read before
 # the region is written, is the order x86's memory model keeps for plain loads and stores
-# (TSO); elsewhere only the descriptors' marks are used.
+# (TSO; the argument is under "Memory ordering" in [Note: shared-memory collectives],
+# shm/__init__.py); elsewhere only the descriptors' marks are used.
 _ORDERED_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686"})
 
 
-def enabled() -> bool:
-    """Whether the shared-memory transport may be used: Linux with ``memfd`` and ``FUNCSHARD_SHM`` not ``0``.
-
-    Example:
-        >>> isinstance(enabled(), bool)
-        True
-    """
-    return hasattr(os, "memfd_create") and os.environ.get(ENV, "1").strip() != "0"
+enabled = shm_enabled
 
 
 @dataclass(eq=False)
@@ -219,7 +211,7 @@ class Arena:
         key = (rank, fd)
         if key not in self.peer_maps:
             mapping = _map_peer(self.pids[rank], fd)
-            self.peer_maps[key] = (mapping, torch.frombuffer(mapping, dtype=torch.uint8))
+            self.peer_maps[key] = (mapping, _read_only_view(mapping))
         mapping, mapped = self.peer_maps[key]
         if nbytes > mapped.numel():
             raise CollectiveError(
@@ -312,7 +304,7 @@ def _probe(group: Any) -> Arena | None:
                 continue
             try:
                 page = _map_peer(int(row[1]), int(row[2]))
-                seen = torch.frombuffer(page, dtype=torch.uint8)
+                seen = _read_only_view(page)
                 ok &= int(seen[:8].view(torch.int64)[0]) == int(row[3])
                 pages.append(page)
             except OSError:
@@ -361,12 +353,24 @@ def _give_back(mapping: mmap.mmap, nbytes: int, advice: int | None) -> None:
 
 
 def _map_peer(pid: int, fd: int) -> mmap.mmap:
-    """Maps another process's shared file through ``/proc``; raises ``OSError`` where it cannot."""
-    opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    """Maps another process's shared file through ``/proc``, read-only; raises ``OSError`` where it cannot.
+
+    A rank only reads its peers' regions and probe pages (it writes its own), so
+    the mapping is ``PROT_READ``: a write through it would fault, never reach a
+    peer's memory.
+    """
+    opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
     try:
         size = os.fstat(opened).st_size
         if size <= 0:
             raise OSError(f"/proc/{pid}/fd/{fd} is empty")
-        return mmap.mmap(opened, size)
+        return mmap.mmap(opened, size, access=mmap.ACCESS_READ)
     finally:
         os.close(opened)
+
+
+def _read_only_view(mapping: mmap.mmap, /) -> torch.Tensor:
+    """A peer's read-only mapping as ``uint8``; torch warns that it is not writable, which it is not meant to be."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mapping, dtype=torch.uint8)

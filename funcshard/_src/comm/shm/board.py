@@ -1,12 +1,13 @@
 """Each rank's probe page, shared by its group: its read mark, and its collectives' descriptors.
 
 [Note: descriptors on the board]
-A shared-memory collective (``shm.py``) starts by telling its peers where its
+A shared-memory collective (``shm/__init__.py``) starts by telling its peers where its
 data is: a 64-byte descriptor. Sent as a gloo all-gather, each cost a loopback
 round trip and a wake-up of gloo's threads, about 0.25 ms a collective on the
 benchmark machine: a few percent of a step of small units, where DDP meets its
 peers once per bucket. Where the ranks' probe pages are shared live (x86, whose
-loads and stores keep program order: [Note: read marks] in ``arena.py``), each
+loads and stores keep program order: "Memory ordering" in [Note: shared-memory
+collectives], ``shm/__init__.py``), each
 rank instead writes its descriptor into a slot of its own page and its peers
 read it there:
 
@@ -39,7 +40,19 @@ PAGE_BYTES = 16384  # a probe page: header and slots
 WORDS = 8  # a descriptor: (WORDS,) int64
 HEADER = 8  # words before the first slot; word 0 the probe's nonce, word 1 the read mark
 SLOTS = (PAGE_BYTES // 8 - HEADER) // WORDS
-_SPIN_S = 200e-6  # a wait polls without sleeping this long, then sleeps between polls
+# [Note: waiting for a peer]
+# A wait polls its peers' words. It first yields the CPU between polls (sched_yield) for
+# _YIELD_S, then sleeps _POLL_S between polls. It never spins without yielding: on a host
+# with more runnable threads than cores (two ranks of each of two jobs on two cores), the
+# peer a rank waits for may be waiting for this rank's core, and a spin takes the time
+# from it; a yield hands the core over at once, and costs about a microsecond where
+# nothing else wants it. bench/board_wait.py measures the round trip both ways: two ranks
+# on a host whose cores were all busy (load about 20) took 0.20-0.49 s for 5,000 round
+# trips yielding against 1.99-2.12 s spinning first; with two more processes that only
+# spin (never wait), yielding took 4.4-5.3 s for 3,000 against 1.5-2.1 s, as the yield
+# hands them the core for a whole time slice. Which one a real neighbour job resembles is
+# for the step benchmark to say (python -m bench, with another job beside it).
+_YIELD_S = 50e-6
 _POLL_S = 20e-6
 
 
@@ -110,7 +123,9 @@ class Board:
         timeout_s: float,
         what: str,
     ) -> None:
-        """Polls ``ready`` until it holds: a spin first, then short sleeps.
+        """Polls ``ready`` until it holds, yielding the CPU, then sleeping between polls.
+
+        See [Note: waiting for a peer].
 
         ``late`` names the group ranks still awaited; ``what`` ends the messages.
 
@@ -121,7 +136,8 @@ class Board:
         start = time.monotonic()
         while not ready():
             waited = time.monotonic() - start
-            if waited < _SPIN_S:
+            if waited < _YIELD_S:
+                os.sched_yield()
                 continue
             for r in late():
                 if not alive(self.pids[r]):

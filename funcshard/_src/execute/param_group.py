@@ -1,0 +1,828 @@
+"""Parameter groups: the one owner of the collectives that gather parameters and reduce gradients.
+
+A :class:`ParamGroup` is one or more units whose parameters are all-gathered
+together, freed and whose gradients are reduced together. A unit alone is a
+group of one; consecutive small units form a bucket (:func:`make_groups`), a
+group whose members share their collectives, side by side in one buffer
+(:class:`Columns`).
+
+[Note: one owner per collective]
+Every all-gather, reduce-scatter and all-reduce of a step is issued, waited for
+and counted (the ledger, the gathered memory, the staging pools) by the group of
+the units it moves, here and nowhere else. ``Run`` asks a group for one of its
+units (:meth:`ParamGroup.prefetch`, :meth:`~ParamGroup.acquire`,
+:meth:`~ParamGroup.release`, :meth:`~ParamGroup.drop_unused`); the group moves
+its members through their states (``unit_state.py``), which check each transition
+and never call back. The ``Reducer`` (``reduce.py``) packs a call's gradients and
+hands them to :meth:`~ParamGroup.reduce` (a group of one) or into a round
+(:meth:`~ParamGroup.columns`, a bucket), and waits through :meth:`~ParamGroup.wait`.
+A bucket's open rounds are the group's alone (:meth:`~ParamGroup.open_rounds`).
+
+Sharing is per collective, state is per unit: a bucket's first member that needs
+its parameters gathers every member still SHARDED in one all-gather per part, and
+each member unpacks its own columns when acquired; members are freed one by one as
+their calls end. Gradients are packed side by side and reduced once every member
+has reported; a member that reports twice (a unit called twice) first flushes the
+round with the columns not yet reported left at zero.
+
+[Note: bucket order]
+Which members join a collective depends only on unit states and the order of
+reports, the same on every rank for the same calls (see [Note: collective
+order] in ``run.py``), so every rank issues the same bucketed collectives. The
+ledger counts every member's bytes as if it had its own collective, so it equals
+the cost model (which counts per unit) for every bucket size.
+
+Buckets: a collective over a few hundred kilobytes costs its latency, not its
+bytes: on gloo at W=2 a round trip is about as long as moving a megabyte.
+:func:`make_groups` joins consecutive units of the plan (same strategy, same
+collective axes, same parts by dtype) up to ``bucket_bytes`` of gathered
+parameters into one group, as DDP buckets its all-reduces; every other unit is a
+group of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from funcshard._src.comm import all_gather as _ag
+from funcshard._src.comm import collectives, quantized
+from funcshard._src.comm.pending import Pending
+from funcshard._src.execute.unit_state import LeafGathers, Part, UnitRuntime, UnitState
+from funcshard._src.shard.flat import FlatLayout, unpack_into
+from funcshard._src.shard.own_row import OwnRow
+
+# -- staging buffers ------------------------------------------------------------------
+# Staging buffers reused across calls: all-gather outputs and reduce-scatter inputs.
+#
+# Every unit's all-gather writes into a ``(group_size * numel,)`` buffer that is
+# unpacked into the unit's full leaves and then no longer needed, and every
+# unit's gradients are packed into a ``(group_size, numel)`` buffer that is only
+# read by its reduce-scatter. Allocating them afresh for every unit and step
+# costs more than the copies themselves where the allocator returns large blocks
+# to the system (fresh pages are faulted in and zeroed: 7.4 ms for 12 MiB against
+# 0.9 ms into memory in use, measured on the benchmark's machine). A
+# :class:`BufferPool` keeps what was given back, per size and dtype, and hands it
+# out again.
+#
+# [Note: staging lifetimes]
+# A buffer is given back only once no collective uses it: an all-gather output
+# after its wait and its unpacking, a reduce-scatter input after its wait. The
+# executor needs at most ``prefetch`` all-gather outputs and one reduce-scatter
+# input at once (the next unit's gradients are packed only after the reduction
+# before them finished, see ``MAX_PENDING`` in ``reduce.py``), so a step keeps
+# two pools, one of that depth for all-gather outputs and one of depth one for
+# reduce-scatter inputs, and they serve every unit of a stack of identical blocks
+# with no allocation after the first step. What the pools keep between calls
+# (:attr:`BufferPool.held_bytes`) is ``Step.stats.staging_bytes``, and the cost
+# model counts it as the staging buffers. After an error, buffers of collectives
+# in flight are dropped, never given back (the collective may still write).
+
+
+_Key = tuple[int, torch.dtype, torch.device]
+
+
+class BufferPool:
+    """Free staging buffers by (numel, dtype, device), at most ``depth`` of each; mutates.
+
+    ``depth=0`` keeps nothing: the root unit's staging, used once a step and as large
+    as the embeddings, would otherwise be held through every forward.
+    """
+
+    def __init__(self, depth: int = 1) -> None:
+        if depth < 0:
+            raise ValueError(f"a buffer pool needs a depth of at least 0, got {depth}")
+        self.depth = depth
+        self.allocations = 0  # buffers made because none of the kind was free
+        self._free: dict[_Key, list[torch.Tensor]] = {}
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the free buffers the pool keeps."""
+        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A ``(numel,)`` buffer of uninitialized values: one given back before, or a new one.
+
+        Example:
+            >>> pool = BufferPool()
+            >>> a = pool.take(4, torch.float32, torch.device("cpu"))
+            >>> pool.give(a)
+            >>> pool.take(4, torch.float32, torch.device("cpu")) is a
+            True
+        """
+        free = self._free.get((numel, dtype, device))
+        if free:
+            return free.pop()
+        self.allocations += 1
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor, /) -> None:
+        """Takes ``buffer`` back for reuse; the caller must not use it again (no collective may).
+
+        Only whole buffers from :meth:`take` (or views of all of one) are kept;
+        beyond ``depth`` of a kind, the buffer is dropped.
+        """
+        base = buffer if buffer._base is None else buffer._base
+        if base.dim() != 1 or base.numel() != buffer.numel():
+            return
+        free = self._free.setdefault((base.numel(), base.dtype, base.device), [])
+        if len(free) < self.depth:
+            free.append(base)
+
+    def clear(self) -> None:
+        """Drops every free buffer."""
+        self._free.clear()
+
+
+# -- a bucket's bookkeeping: members side by side ---------------------------------------
+
+
+class Columns:
+    """Per part: each member's column offset in the packed buffer, and the columns in all."""
+
+    def __init__(self, members: Sequence[UnitRuntime]) -> None:
+        self.offsets: list[list[int]] = []
+        self.numels: list[int] = []
+        for j in range(len(members[0].parts)):
+            offsets, n = [], 0
+            for member in members:
+                offsets.append(n)
+                n += member.parts[j].layout.numel
+            self.offsets.append(offsets)
+            self.numels.append(n)
+        self.members = list(members)
+
+    def span(self, member: int, part: int) -> tuple[int, int]:
+        """Member ``member``'s columns ``[start, stop)`` of part ``part``."""
+        a = self.offsets[part][member]
+        return a, a + self.members[member].parts[part].layout.numel
+
+
+@dataclass(eq=False)
+class SharedGathering:
+    """One part's shared all-gather, and the members whose share is not yet unpacked."""
+
+    pending: Pending
+    staging: tuple[torch.Tensor, torch.Tensor]  # input, output: for the pool
+    open: set[int]
+    waited: bool = False
+
+    def wait(self) -> None:
+        """Waits for the all-gather (once)."""
+        if not self.waited:
+            self.pending.wait()
+            self.waited = True
+
+
+@dataclass(eq=False)
+class Share:
+    """One member's part of a shared all-gather: :meth:`wait` gives its ``(group_size, numel)`` columns."""
+
+    gathering: SharedGathering
+    member: int
+    result: torch.Tensor  # the member's columns of the gathered buffer (a view)
+
+    def wait(self) -> torch.Tensor:
+        """Blocks until the shared all-gather is done; the member's columns."""
+        self.gathering.wait()
+        return self.result
+
+
+@dataclass(eq=False)
+class Round:
+    """One part's packed gradients of the members that reported so far."""
+
+    rows: torch.Tensor  # (group_size, numel)
+    opened: int  # when the round opened, in the step's count of rounds: the order to flush in
+    reported: set[int] = field(default_factory=set)
+
+
+# -- a reduction in flight --------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Reduction:
+    """One part's reduction in flight (or a bucket's round of it).
+
+    ``pieces`` says whose gradient each ``[start, stop)`` of the result is: one
+    piece for one unit's part, one per member for a bucket. With ``per_piece``
+    (a bucket), the all-reduce across replicas is counted in the ledger per
+    piece, as the cost model counts it per unit.
+    """
+
+    pieces: tuple[tuple[FlatLayout, int, int], ...]
+    stage: Pending
+    then_all_reduce: tuple[str, ...]
+    tag: str
+    staging: torch.Tensor | None  # the packed input, for the pool once the stage is done
+    per_piece: bool = False
+    packed: bool = True  # holds packed gradients beside its result (not an all-reduce in place)
+    # the first hop of a two-hop reduction: its result is summed into a partial gradient,
+    # see [Note: two-hop reductions] in partial_gradient.py
+    first_hop: bool = False
+    # the unit's last first hop of the step: the second starts once it is in
+    then_across: bool = False
+    partial_bytes: int = 0  # a second hop: the bytes of the partial gradient it reduces
+
+
+class ParamGroup:
+    """Units gathered, freed and reduced together, and every collective that moves them; see [Note: one owner per collective]."""
+
+    def __init__(
+        self, members: Sequence[UnitRuntime], gather_pool: BufferPool, reduce_pool: BufferPool
+    ) -> None:
+        self.members = list(members)
+        first = self.members[0]
+        self.bound, self.axes, self.replica_axes = first.bound, first.axes, first.replica_axes
+        self.group_size, self.replica_size = first.group_size, first.replica_size
+        self.all_reduce_axes = first.all_reduce_axes
+        self.ledger, self.memory = first.ledger, first.memory
+        self.pool = gather_pool  # all-gather staging (and the root unit's packed gradients)
+        self.reduce_pool = reduce_pool  # a bucket's rounds
+        self.index = {m.name: i for i, m in enumerate(self.members)}
+        # several members share each collective: their columns side by side
+        self.shared = len(self.members) > 1
+        if self.shared:
+            for member in self.members:  # a bucket gathers its members through one buffer
+                member.pack_gathers()
+        self.columns_of = Columns(self.members)
+        self.rounds: dict[int, Round] = {}  # a bucket's open reduction rounds, by part
+        # shared all-gathers with shares not yet unpacked: a later one may start for members
+        # freed while others still wait on an earlier one (a unit called again)
+        self._gathering: list[SharedGathering] = []
+
+    @property
+    def name(self) -> str:
+        """The unit's name, or ``first..last`` for a bucket: for errors and traces."""
+        if not self.shared:
+            return self.members[0].name
+        return f"{self.members[0].name}..{self.members[-1].name}"
+
+    # -- reducing: what the Reducer asks for ----------------------------------------
+
+    def reduce(
+        self,
+        unit: UnitRuntime,
+        part: Part,
+        rows: torch.Tensor,
+        packed: torch.Tensor,
+        /,
+        *,
+        out: torch.Tensor | None,
+        keep_rows: bool,
+        own: OwnRow | None = None,
+    ) -> Reduction:
+        """Starts reducing one part of a group of one, packed in ``packed`` (``rows``, or shared memory).
+
+        ``no_shard``: all-reduces ``packed`` into ``rows``, which become the gradient.
+        Otherwise reduce-scatters ``rows`` (into ``out`` where given), and then, for
+        ``hybrid_shard``, :meth:`wait` all-reduces across replicas. With ``keep_rows``
+        the rows go back to the reduce pool once reduced. With ``own``, ``rows``
+        (shared memory) lack this rank's row, which ``own`` adds when summed
+        ([Note: the own row from the leaves] in ``shard/own_row.py``).
+        """
+        layout = part.layout
+        replica = self.all_reduce_axes
+        if self.group_size == 1 and replica:  # no_shard: in place, overlapped
+            stage = collectives.all_reduce(
+                packed.view(-1),
+                self.bound,
+                replica,
+                ledger=self.ledger,
+                tag=unit.name,
+                out=None if packed is rows else rows.view(-1),
+            )
+            then: tuple[str, ...] = ()
+            staging = None  # reduced in place: it becomes the gradient
+        elif unit.two_hop:  # over the last axis: [Note: two-hop reductions] in partial_gradient.py
+            copy = unit.partial
+            stage = self._reduce_scatter(
+                unit, rows.view(copy.regather_size, -1), copy.regather_axes, out=None
+            )
+            then = ()
+            staging = rows if keep_rows else None
+        else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter
+            stage = self._reduce_scatter(unit, rows, self.axes, out=out, own=own)
+            then = replica
+            staging = rows if keep_rows else None
+        self.memory.log("reduce", unit.name)
+        return Reduction(
+            ((layout, 0, layout.numel),),
+            stage,
+            then,
+            unit.name,
+            staging,
+            # an all-reduce in place through shared memory holds a copy of its input
+            packed=self.group_size > 1 or stage.holds_copy,
+            first_hop=unit.two_hop,
+        )
+
+    def reduce_across(
+        self, unit: UnitRuntime, part: Part, sums: torch.Tensor, /, *, out: torch.Tensor | None
+    ) -> Reduction:
+        """Starts the second hop of a two-hop reduction: ``sums`` ``(copy rows * numel,)`` over the other axes.
+
+        See [Note: two-hop reductions] in ``partial_gradient.py``; the result (into ``out``
+        where given) is this rank's gradient shard.
+        """
+        copy = unit.partial
+        replicated = tuple(a for a in self.axes if a not in copy.regather_axes)
+        stage = self._reduce_scatter(unit, sums.view(copy.rows, -1), replicated, out=out)
+        self.memory.log("reduce", unit.name)
+        layout = part.layout
+        # its input is the partial gradient, not packed rows: it does not count against
+        # the reductions that hold packed gradients (MAX_PENDING in reduce.py)
+        return Reduction(((layout, 0, layout.numel),), stage, (), unit.name, None, packed=False)
+
+    def reduce_columns(
+        self,
+        unit: UnitRuntime,
+        rows: torch.Tensor,
+        out: torch.Tensor,
+        /,
+        *,
+        first: bool,
+        own: OwnRow | None = None,
+    ) -> Pending:
+        """Starts reducing one range of columns of a reduction in chunks into ``out``.
+
+        See [Note: reductions in chunks] in ``reduce.py``; the trace logs the unit's
+        reduction at its ``first`` range.
+        """
+        if first:
+            self.memory.log("reduce", unit.name)
+        return self._reduce_scatter(unit, rows, self.axes, out=out, own=own)
+
+    def _reduce_scatter(
+        self,
+        unit: UnitRuntime,
+        rows: torch.Tensor,
+        axes: tuple[str, ...],
+        /,
+        *,
+        out: torch.Tensor | None,
+        own: OwnRow | None = None,
+    ) -> Pending:
+        """Starts a reduce-scatter of ``rows`` over ``axes``, quantized where the unit's gradients are."""
+        if unit.grad_format:  # [Note: quantized collectives] in plan/quantize.py
+            return quantized.reduce_scatter(
+                rows,
+                self.bound,
+                axes,
+                block=unit.grad_block,
+                format=unit.grad_format,
+                out=out,
+                ledger=self.ledger,
+                tag=unit.name,
+            )
+        return collectives.reduce_scatter(
+            rows, self.bound, axes, out=out, ledger=self.ledger, tag=unit.name, own=own
+        )
+
+    def columns(
+        self, unit: UnitRuntime, j: int, grad_dtype: torch.dtype, /, *, opened: int
+    ) -> tuple[torch.Tensor, Reduction | None]:
+        """A bucket: ``unit``'s columns of this round's rows of part ``j``, for its gradients.
+
+        A member that already reported in this round flushes it first: that
+        reduction is returned beside the columns of the next round. A round
+        opened here records ``opened`` (:meth:`open_rounds` orders by it).
+        """
+        member = self.index[unit.name]
+        flushed = None
+        round_ = self.rounds.get(j)
+        if round_ is not None and member in round_.reported:
+            flushed = self.flush(j)
+            round_ = None
+        if round_ is None:
+            numel = self.columns_of.numels[j]
+            device = unit.device(unit.parts[j])
+            rows = self.reduce_pool.take(self.group_size * numel, grad_dtype, device)
+            round_ = self.rounds[j] = Round(rows.view(self.group_size, numel), opened)
+        round_.reported.add(member)
+        a, b = self.columns_of.span(member, j)
+        return round_.rows[:, a:b], flushed
+
+    def open_rounds(self) -> list[tuple[int, int]]:
+        """This bucket's rounds not yet reduced, as ``(opened, part)``."""
+        return [(r.opened, j) for j, r in self.rounds.items()]
+
+    def complete(self, j: int, /) -> bool:
+        """Whether every member reported in this round of part ``j``."""
+        round_ = self.rounds.get(j)
+        return round_ is not None and len(round_.reported) == len(self.members)
+
+    def flush(self, j: int, /) -> Reduction:
+        """Starts reducing this round of part ``j``; columns not reported are zero. The ledger counts each member."""
+        round_ = self.rounds.pop(j)
+        rows = round_.rows
+        pieces = []
+        for i, member in enumerate(self.members):
+            a, b = self.columns_of.span(i, j)
+            if i in round_.reported:
+                pieces.append((member, member.parts[j].layout, a, b))
+            else:
+                rows[:, a:b].zero_()
+        replica = self.all_reduce_axes
+        if self.group_size == 1:  # no_shard: all-reduced in place, the rows become the gradients
+            stage = collectives.all_reduce(rows.view(-1), self.bound, replica, tag=self.name)
+            op, axes, size, then, staging = "all_reduce", replica, self.replica_size, (), None
+        else:
+            stage = collectives.reduce_scatter(rows, self.bound, self.axes, tag=self.name)
+            op, axes, size, then, staging = (
+                "reduce_scatter",
+                self.axes,
+                self.group_size,
+                replica,
+                rows,
+            )
+        itemsize = rows.element_size()
+        for member, _, a, b in pieces:
+            if self.ledger is not None:
+                full = rows.shape[0] * (b - a) * itemsize
+                self.ledger.record(op, axes, group_size=size, full_bytes=full)
+            self.memory.log("reduce", member.name)
+        return Reduction(
+            tuple((layout, a, b) for _, layout, a, b in pieces),
+            stage,
+            then,
+            self.name,
+            staging,
+            per_piece=True,
+            packed=self.group_size > 1,
+        )
+
+    def wait(self, reduction: Reduction, pool: BufferPool, /) -> torch.Tensor:
+        """Waits for ``reduction`` (and all-reduces across replicas if need be); the reduced ``(numel,)``.
+
+        Gives the packed input back to ``pool`` once the first stage is done.
+        """
+        out = reduction.stage.wait()
+        if reduction.staging is not None:
+            pool.give(reduction.staging)
+        then = reduction.then_all_reduce
+        if then:
+            per_piece = reduction.per_piece
+            ledger = None if per_piece else self.ledger
+            out = collectives.all_reduce(out, self.bound, then, ledger=ledger, tag=reduction.tag)
+            out = out.wait()
+            if per_piece and self.ledger is not None:
+                size = collectives.group_size(self.bound, then)
+                for _, a, b in reduction.pieces:
+                    nbytes = (b - a) * out.element_size()
+                    self.ledger.record("all_reduce", then, group_size=size, full_bytes=nbytes)
+        return out
+
+    # -- gathering: what Run asks for ------------------------------------------------
+
+    def prefetch(self, unit: UnitRuntime, /) -> None:
+        """SHARDED -> GATHERING: issues ``unit``'s all-gathers (a bucket's: of every member still SHARDED)."""
+        unit.expect(UnitState.SHARDED, "prefetch")
+        if not unit.collective:
+            unit.mark_gathering()
+        elif self.shared:
+            self._start_shared()
+        else:
+            self._start(unit)
+
+    def acquire(self, unit: UnitRuntime, /) -> None:
+        """-> GATHERED, held once more: waits for a prefetch, or gathers now."""
+        if unit.state is UnitState.SHARDED:
+            self.prefetch(unit)
+        if unit.state is UnitState.GATHERING:
+            self._finish(unit)
+        unit.hold()
+
+    def release(
+        self, unit: UnitRuntime, /, *, keep: bool = False, keep_partial: bool = False
+    ) -> None:
+        """Drops one holder of ``unit``; the last one frees its storage (GATHERED -> SHARDED).
+
+        With ``keep``, the unit stays GATHERED without holders, for the step's next
+        micro-batch (see [Note: shard_optimizer] in ``plan/strategy.py``). Without
+        ``keep_partial``, the last holder frees the partial copy too (see
+        [Note: partial copies] there).
+        """
+        if unit.unhold():
+            if not keep:
+                unit.free()
+            if not keep_partial:
+                unit.partial.free(unit.parts)
+
+    def drop_unused(self, unit: UnitRuntime, /) -> None:
+        """Frees ``unit`` if it was prefetched but no call holds it (GATHERING/GATHERED -> SHARDED)."""
+        if unit.holders or unit.state is UnitState.SHARDED:
+            return
+        if unit.state is UnitState.GATHERING:
+            self._finish(unit)
+        unit.free()
+
+    def release_all(self, *, keep: bool = False) -> None:
+        """At the end of a micro-batch: drops every holder and frees every member (-> SHARDED).
+
+        With ``keep`` (a micro-batch before the step's last), members that
+        :attr:`~UnitRuntime.keeps_for_step` and are GATHERED stay so, and those that
+        keep their partial copy for the step (``partial.for_step``).
+        """
+        for unit in self.members:
+            unit.drop_holders()
+            if not (keep and unit.keeps_for_step and unit.state is UnitState.GATHERED):
+                self.drop_unused(unit)
+            if not (keep and unit.partial.for_step):
+                unit.partial.free(unit.parts)
+
+    def discard(self) -> list[Pending]:
+        """After an error: drops collectives in flight without waiting (returns them), frees storage, forgets rounds."""
+        dropped = [g.pending for g in self._gathering if not g.waited]
+        self._gathering.clear()
+        self.rounds.clear()
+        for unit in self.members:
+            for part in unit.parts:
+                inflight, part.inflight = part.inflight, None
+                if isinstance(inflight, LeafGathers):
+                    # the collectives write into the part's storage: forget it, free nothing
+                    dropped.extend(inflight.pendings)
+                    unit.forget(part)
+                elif inflight is not None:
+                    self.memory.sub(inflight.result.numel() * inflight.result.element_size())
+                    if isinstance(inflight, Pending):  # a share: its gathering is dropped above
+                        dropped.append(inflight)
+            unit.reset_after_error()
+        return dropped
+
+    # -- gathering: the collectives -----------------------------------------------------
+
+    def _start(self, unit: UnitRuntime) -> None:
+        """SHARDED -> GATHERING for a group of one: one all-gather per part (or per leaf).
+
+        A unit holding its partial copy all-gathers the copy over its regather axes
+        instead of its shard over every shard axis: the same rows, fewer ranks (see
+        [Note: partial copies] in ``plan/strategy.py``).
+        """
+        partial = unit.partial.held
+        axes = unit.partial.regather_axes if partial else self.axes
+        for part, flat in zip(unit.parts, unit.flats):
+            if part.aliased:
+                continue
+            if partial:
+                assert part.partial is not None
+                local = part.partial
+            else:
+                data = flat.data
+                local = data if data.dtype == part.compute_dtype else data.to(part.compute_dtype)
+            if part.in_place and not partial:
+                full = unit.materialize(part)
+                # the refill is not an in-place change of tensors autograd saved: the
+                # version is put back once the collective has written (after its wait)
+                part.version = torch.autograd._unsafe_preserve_version_counter(full)
+                pendings = self._gather_in_place(unit, part, local, axes)
+                part.inflight = LeafGathers(pendings, full)
+                continue
+            out = self.pool.take(  # (group_size * numel,); see [Note: staging lifetimes]
+                self.group_size * part.layout.numel, local.dtype, local.device
+            )
+            self.memory.add(out.numel() * out.element_size())
+            if unit.weight_format and not partial and local.dtype.is_floating_point:
+                # blocks of a low-bit format: [Note: quantized collectives] in plan/quantize.py
+                part.inflight = quantized.all_gather(
+                    local,
+                    self.bound,
+                    axes,
+                    block=unit.weight_block,
+                    format=unit.weight_format,
+                    out=out,
+                    ledger=self.ledger,
+                    tag=unit.name,
+                )
+                continue
+            # a shard (or its cast) is stable until the evaluation settles; a partial copy
+            # is freed by its unit ([Note: shards read in place] in comm/shm/cross_memory.py)
+            part.inflight = collectives.all_gather(
+                local,
+                self.bound,
+                axes,
+                out=out,
+                ledger=self.ledger,
+                tag=unit.name,
+                stable=not partial,
+            )
+        unit.mark_gathering(from_partial=partial)
+
+    def _gather_in_place(
+        self, unit: UnitRuntime, part: Part, local: torch.Tensor, axes: tuple[str, ...]
+    ) -> list[Pending]:
+        """The collectives writing ``part.full`` over ``axes``: one per leaf (``by_leaf``), else one.
+
+        A flat part where the transport gathers leaf by leaf is gathered by a ring too, which
+        writes its storage without the staging of gloo's own all-gather.
+        """
+        if not part.by_leaf:
+            algorithm = _ag.leaf_algorithm() if part.layout.flat and unit.leafwise else None
+            pending = collectives.all_gather(
+                local,
+                self.bound,
+                axes,
+                out=part.full,
+                ledger=self.ledger,
+                tag=unit.name,
+                algorithm=algorithm,
+                stable=True,  # the unit's shard, or its cast
+            )
+            return [pending]
+        pieces = [
+            (slot.offset, view.view(self.group_size, slot.numel))
+            for slot, view in zip(part.layout.slots, part.views)
+        ]
+        pending = collectives.all_gather_pieces(
+            local, self.bound, self.axes, pieces, ledger=self.ledger, tag=unit.name, stable=True
+        )
+        return [pending]
+
+    def _start_shared(self) -> None:
+        """SHARDED -> GATHERING for every member still SHARDED: one all-gather per part."""
+        joining = [i for i, m in enumerate(self.members) if m.state is UnitState.SHARDED]
+        first = self.members[joining[0]]
+        for j, part in enumerate(first.parts):
+            if part.aliased:
+                continue
+            numel = self.columns_of.numels[j]
+            device = first.device(part)
+            local = self.pool.take(numel, part.compute_dtype, device)
+            for i, member in enumerate(self.members):
+                a, b = self.columns_of.span(i, j)
+                local[a:b].copy_(member.flats[j].data)  # casts to the compute dtype
+            out = self.pool.take(self.group_size * numel, part.compute_dtype, device)
+            pending = collectives.all_gather(local, self.bound, self.axes, out=out, tag=self.name)
+            gathered = pending.result  # (group_size, numel)
+            gathering = SharedGathering(pending, (local, out), set(joining))
+            self._gathering.append(gathering)
+            for i in joining:
+                member = self.members[i]
+                a, b = self.columns_of.span(i, j)
+                full_bytes = self.group_size * (b - a) * part.compute_dtype.itemsize
+                member.parts[j].inflight = Share(gathering, i, gathered[:, a:b])
+                self.memory.add(full_bytes)
+                if self.ledger is not None:
+                    self.ledger.record(
+                        "all_gather", self.axes, group_size=self.group_size, full_bytes=full_bytes
+                    )
+        for i in joining:
+            self.members[i].mark_gathering()
+
+    def _finish(self, unit: UnitRuntime) -> None:
+        """GATHERING -> GATHERED: waits, then fills every full leaf; see [Note: persistent gathered storage]."""
+        unit.expect(UnitState.GATHERING, "finish gathering")
+        for part in unit.parts:
+            if part.aliased:
+                continue
+            assert part.inflight is not None
+            inflight, part.inflight = part.inflight, None  # a failed wait is not waited for again
+            try:
+                gathered = inflight.wait()
+            except BaseException:
+                if part.in_place:
+                    unit.forget(part)
+                raise
+            if unit.partial.lifetime is not None and not unit.partial.in_flight:
+                # the rows are the part's storage when gathered in place (flat, or one leaf)
+                rows = part.full if part.in_place else gathered
+                assert rows is not None
+                unit.partial.keep(part, rows.view(self.group_size, -1))
+            if part.in_place and not unit.partial.in_flight:  # the collective filled part.full
+                assert part.version is not None
+                part.version.__exit__(None, None, None)
+                part.version = None
+                continue
+            full = unit.materialize(part)
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
+                if not unit.partial.in_flight:
+                    unpack_into(part.layout, gathered, part.views, self.axes)
+                else:  # [Note: a partial copy on the executor]
+                    _unpack_regathered(unit, part, full, gathered)
+            self.memory.sub(gathered.numel() * gathered.element_size())
+            if isinstance(inflight, Share):
+                self._unpacked(inflight)
+            else:
+                self.pool.give(gathered)
+        unit.mark_gathered()
+
+    def _unpacked(self, share: Share) -> None:
+        """A member is done with ``share``: the last one gives the shared buffers back."""
+        gathering = share.gathering
+        gathering.open.discard(share.member)
+        if not gathering.open and gathering in self._gathering:
+            self._gathering.remove(gathering)
+            if gathering.waited:
+                for t in gathering.staging:
+                    self.pool.give(t)
+
+
+def _unpack_regathered(
+    unit: UnitRuntime, part: Part, full: torch.Tensor, gathered: torch.Tensor
+) -> None:
+    """Fills ``part``'s full leaves from an all-gather of partial copies; mutates ``full``.
+
+    The rows come row-major over ``unit.partial.order`` (the last mesh axis
+    major). A flat part, or one gathered in place elsewhere, is its rows in mesh
+    order: one transposing copy; any other part is unpacked in the regather order.
+    """
+    copy = unit.partial
+    if part.in_place or part.layout.flat:
+        n = part.layout.numel
+        full.view(copy.rows, copy.regather_size, n).copy_(
+            gathered.view(copy.regather_size, copy.rows, n).transpose(0, 1)
+        )
+    else:
+        rows = gathered.view(unit.group_size, -1)
+        unpack_into(part.layout, rows, part.views, copy.order)
+
+
+# -- buckets: which consecutive units form one group -------------------------------------
+
+# Gathered bytes below which a collective is latency-bound, per backend: on gloo at W=2
+# here a reduce-scatter of 256 KiB took 2.7 ms and one of 16 MiB 19 ms
+# (bench/reduce_scatter.py), so latency x bandwidth is about 2 MB; a bucket of twice that
+# keeps the latency to about a third of its time. NCCL is not bucketed by default: the
+# CUDA path is untested here; pass bucket_bytes to bucket there.
+DEFAULT_BUCKET_BYTES = {"gloo": 4 << 20}
+
+
+def default_bucket_bytes(backend: str | None, /) -> int:
+    """The default ``bucket_bytes`` on ``backend`` (``None``: not distributed, no buckets).
+
+    Example:
+        >>> default_bucket_bytes("gloo"), default_bucket_bytes("nccl"), default_bucket_bytes(None)
+        (4194304, 0, 0)
+    """
+    return 0 if backend is None else DEFAULT_BUCKET_BYTES.get(backend, 0)
+
+
+def make_groups(
+    units: Sequence[UnitRuntime],
+    bucket_bytes: int,
+    gather_pool: BufferPool,
+    reduce_pool: BufferPool,
+    /,
+) -> list[ParamGroup]:
+    """Every unit's parameter group, in ``units``' order: buckets of consecutive units up to ``bucket_bytes``.
+
+    Units join when they have the same strategy, collective axes and parts
+    (dtype, compute and gradient dtype, frozen, aliased), no part of one leaf
+    gathered in place, no partial copy and not the root unit, and their full leaves together stay
+    within ``bucket_bytes`` (``0``: no buckets). Every other unit is a group of one.
+    Mutates a bucket's members: they gather their leaves packed
+    (:meth:`UnitRuntime.pack_gathers`).
+    """
+    groups: list[ParamGroup] = []
+    run: list[UnitRuntime] = []
+    size = 0
+
+    def close() -> None:
+        if run:
+            groups.append(ParamGroup(run, gather_pool, reduce_pool))
+        run.clear()
+
+    for unit in units:
+        nbytes = unit.full_numel_bytes
+        if not _eligible(unit) or nbytes > bucket_bytes:
+            close()
+            size = 0
+            groups.append(ParamGroup([unit], gather_pool, reduce_pool))
+            continue
+        if run and (_signature(run[0]) != _signature(unit) or size + nbytes > bucket_bytes):
+            close()
+            size = 0
+        run.append(unit)
+        size += nbytes
+    close()
+    return groups
+
+
+def _eligible(unit: UnitRuntime) -> bool:
+    if (
+        unit.is_root
+        or any(p.in_place and not p.by_leaf for p in unit.parts)
+        or not unit.parts
+        or unit.partial.lifetime is not None  # its partial copy is per unit
+        or unit.weight_block  # quantized collectives are per unit
+        or unit.grad_block
+    ):
+        return False
+    if unit.group_size > 1:
+        return True
+    return unit.replica_size > 1 and all(p.aliased for p in unit.parts)  # no_shard: reductions
+
+
+def _signature(unit: UnitRuntime) -> tuple[object, ...]:
+    return (
+        unit.unit.strategy,
+        unit.axes,
+        unit.replica_axes,
+        tuple(
+            (p.layout.dtype, p.compute_dtype, p.grad_dtype, p.layout.frozen, p.aliased)
+            for p in unit.parts
+        ),
+    )

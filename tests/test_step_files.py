@@ -1,0 +1,21 @@
+"""How many funcshard source files one steady-state full_shard step runs through (``tests/step_files.py``).
+
+The target is 16 (FSDP2 enters four files of its own); the bounds here are what
+a step enters today, so that no change adds to them.
+"""
+
+from __future__ import annotations
+
+from tests.step_files import step_files
+
+BOUND = {1: 22, 2: 34}
+
+
+def test_a_steady_state_step_at_one_rank_stays_within_its_files():
+    files = step_files({"fsdp": 1})
+    assert len(files) <= BOUND[1], files
+
+
+def test_a_steady_state_step_at_two_ranks_stays_within_its_files(pools):
+    for files in pools.run(2, step_files):
+        assert len(files) <= BOUND[2], files
