@@ -68,6 +68,7 @@ ORDER = {
     ],
     "comm": [
         "runtime",
+        "devices",
         "channel",
         "agree",
         "settle",

@@ -182,6 +182,7 @@ class Step:
             sparams,
             "forward only",
             nested="an evaluation was called inside a step's loss_fn; call them one after the other",
+            batches=[(args, kwargs)],
         )
         self.memory.peak = self.memory.current
         run = Run(
@@ -245,6 +246,7 @@ class Step:
             sparams,
             f"{mode}, {len(batches)} micro-batch(es)",
             nested="a step was called inside another step's loss_fn; call steps one after the other",
+            batches=batches,
         )
         reducer = Reducer(
             world_size=self.plan.mesh.size,
@@ -290,18 +292,18 @@ class Step:
         return (losses, auxes), sharded_grads
 
     def _start(
-        self, sparams: Any, accumulation: str, *, nested: str
+        self, sparams: Any, accumulation: str, *, nested: str, batches: list[Any]
     ) -> tuple[list[GatherGroup], dict[str, list[FlatShard]]]:
         """What every call of a step or evaluation does first; collective (the start agreement).
 
-        Refuses a call inside a running step (``nested`` is the message), checks
-        ``sparams`` against the plan and agrees with every rank on the signature.
-        Returns every unit's gather group and this call's flat shards by unit.
+        Refuses a call inside a running step (``nested``: the message), checks ``sparams``
+        and ``batches`` (plan, devices), agrees with every rank on the signature; returns
+        every unit's gather group and this call's flat shards by unit.
         """
         if current_run() is not None:
             raise RuntimeError(nested)
         self._runtimes()
-        by_unit = shards_by_unit(sparams, self.plan, self._layouts)
+        by_unit = shards_by_unit(sparams, self.plan, self._layouts, batches=batches)
         check_start(
             signature(
                 self.plan,
