@@ -48,11 +48,14 @@ def test_a_w8_full_shard_step_runs_in_one_process():
         ],
         "head": torch.randn(16, 8, generator=gen),
     }
-    assert runtime.is_fake() and fs.world_size() == 8 and fs.rank() == 3
+    assert runtime.is_fake()
+    assert fs.world_size() == 8
+    assert fs.rank() == 3
     plan = fs.plan(params, fs.Mesh({"fsdp": 8}), units=["blocks/*"], strategy="full_shard")
     sparams = fs.shard(params, plan)  # the agreement on values: mirrored, so it passes
     ch = channel.existing_channel()
-    assert ch is not None and ch.mirrored
+    assert ch is not None
+    assert ch.mirrored
     opt = fs.optim.adamw(1e-3)
     state = opt.init(sparams)
     step = fs.value_and_grad(_loss_fn, plan)
@@ -64,5 +67,6 @@ def test_a_w8_full_shard_step_runs_in_one_process():
     # rank 3's shards of dim 0, ceil-div chunks: w1 (16, 24) -> rows 6..8
     assert grads["blocks"][0]["w1"].local.shape == (2, 24)
     assert sparams["blocks"][2]["w2"].local.shape == (3, 16)
-    assert ch.out_of_step is None and ch.seq > 0
+    assert ch.out_of_step is None
+    assert ch.seq > 0
     assert step.stats.peak_gathered_bytes > 0

@@ -164,6 +164,7 @@ ORDER = {
         "dcp_io",
         "rng",
         "save",
+        "staging",
         "async_save",
         "load",
         "export",
