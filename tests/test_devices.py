@@ -79,3 +79,31 @@ def test_batch_tensors_the_backend_cannot_carry_are_named(nccl):
         check_devices({}, batches)
     with pytest.raises(ValueError, match=r"the batch: loss_fn's keyword argument mask/m is on cpu"):
         check_devices({}, batches[1:])
+
+
+def test_init_under_nccl_binds_the_local_gpu_and_gives_the_group_its_timeout(monkeypatch):
+    """fs.init(backend="nccl") passes device_id=cuda:LOCAL_RANK and timeout_s to
+    init_process_group (torch.distributed faked: no GPU here)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from funcshard._src.comm import lifecycle, runtime
+
+    calls: list[tuple[tuple, dict]] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(((d,), {})))
+    monkeypatch.setattr(lifecycle.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(runtime, "_init_timeout_s", None)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    for name, value in {"WORLD_SIZE": "4", "RANK": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    fs.init(backend="nccl", timeout_s=30)
+    assert calls == [
+        ((torch.device("cuda", 1),), {}),
+        (
+            ("nccl",),
+            {"timeout": datetime.timedelta(seconds=30), "device_id": torch.device("cuda", 1)},
+        ),
+    ]
