@@ -18,10 +18,11 @@ nox.options.default_venv_backend = "venv"
 
 CONSTRAINTS = os.environ.get("FUNCSHARD_CONSTRAINTS", ".ci/constraints-cpu.txt")
 # The torch versions `torch_range` checks: the oldest that pyproject.toml claims and the
-# newest known. Its floor (`torch>=2.13`) moves only with the first entry here.
-TORCH_RANGE = ["2.13.0", "2.14.1"]
+# newest known. Its floor (`torch>=2.11`) moves only with the first entry here.
+TORCH_RANGE = ["2.11.0", "2.14.1"]
 # A fast subset across the layers that lean on torch's own APIs: flat buffers and storage
-# resizing, the executor and autograd, DCP checkpoints, the demo, and FSDP2/FSDP1/DDP (bench).
+# resizing, the executor and autograd, DCP checkpoints, the demo, FSDP2/FSDP1/DDP (bench,
+# bench.gpu's CPU fallback) and torch's fake process group.
 TORCH_RANGE_TESTS = [
     "tests/test_flat.py",
     "tests/test_shard.py",
@@ -30,6 +31,8 @@ TORCH_RANGE_TESTS = [
     "tests/test_checkpoint.py",
     "tests/test_examples.py",
     "tests/test_bench.py",
+    "tests/test_fake_process_group.py",
+    "tests/test_pending.py",
 ]
 
 

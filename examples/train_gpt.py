@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     fs.init()
     rank, world = fs.rank(), fs.world_size()
+    device = fs.device()  # cuda:LOCAL_RANK under NCCL, the CPU under gloo
     mesh = _mesh(parser, args.mesh, world)
     if args.strategy in MESH_OF_TWO_AXES and len(mesh.axis_names) < 2:
         parser.error(
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     )
     if args.explain and rank == 0:
         print(plan.explain())
-    sparams = fs.shard(params, plan)
+    sparams = fs.shard(params, plan, device=device)
     del params
     warmup = fs.optim.linear_schedule(args.lr / 10, args.lr, transition_steps=9)
     opt = fs.optim.chain(
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     log = not sys.stdout.isatty()  # a terminal gets tqdm's bar, a log a line every tenth of the run
     bar = tqdm(range(args.steps), disable=rank != 0 or log, file=sys.stdout, unit="step")
     for i in bar:
-        tokens, targets = batch(cfg, i, rank)
+        tokens, targets = (t.to(device) for t in batch(cfg, i, rank))
         loss, grads = step(sparams, tokens, targets, cfg.heads)
         sparams, state = opt.update_(grads, state, sparams)
         norm = state[0].norm

@@ -26,6 +26,7 @@ from funcshard import presets as presets
 from funcshard import sharding as sharding
 from funcshard import testing as testing
 from funcshard import tree as tree
+from funcshard._src.comm.devices import device as device
 from funcshard._src.comm.lifecycle import init as init
 from funcshard._src.comm.metrics import MetricLogger as MetricLogger
 from funcshard._src.comm.metrics import mean_over_ranks as mean_over_ranks
@@ -85,6 +86,7 @@ __all__ = [
     "checkpoint",
     "cost",
     "data",
+    "device",
     "forward",
     "init",
     "initializers",

@@ -8,6 +8,7 @@ import funcshard as fs
 
 CORE = {
     "init",
+    "device",
     "rank",
     "world_size",
     "mean_over_ranks",

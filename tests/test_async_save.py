@@ -93,10 +93,10 @@ def _staging_and_estimate(directory: str) -> tuple[int, int, bool, bool]:
     state = {"params": sparams, "opt": opt.init(sparams)}
     with fs.checkpoint.AsyncCheckpointer() as saver:
         first = saver.save(f"{directory}/a", state, rng=False)
-        buffers = [t.data_ptr() for t in saver._staging.values()]
+        buffers = [t.data_ptr() for t in saver._staging.views.values()]
         second = saver.save(f"{directory}/b", state, rng=False)  # waits for the first
         waited = first.done()
-        reused = buffers == [t.data_ptr() for t in saver._staging.values()]
+        reused = buffers == [t.data_ptr() for t in saver._staging.views.values()]
         second.result()
         staged = saver.staging_bytes
     model = fs.cost.CostModel(optimizer="adamw", async_checkpoint=True)
@@ -194,3 +194,30 @@ def test_a_sigkill_in_the_middle_of_an_async_write_leaves_the_previous_checkpoin
     assert torch.equal(fs.checkpoint.load_full(tmp_path / "step-1")["w"], torch.arange(4.0))
     fs.checkpoint.save(tmp_path / "step-3", {"w": torch.zeros(4)}, step=3, keep=1, run="killed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]  # the interrupted one too
+
+
+def test_staging_packs_chunks_into_batches_and_reuses_them():
+    """[Note: staging in batches]: on the CPU, plain memory; 64-byte aligned views."""
+    from funcshard._src.checkpoint.staging import Staging
+
+    staging = Staging(batch_bytes=256)
+    views = {
+        "a": torch.arange(25.0),
+        "b": torch.ones(3, 2, dtype=torch.float64),
+        "c": torch.arange(40),
+    }
+    out = staging.stage(views)
+    # a: 100 bytes -> 128, b: 48 -> 64 share one batch; c: 320 bytes is a batch of its own
+    assert staging.batches == 2
+    assert staging.held_bytes == 192 + 320
+    assert staging.chunk_bytes == 100 + 48 + 320
+    assert all(torch.equal(out[k], v) for k, v in views.items())
+    assert all(out[k].data_ptr() % 64 == 0 for k in out)
+    pointers = [t.data_ptr() for t in out.values()]
+    views["a"].add_(1)
+    again = staging.stage(views)
+    assert [t.data_ptr() for t in again.values()] == pointers  # the same buffers, new values
+    assert torch.equal(again["a"], torch.arange(25.0) + 1)
+    staging.stage({"a": torch.zeros(3)})
+    assert staging.batches == 1
+    assert staging.chunk_bytes == 12

@@ -251,3 +251,32 @@ def test_tiny_benchmark_runs_the_quantized_collectives(tmp_path):
     int4, int8 = rows["funcshard/quantized_int4"], rows["funcshard/quantized"]
     assert int4["comm_bytes_per_step"] < int8["comm_bytes_per_step"]
     assert (tmp_path / "results.md").read_text().count("convergence check") == 3
+
+
+def test_the_one_gpu_check_falls_back_to_gloo_on_the_cpu(tmp_path, capsys):
+    """python -m bench.gpu without CUDA: every check runs at a tiny size on gloo; every line
+    starts with 'gpu '; the sync check counts host reads instead of raising."""
+    from bench import gpu
+
+    report = gpu.main(["--out", str(tmp_path)])
+    lines = (tmp_path / "gpu.txt").read_text().splitlines()
+    assert lines == report.lines
+    assert all(line.startswith("gpu ") for line in capsys.readouterr().out.splitlines())
+    assert report.data["equality"]["ok"]
+    assert report.data["checkpoint"]["ok"]
+    assert set(report.data["throughput"]["runs"]) == {"funcshard/full_shard", "fsdp2"}
+    assert all(len(runs) == 2 for runs in report.data["throughput"]["runs"].values())
+    assert any(line.startswith("gpu sync: ") for line in lines)
+
+
+def test_the_fake_process_group_bench_times_funcshard_and_fsdp2_per_unit(tmp_path, capsys):
+    """python -m bench.fake_pg --tiny: both libraries' W=8 steps in one process, per unit."""
+    from bench import fake_pg
+
+    result = fake_pg.main(["--tiny", "--out", str(tmp_path)])
+    assert set(result["median_step_s"]) == set(fake_pg.MODES)
+    assert "fsdp2" in result["median_step_s"]
+    assert result["units"] == 9
+    assert result["ratio_per_unit"] > 0
+    assert all(line.startswith("fake_pg ") for line in capsys.readouterr().out.splitlines())
+    assert (tmp_path / "fake_pg.json").exists()

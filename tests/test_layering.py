@@ -69,6 +69,7 @@ ORDER = {
     ],
     "comm": [
         "runtime",
+        "devices",
         "channel",
         "agree",
         "settle",
@@ -154,6 +155,7 @@ ORDER = {
         "dcp_io",
         "rng",
         "save",
+        "staging",
         "async_save",
         "load",
         "export",

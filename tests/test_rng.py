@@ -270,3 +270,31 @@ def test_a_crafted_checkpoint_with_a_nan_gaussian_is_refused_and_changes_nothing
     assert torch.equal(torch.get_rng_state(), before[0])
     assert random.getstate() == before[1]
     fs.checkpoint.load(directory, like={"params": sp}, rng=False)  # the params themselves are sound
+
+
+def test_only_the_local_devices_cuda_generator_is_saved_and_set(monkeypatch):
+    """[Note: the local CUDA generator], with torch.cuda faked: rank on cuda:2 of 4 GPUs."""
+    from funcshard._src.checkpoint import rng
+
+    states = {d: bytes([d]) * 8 + (4 * d).to_bytes(8, "little") for d in range(4)}
+    read, written = [], []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("read every GPU"))
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_rng_state",
+        lambda d: read.append(d) or torch.frombuffer(bytearray(states[d]), dtype=torch.uint8),
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda s, d: written.append((bytes(s.numpy()), d))
+    )
+    packed = rng._pack()
+    assert read == [2]
+    assert packed.endswith((1).to_bytes(4, "little") + (16).to_bytes(4, "little") + states[2])
+    fs.checkpoint.set_rng_states(torch.frombuffer(bytearray(packed), dtype=torch.uint8)[None])
+    assert written == [(states[2], 2)]  # one state: the current device's
+    every = torch.frombuffer(bytearray(_row(cuda=list(states.values()))), dtype=torch.uint8)
+    fs.checkpoint.set_rng_states(every[None])  # a row of every visible GPU: its device's alone
+    assert written[1:] == [(states[2], 2)]

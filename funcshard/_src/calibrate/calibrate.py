@@ -1,4 +1,7 @@
-"""Measures this machine with ``world_size`` local gloo ranks and describes it as a :class:`Hardware`.
+"""Measures this machine with ``world_size`` local ranks and describes it as a :class:`Hardware`.
+
+The ranks use the backend training would (:func:`backend_for`): NCCL on the
+GPUs where there is one per rank, as ``fs.init`` picks it, else gloo on the CPU.
 
 Every rank measures at once, as ranks train at once: each rank's matmul rate,
 block rate and memory bandwidth are what it gets while the others run too. The
@@ -21,7 +24,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,7 @@ class Settings:
         comm_bytes: bytes of one collective's whole buffer.
         seconds: time per measurement.
         width, seq, batch: the transformer block timed for ``efficiency``.
+        backend: the process group's backend; ``None``: :func:`backend_for`'s choice.
     """
 
     world_size: int = 2
@@ -55,6 +59,22 @@ class Settings:
     width: int = 512
     seq: int = 256
     batch: int = 2
+    backend: str | None = None
+
+
+def backend_for(settings: Settings, /) -> str:
+    """The backend calibrate measures: ``settings.backend``, else the one ``fs.init`` would pick.
+
+    NCCL where CUDA is available with a GPU per rank, else gloo.
+
+    Example:
+        >>> backend_for(Settings(backend="gloo"))
+        'gloo'
+    """
+    if settings.backend is not None:
+        return settings.backend
+    enough = torch.cuda.is_available() and torch.cuda.device_count() >= settings.world_size
+    return "nccl" if enough else "gloo"
 
 
 _AXES = ("fsdp",)  # the one mesh axis of the ranks that calibrate times
@@ -64,12 +84,14 @@ def calibrate(settings: Settings = Settings(), /, *, name: str = "this-machine")
     """Measures this machine (its CPU, or its first CUDA device) and returns its description.
 
     Spawns ``settings.world_size`` processes that rendezvous through a file store
-    (no network) and use gloo on CPU, NCCL-free. The description's inter-node
+    (no network) and time collectives on the backend of :func:`backend_for`
+    (NCCL between GPUs, gloo between CPU processes). The description's inter-node
     figures equal the intra-node ones: one machine cannot measure a network.
 
     Raises:
         RuntimeError: a rank failed; the message holds its error.
     """
+    settings = replace(settings, backend=backend_for(settings))
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="funcshard-calibrate-") as tmp:
         store = os.path.join(tmp, "store")
@@ -107,7 +129,7 @@ def describe(results: list[dict[str, float]], settings: Settings, /, *, name: st
     }
     source = (
         f"measured by funcshard calibrate on {date}: {platform.platform()}, torch "
-        f"{torch.__version__}, {settings.world_size} gloo ranks x {settings.threads} thread(s), "
+        f"{torch.__version__}, {settings.world_size} {settings.backend or 'gloo'} ranks x {settings.threads} thread(s), "
         f"{settings.comm_bytes >> 20} MiB collectives, env {env or 'default'}; block "
         f"{settings.width}x{settings.seq}x{settings.batch}; inter-node = intra-node (not measured)"
     )
@@ -154,13 +176,19 @@ def _measure(rank: int, s: Settings, store_path: str) -> dict[str, float]:
     torch.set_num_threads(s.threads)
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= s.world_size
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    backend = s.backend or "gloo"
+    extra: dict[str, Any] = {}
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+        extra["device_id"] = device
     store = dist.FileStore(store_path, s.world_size)  # pyright: ignore[reportPrivateImportUsage]
     dist.init_process_group(
-        "gloo",
+        backend,
         store=store,
         rank=rank,
         world_size=s.world_size,
         timeout=datetime.timedelta(seconds=600),
+        **extra,
     )
     try:
         return _measure_all(s, device)
@@ -184,13 +212,15 @@ def _measure_all(s: Settings, device: torch.device) -> dict[str, float]:
     out["memory_bandwidth"] = measure.memory_bandwidth(device=device, nbytes=64 * 2**20)
     dist.barrier()
     out["copy_bandwidth"] = measure.copy_bandwidth(device=device, nbytes=64 * 2**20)
-    # gloo runs on CPU tensors even when the device is a GPU
+    # gloo runs on CPU tensors even when the device is a GPU; NCCL on the GPU's
     w = s.world_size
-    whole = torch.ones(s.comm_bytes // 4)
-    shard = torch.ones(s.comm_bytes // 4 // w)
+    on = _comm_device(device)
+    whole = torch.ones(s.comm_bytes // 4, device=on)
+    shard = torch.ones(s.comm_bytes // 4 // w, device=on)
+    done = _sync_of(on)  # an NCCL wait returns at once: the time is the stream's
 
     def seconds_of(fn: Any) -> float:
-        return _timed_together(fn, seconds=s.seconds)
+        return _timed_together(lambda: (fn(), done()), seconds=s.seconds)
 
     # funcshard's own collectives, with the algorithms a step runs (on one host, gloo's
     # ranks go through shared memory: comm/shm/__init__.py)
@@ -206,7 +236,7 @@ def _measure_all(s: Settings, device: torch.device) -> dict[str, float]:
     out["bandwidth"] = 3 / (2 / gather + 1 / scatter)
     out["all_gather_bandwidth"], out["reduce_scatter_bandwidth"] = gather, scatter
     out["all_reduce_bandwidth"] = reduce
-    one = torch.ones(1)
+    one = torch.ones(1, device=on)
     out["latency"] = seconds_of(lambda: collectives.all_reduce(one, bound, axes).wait()) / (
         2 * (w - 1)
     )
@@ -235,9 +265,9 @@ def _overlap(
         pending = collectives.all_reduce(whole, bound, axes)
         for _ in range(reps):
             torch.mm(a, a)
+        pending.wait()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        pending.wait()
 
     together = seconds_of(both)
     return (comm + compute - together) / min(comm, compute)
@@ -245,7 +275,7 @@ def _overlap(
 
 def _agree(value: int, op: Any, /) -> int:
     """``value`` reduced over the ranks: every rank then runs the same number of collectives."""
-    t = torch.tensor([value])
+    t = torch.tensor([value], device=_comm_device(torch.device("cpu")))
     dist.all_reduce(t, op=op)
     return int(t.item())
 
@@ -267,6 +297,13 @@ def _timed_together(fn: Any, /, *, seconds: float) -> float:
     return statistics.median(times)
 
 
+def _comm_device(device: torch.device) -> torch.device:
+    """Where the process group's collectives take tensors: the rank's GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _sync_of(device: torch.device) -> Any:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -282,7 +319,13 @@ def add_arguments(parser: argparse.ArgumentParser, /) -> None:
     """The options of ``funcshard calibrate``."""
     parser.add_argument("--out", type=Path, required=True, help="the hardware JSON to write")
     parser.add_argument("--name", default="this-machine", help="the description's name")
-    parser.add_argument("--nproc", type=int, default=2, help="local gloo ranks (default 2)")
+    parser.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="default: nccl where there is a GPU per rank, else gloo (as fs.init picks)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
 
@@ -295,7 +338,9 @@ def run(args: argparse.Namespace, /) -> int:
             file=sys.stderr,
         )
         return 2
-    settings = Settings(world_size=args.nproc, threads=args.threads, seconds=args.seconds)
+    settings = Settings(
+        world_size=args.nproc, threads=args.threads, seconds=args.seconds, backend=args.backend
+    )
     try:
         hardware = calibrate(settings, name=args.name)
     except RuntimeError as e:
@@ -305,7 +350,7 @@ def run(args: argparse.Namespace, /) -> int:
     print(
         f"{hardware.name}: matmul {hardware.peak_flops / 1e9:.1f} GFLOP/s per rank, a transformer "
         f"block {hardware.efficiency:.0%} of it; memory {hardware.memory_bandwidth / 1e9:.1f} GB/s, "
-        f"copies {hardware.copy_rate / 1e9:.2f} GB/s; gloo {hardware.intra_node_bandwidth / 1e6:.0f} "
+        f"copies {hardware.copy_rate / 1e9:.2f} GB/s; {backend_for(settings)} {hardware.intra_node_bandwidth / 1e6:.0f} "
         f"MB/s per rank, {hardware.latency * 1e6:.0f} us per ring step, {hardware.overlap:.0%} "
         f"hidden under compute\nwrote {args.out}; use it with --hardware {args.out}"
     )

@@ -4,8 +4,9 @@
 ``AsyncCheckpointer.save`` blocks only for what must happen in step with the other
 ranks and before the state changes: the agreement at the start of the save and the
 RNG states (two small collectives, as in a blocking save), and the copy of this
-rank's chunks into host staging buffers, which the checkpointer keeps and reuses
-from one save to the next while the chunks keep their shapes
+rank's chunks into host staging buffers (pinned, in batches, waited for on an
+event: [Note: staging in batches] in ``staging.py``), which the checkpointer keeps
+and reuses from one save to the next while the chunks keep their shapes
 (:attr:`AsyncCheckpointer.staging_bytes`; ``fs.cost.CostModel(async_checkpoint=True)``
 counts them). A background thread then writes the files and hashes the chunks
 (as ``torch.distributed.checkpoint.async_save`` and Orbax's async checkpointing do).
@@ -43,6 +44,7 @@ from funcshard._src.checkpoint.save import (
     prepare,
     write_report,
 )
+from funcshard._src.checkpoint.staging import Staging
 from funcshard._src.comm import runtime, settle
 
 _STORE_PREFIX = "funcshard/async-save"
@@ -110,13 +112,16 @@ class AsyncCheckpointer:
     """
 
     def __init__(self) -> None:
-        self._staging: dict[str, torch.Tensor] = {}
+        self._staging = Staging()
         self._pending: SaveHandle | None = None
 
     @property
     def staging_bytes(self) -> int:
-        """Bytes of host memory the staging buffers hold (this rank's chunks of the last save)."""
-        return sum(t.numel() * t.element_size() for t in self._staging.values())
+        """Bytes of host memory the staging buffers hold (this rank's chunks of the last save).
+
+        The buffers add under 64 bytes a chunk to align them ([Note: staging in batches]).
+        """
+        return self._staging.chunk_bytes
 
     def save(
         self,
@@ -177,7 +182,7 @@ class AsyncCheckpointer:
         try:
             self.wait()
         finally:
-            self._staging = {}
+            self._staging.clear()
 
     def __enter__(self) -> AsyncCheckpointer:
         return self
@@ -186,21 +191,12 @@ class AsyncCheckpointer:
         self.close()
 
     def _stage(self, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copies ``views`` into this checkpointer's host buffers (reused when shapes match); mutates them."""
-        staged: dict[str, torch.Tensor] = {}
-        pinned = False
-        for key, view in views.items():
-            buffer = self._staging.get(key)
-            if buffer is None or buffer.shape != view.shape or buffer.dtype != view.dtype:
-                pin = view.device.type == "cuda"
-                buffer = torch.empty(view.shape, dtype=view.dtype, pin_memory=pin)
-            pinned |= buffer.is_pinned()
-            buffer.copy_(view.detach(), non_blocking=buffer.is_pinned())
-            staged[key] = buffer
-        if pinned:
-            torch.cuda.synchronize()  # the copies into pinned buffers were asynchronous
-        self._staging = staged  # buffers of chunks no longer saved are released
-        return staged
+        """Copies ``views`` into this checkpointer's host buffers (reused when shapes match); mutates them.
+
+        See [Note: staging in batches] in ``staging.py``: pinned batches from a GPU,
+        waited for on an event.
+        """
+        return self._staging.stage(views)
 
 
 def _exchange_timeout() -> float:

@@ -5,7 +5,8 @@ One row of bytes per rank: ``FSRNG1\\0\\0``, then the torch CPU generator
 (a u32 length and its bytes), Python's ``random`` (625 u32 words, a u8 flag
 and an f64 for the cached Gaussian), numpy's legacy global generator (624 u32
 words, a u32 position, a u32 flag and an f64), and the CUDA generators (a u32
-count, then a u32 length and the bytes of each). Little-endian. A row read
+count, then a u32 length and the bytes of each; one, the rank's own device's:
+[Note: the local CUDA generator]). Little-endian. A row read
 from a checkpoint is untrusted: every length and value is checked before any
 generator is set, and a row of only torch's CPU state (funcshard 0.1's rows) is
 still read.
@@ -27,6 +28,15 @@ Philox seed and offset, the offset a multiple of 4 (``torch.cuda.set_rng_state``
 refuses any other, after the CPU generators would have been set). Anything else is a
 :class:`CorruptCheckpointError` naming the generator and the field, and no generator
 is changed.
+
+[Note: the local CUDA generator]
+Each rank saves the CUDA generator of its own device (``torch.cuda.current_device()``,
+which ``fs.init`` sets to ``cuda:LOCAL_RANK``) and no other: the GPUs a rank
+merely sees are other ranks' generators, and reading each would initialize a CUDA
+context on every one of them. Its row then holds one CUDA state, which a load sets
+on the loading rank's current device. A row that holds several (funcshard before
+this rule saved every visible GPU's) sets only the current device's, from its
+index.
 """
 
 from __future__ import annotations
@@ -127,7 +137,12 @@ def _pack() -> bytes:
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     assert name == "MT19937"
     npy = _NP.pack(*(int(k) for k in keys), int(pos), int(has_gauss), float(cached))
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    # this rank's own GPU alone: See [Note: the local CUDA generator]
+    cuda = (
+        [torch.cuda.get_rng_state(torch.cuda.current_device())]
+        if torch.cuda.is_initialized()
+        else []
+    )
     parts = [_MAGIC, _U32.pack(len(cpu)), cpu, py, npy, _U32.pack(len(cuda))]
     for state in cuda:
         data = state.numpy().tobytes()
@@ -253,8 +268,10 @@ def _setter(
         if npy is not None:
             keys = np.array(npy[:624], dtype=np.uint32)
             np.random.set_state(("MT19937", keys, npy[624], npy[625], npy[626]))
-        if cuda and torch.cuda.is_available():
-            for device, state in enumerate(cuda[: torch.cuda.device_count()]):
+        if cuda and torch.cuda.is_available():  # See [Note: the local CUDA generator]
+            device = torch.cuda.current_device()
+            state = cuda[0] if len(cuda) == 1 else cuda[device] if device < len(cuda) else None
+            if state is not None:
                 torch.cuda.set_rng_state(
                     torch.frombuffer(bytearray(state), dtype=torch.uint8), device
                 )

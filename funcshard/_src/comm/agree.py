@@ -25,6 +25,7 @@ from funcshard._src.comm.channel import (
     ensure_in_step,
     kind_name,
     mark_out_of_step,
+    mirror,
     post,
     receive,
     wait,
@@ -197,7 +198,7 @@ def all_gather_json(value: Any, what: str, /) -> list[Any]:
     size = max(p[0] for _, p in everyone)
     mine = torch.zeros(size, dtype=torch.uint8)
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
-    out = torch.empty(size * ch.world_size, dtype=torch.uint8)
+    out = mirror(ch, mine)
     # See [Note: agreements]: the sizes were just agreed, so this cannot meet a message of another size
     work = None
     try:

@@ -16,6 +16,19 @@ pairs wrongly. Variable-sized data (JSON objects) travels on a second group
 only after an agreement has fixed its size on every rank.
 
 See [Note: out of step] in ``settle.py`` for what happens after an error.
+
+[Note: the fake process group]
+Under torch's ``fake`` process group (``dist.init_process_group("fake",
+store=FakeStore(), rank=r, world_size=W)``) one process stands for every rank:
+each collective completes at once and moves no bytes. That is how a W-rank step
+runs in one process, to count memory and host time at a large world size. The
+control groups are then fake too (gloo cannot start without peers), and the
+channel is *mirrored*: an all-gather's output is filled with this rank's message
+in every row before it is issued, so every agreement finds every rank at the
+same operation with the same digest, as it would if all W ranks ran this
+process's program. Data collectives move nothing: their results hold whatever
+their buffers held, so a loss under the fake group is not a number to check.
+The shared-memory transport is gloo's alone and never starts there.
 """
 
 from __future__ import annotations
@@ -78,6 +91,7 @@ class Channel:
     peer_aborted: bool = False  # a peer's ABORT was already received: no need to post one
     abandoned: list[Any] = field(default_factory=list)  # works never waited for, kept alive
     agreed_settings: dict[str, str] | None = None  # every rank's transport settings: preflight.py
+    mirrored: bool = False  # torch's fake process group: see [Note: the fake process group]
 
     def group(self, which: str) -> dist.ProcessGroup:
         ref = self.control if which == "control" else self.payload
@@ -107,9 +121,17 @@ def channel() -> Channel | None:
     if found is not None and found[0]() is world:
         return found[1]
     timeout = datetime.timedelta(seconds=runtime.wait_limit_s())
-    control = cast("dist.ProcessGroup", dist.new_group(backend="gloo", timeout=timeout))
-    payload = cast("dist.ProcessGroup", dist.new_group(backend="gloo", timeout=timeout))
-    made = Channel(weakref.ref(control), weakref.ref(payload), runtime.rank(), runtime.world_size())
+    fake = runtime.is_fake()  # See [Note: the fake process group]
+    backend = "fake" if fake else "gloo"
+    control = cast("dist.ProcessGroup", dist.new_group(backend=backend, timeout=timeout))
+    payload = cast("dist.ProcessGroup", dist.new_group(backend=backend, timeout=timeout))
+    made = Channel(
+        weakref.ref(control),
+        weakref.ref(payload),
+        runtime.rank(),
+        runtime.world_size(),
+        mirrored=fake,
+    )
     _CHANNELS[id(world)] = (weakref.ref(world), made)
     return made
 
@@ -187,7 +209,7 @@ def post(ch: Channel, kind: Kind, digest: bytes, payload: Sequence[int], what: s
     message[2:4] = torch.frombuffer(bytearray(digest), dtype=torch.int64)
     message[4 : 4 + len(payload)] = torch.tensor(list(payload), dtype=torch.int64)
     ch.seq += 1
-    out = torch.empty(WORDS * ch.world_size, dtype=torch.int64)
+    out = mirror(ch, message)
     try:
         work = all_gather_single(out, message, group=ch.group("control"), async_op=True)
     except Exception as e:
@@ -239,6 +261,16 @@ def exchange(
 ) -> list[Message]:
     """One all-gather of control messages on ``ch``, waited for: :func:`post` then :func:`receive`."""
     return receive(ch, post(ch, kind, digest, payload, what), timeout=timeout)
+
+
+def mirror(ch: Channel, mine: torch.Tensor, /) -> torch.Tensor:
+    """The output of an all-gather of ``mine`` on ``ch``: every row ``mine`` where ``ch`` is mirrored.
+
+    See [Note: the fake process group].
+    """
+    if ch.mirrored:
+        return mine.repeat(ch.world_size)
+    return torch.empty(mine.numel() * ch.world_size, dtype=mine.dtype)
 
 
 def wait(work: Any, timeout: float | None) -> None:

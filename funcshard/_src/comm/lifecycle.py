@@ -5,17 +5,20 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from funcshard._src.comm import channel, runtime
+from funcshard._src.comm import channel, devices, runtime
 
 
 def init(*, backend: str | None = None, timeout_s: float | None = None) -> None:
     """Starts ``torch.distributed`` from torchrun's environment; alone, it does nothing.
 
     The backend is ``nccl`` where CUDA is available and ``gloo`` otherwise. On
+    NCCL each rank uses ``cuda:LOCAL_RANK`` (passed as ``device_id``): the device
+    :func:`funcshard.device` names, where :func:`funcshard.shard` puts shards. On
     the CPU, when several ranks share the machine and ``OMP_NUM_THREADS`` is not
     set, each rank gets an equal share of the cores. Calling it again is a no-op.
 
@@ -44,18 +47,27 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> None:
         return
     runtime.set_init_timeout(timeout_s)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    extra: dict[str, Any] = {}
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # the rank's own GPU: NCCL binds its communicator to it at once (no guessing at the
+        # first collective), and it is where shards go by default (devices.default_device)
+        device = devices.default_device("nccl")
+        torch.cuda.set_device(device)
+        extra["device_id"] = device
     elif "OMP_NUM_THREADS" not in os.environ:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    # the process group's timeout: on NCCL its watchdog is what ends a collective that never
+    # completes ([Note: waits that never block the host] in pending.py)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = _attempt_store(timeout)
     if store is None:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **extra)
     else:
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=size, timeout=timeout, **extra
+        )
     atexit.register(_destroy_at_exit)
 
 

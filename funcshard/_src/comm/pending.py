@@ -5,6 +5,18 @@ it refuses a process that is out of step, checks the transport settings every ra
 agreed on (``preflight.py``), records the collective in the trace that agreements
 compare, and turns a failure into a :class:`CollectiveError` naming the operation,
 its unit, the mesh axes and the rank (see [Note: out of step] in ``channel.py``).
+
+[Note: waits that never block the host]
+On NCCL, ``Work.wait()`` makes the current CUDA stream wait for the collective
+and returns at once; ``Work.wait(timeout=...)`` instead blocks the host thread
+until the collective has finished. A timed wait would stall the host at every
+gather and reduction, so it could never run ahead of the GPU. So no timeout
+reaches a wait anywhere but on gloo, and :func:`runtime.wait_timeout_s` is the
+one place that decides: on NCCL the process group's own timeout (``fs.init``
+passes ``timeout_s`` to ``init_process_group``) and its watchdog end a
+collective that never completes; on gloo, where every wait blocks the host
+anyway, the collective timeout bounds it and its error names the collective.
+:func:`wait_for` is the wait that every :class:`Pending` goes through.
 """
 
 from __future__ import annotations
@@ -35,28 +47,56 @@ class Pending:
     what: str = ""  # "all_gather of unit 'blocks/0' over ('fsdp',) on rank 1", for errors
     then: Callable[[], None] | None = None  # runs once the work is done (e.g. copy a chunk out)
     holds_copy: bool = False  # holds a copy of its input until done (shared memory: comm/shm/)
+    backend: str | None = None  # the backend of its group: what its wait may pass (wait_for)
 
     def wait(self) -> torch.Tensor:
-        """Blocks until the collective is done and returns its result.
+        """Returns the result once the collective is done (on NCCL: once the current stream waits for it).
 
         Raises:
             CollectiveError: the collective failed or timed out.
         """
         if self.work is not None:
-            timeout = runtime.collective_timeout()
             try:
-                if timeout is None:
-                    self.work.wait()
-                else:
-                    self.work.wait(timeout=datetime.timedelta(seconds=timeout))
-            except Exception as e:
+                wait_for(self.work, self.backend)
+            except WaitError as e:
                 channel.mark_out_of_step(f"{self.what} failed")
-                raise failure(self.what, e, timeout) from e
+                raise failure(self.what, e.error, e.timeout) from e.error
             self.work = None
             if self.then is not None:
                 self.then()
                 self.then = None
         return self.result
+
+
+class WaitError(Exception):
+    """A wait of :func:`wait_for` raised ``error`` after waiting with ``timeout`` seconds."""
+
+    def __init__(self, error: Exception, timeout: float | None) -> None:
+        super().__init__(str(error))
+        self.error, self.timeout = error, timeout
+
+
+def wait_for(work: Any, backend: str | None, /) -> None:
+    """Waits for ``work`` of a collective issued on ``backend``: with a timeout on gloo alone.
+
+    See [Note: waits that never block the host]. On NCCL ``work.wait()`` gets no
+    argument, so the host goes on and the current stream waits for the collective.
+
+    Raises:
+        WaitError: the wait raised; it carries the error and the timeout used.
+
+    Example:
+        >>> class Work:
+        ...     def wait(self, **kwargs):
+        ...         print(kwargs)
+        >>> wait_for(Work(), "nccl")
+        {}
+    """
+    timeout = runtime.wait_timeout_s(backend)
+    try:
+        wait_work(work, None if timeout is None else datetime.timedelta(seconds=timeout))
+    except Exception as e:
+        raise WaitError(e, timeout) from e
 
 
 class Each:
@@ -91,7 +131,7 @@ def issue(
     except Exception as e:
         channel.mark_out_of_step(f"{what} failed")
         raise failure(what, e, None) from e
-    return Pending(tensor, work, what)
+    return Pending(tensor, work, what, backend=str(dist.get_backend(group)))
 
 
 def failure(what: str, error: Exception, timeout: float | None) -> CollectiveError:

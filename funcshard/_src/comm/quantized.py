@@ -183,7 +183,9 @@ def all_gather(
         for j in range(size):
             dequantize_into(received[j * nbytes : (j + 1) * nbytes], n, block, rows[j], format)
 
-    return Dequantized(rows, inner.work, inner.what, inner.then, inner.holds_copy, finish)
+    return Dequantized(
+        rows, inner.work, inner.what, inner.then, inner.holds_copy, inner.backend, finish=finish
+    )
 
 
 def reduce_scatter(
@@ -236,4 +238,6 @@ def reduce_scatter(
             total.add_(term)
         result.copy_(total)
 
-    return Dequantized(result, inner.work, inner.what, inner.then, inner.holds_copy, finish)
+    return Dequantized(
+        result, inner.work, inner.what, inner.then, inner.holds_copy, inner.backend, finish=finish
+    )

@@ -47,6 +47,23 @@ def collective_timeout() -> float | None:
     return _init_timeout_s
 
 
+def wait_timeout_s(backend: str | None, /) -> float | None:
+    """Seconds a host wait for a collective on ``backend`` may last (``None``: no timeout is passed).
+
+    The one rule every wait on ``torch.distributed`` work follows: gloo's waits get
+    :func:`collective_timeout`, so that a peer that never joins raises funcshard's
+    error naming the collective; every other backend's get none (see [Note: waits
+    that never block the host] in ``pending.py``).
+
+    Example:
+        >>> set_collective_timeout(30.0)
+        >>> wait_timeout_s("gloo"), wait_timeout_s("nccl"), wait_timeout_s("fake")
+        (30.0, None, None)
+        >>> set_collective_timeout(None)
+    """
+    return collective_timeout() if backend == "gloo" else None
+
+
 def wait_limit_s() -> float:
     """Seconds a wait that funcshard runs itself may last: :func:`collective_timeout`, else ``DEFAULT_TIMEOUT_S``.
 
@@ -103,6 +120,14 @@ def debug_collectives() -> bool:
 def is_distributed() -> bool:
     """Whether ``torch.distributed`` is initialized."""
     return dist.is_available() and dist.is_initialized()
+
+
+def is_fake() -> bool:
+    """Whether the default process group is torch's ``fake`` one (every rank in this process).
+
+    See [Note: the fake process group] in ``channel.py``.
+    """
+    return is_distributed() and dist.get_backend() == "fake"
 
 
 def rank() -> int:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from funcshard._src import tree
-from funcshard._src.comm import groups
+from funcshard._src.comm import devices, groups
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute.desync import (
     check_end,
@@ -185,6 +185,7 @@ class Step:
             sparams,
             "forward only",
             nested="an evaluation was called inside a step's loss_fn; call them one after the other",
+            batches=[(args, kwargs)],
         )
         self.memory.peak = self.memory.current
         run = Run(
@@ -247,6 +248,7 @@ class Step:
             sparams,
             f"{mode}, {len(batches)} micro-batch(es)",
             nested="a step was called inside another step's loss_fn; call steps one after the other",
+            batches=batches,
         )
         reducer = Reducer(
             world_size=self._world_size,
@@ -291,18 +293,18 @@ class Step:
         return (losses, auxes), sharded_grads
 
     def _start(
-        self, sparams: Any, accumulation: str, *, nested: str
+        self, sparams: Any, accumulation: str, *, nested: str, batches: list[Any]
     ) -> tuple[list[ParamGroup], dict[str, list[FlatShard]]]:
         """What every call of a step or evaluation does first; collective (the start agreement).
 
-        Refuses a call inside a running step (``nested`` is the message), checks
-        ``sparams`` against the plan and agrees with every rank on the signature.
-        Returns every unit's parameter group and this call's flat shards by unit.
+        Refuses a call inside a running step (``nested``: the message), checks ``sparams``
+        and ``batches`` (plan, devices), agrees with every rank on the signature; returns
+        every unit's parameter group and this call's flat shards by unit.
         """
         if step_run() is not None:
             raise RuntimeError(nested)
         self._runtimes()
-        by_unit = shards_by_unit(sparams, self.plan, self._layouts)
+        by_unit = shards_by_unit(sparams, self.plan, self._layouts, batches=batches)
         check_start(
             signature(
                 self._fingerprint,
@@ -403,12 +405,21 @@ def value_and_grad(
 
 
 def shards_by_unit(
-    sparams: Any, plan: Plan, layouts: Sequence[FlatLayout], /
+    sparams: Any,
+    plan: Plan,
+    layouts: Sequence[FlatLayout],
+    /,
+    *,
+    batches: Sequence[tuple[tuple[Any, ...], dict[str, Any]]] = (),
 ) -> dict[str, list[FlatShard]]:
     """``sparams``' flat shards by unit (one per part, in ``layouts``' order), if sharded with ``plan``.
 
+    The shards, and the tensors of ``batches`` (:func:`check_devices`), must be
+    on a device the backend carries.
+
     Raises:
-        ValueError: another tree structure, or shards of another plan or rank.
+        ValueError: another tree structure, shards of another plan or rank, or a
+            shard or batch tensor on a device the backend cannot carry.
         TypeError: a leaf that is not sharded.
     """
     leaves, treedef = tree.flatten(sparams)
@@ -443,7 +454,49 @@ def shards_by_unit(
     for layout in layouts:  # each unit's parts in the order of its runtime's
         if layout in found:
             by_unit.setdefault(layout.unit, []).append(found[layout])
+    check_devices(by_unit, batches)
     return by_unit
+
+
+def check_devices(
+    by_unit: dict[str, list[FlatShard]],
+    batches: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+    /,
+) -> None:
+    """Refuses shards or batch tensors on a device the backend cannot carry, before any collective.
+
+    ``batches``: each call's ``(args, kwargs)`` after the params; argument paths
+    count from 0 after the params (``loss_fn's argument 0`` is the first).
+
+    See [Note: devices and backends] in ``comm/devices.py``; nothing to check
+    outside a distributed run or under the fake process group.
+
+    Raises:
+        ValueError: names the unit or the batch leaf, its device, the backend and the fix.
+    """
+    if devices.backend() in (None, "fake"):
+        return
+    devices.check_tensors(
+        (
+            (f"{flat.layout.slots[0].path} (unit {unit!r})", flat.data)
+            for unit, flats in by_unit.items()
+            for flat in flats
+            if flat.layout.slots
+        ),
+        "the params",
+    )
+    for i, (args, kwargs) in enumerate(batches):
+        where = f"micro-batch {i}" if len(batches) > 1 else "the batch"
+        for kind, part in (("argument", args), ("keyword argument", kwargs)):
+            paths, leaves, _ = tree.flatten_with_paths(part)
+            devices.check_tensors(
+                (
+                    (f"loss_fn's {kind} {p}", x)
+                    for p, x in zip(paths, leaves)
+                    if isinstance(x, torch.Tensor)
+                ),
+                where,
+            )
 
 
 # What ``loss_fn`` returned: the loss (and aux), checked before backward runs.

@@ -26,6 +26,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -96,6 +97,13 @@ def unpack_into(
     if layout.flat:
         for view, out in zip(unpack_gathered(layout, gathered, axes), outs):
             out.copy_(view)
+        return
+    widths = column_widths(layout, axes)
+    if widths is not None and _fusable(gathered, outs):  # See [Note: leaves as columns]
+        rows = gathered.shape[0]
+        torch.split_with_sizes_copy(
+            gathered[:, : sum(widths)], list(widths), dim=1, out=[o.view(rows, -1) for o in outs]
+        )
         return
     for geo, out in zip(geometry(layout, axes), outs):
         grid = geo.grid(gathered)[geo.replica_index]  # replicas hold the same chunk
@@ -207,6 +215,19 @@ def pack_into(
         else:
             pack_flat_rows(layout, leaves, out.view(len(order), -1), order, scale)
         return
+    widths = column_widths(layout, axes)
+    if (
+        widths is not None
+        and sum(widths) == layout.numel
+        and (scale == 1.0 or out.numel() * out.element_size() <= FUSED_SCALE_BYTES)
+        and all(leaf is not None for leaf in leaves)
+        and _fusable(out, cast("Sequence[torch.Tensor]", leaves))
+    ):  # See [Note: leaves as columns]
+        rows = out.shape[0]
+        torch.cat([leaf.view(rows, -1) for leaf in leaves if leaf is not None], dim=1, out=out)
+        if scale != 1.0:
+            out.mul_(scale)
+        return
     geos = geometry(layout, axes)
     if out.shape[0] == 1 and all(
         geo.padded is None for geo in geos
@@ -313,6 +334,59 @@ def geometry(layout: FlatLayout, axes: Sequence[str] | None = None, /) -> tuple[
         ValueError: a slot's spec uses a mesh axis outside ``axes``.
     """
     return _geometry(layout, tuple(layout.mesh.axis_names if axes is None else axes))
+
+
+FUSED_SCALE_BYTES = 4 << 20  # a scaled pack up to this size: one fused copy, then a scale
+
+
+@functools.lru_cache(maxsize=4096)
+def _column_widths(layout: FlatLayout, axes: tuple[str, ...]) -> tuple[int, ...] | None:
+    at, widths = 0, []
+    for geo in _geometry(layout, axes):
+        identity = geo.order == tuple(range(len(geo.order)))
+        if geo.padded is not None or geo.replica_index or not identity or geo.start != at:
+            return None
+        widths.append(geo.stop - geo.start)
+        at = geo.stop
+    return tuple(widths) if widths else None
+
+
+def column_widths(
+    layout: FlatLayout, axes: Sequence[str] | None = None, /
+) -> tuple[int, ...] | None:
+    """Each slot's width if every leaf of ``layout`` is its columns of the gathered rows, in order.
+
+    [Note: leaves as columns]
+    When every leaf is sharded evenly on dim 0 over exactly ``axes`` (in order)
+    and nowhere else, and the slots follow each other from column 0, leaf ``i``
+    viewed ``(group_size, -1)`` *is* columns ``start_i:stop_i`` of the gathered
+    ``(group_size, numel)`` rows: the layout of FSDP2's all-gather. Unpacking is
+    then one ``torch.split_with_sizes_copy`` over the slots' widths, and packing
+    one ``torch.cat`` (then a scale, for a small buffer), where the general path
+    runs a copy per leaf through its chunk grid; the host time of a small unit is
+    those calls. ``None`` for any other layout.
+
+    Example:
+        >>> from funcshard._src.plan.planner import plan as make_plan
+        >>> from funcshard._src.spec.mesh import Mesh
+        >>> p = make_plan({"a": torch.zeros(8, 2), "b": torch.zeros(4)}, Mesh({"fsdp": 4}))
+        >>> column_widths(layouts(p)[0])
+        (4, 1)
+    """
+    return _column_widths(layout, tuple(layout.mesh.axis_names if axes is None else axes))
+
+
+def _fusable(block: torch.Tensor, leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether ``leaves`` can each be viewed as ``block``'s rows, in its dtype and on its device.
+
+    Not where autograd would record the copies (a fused copy's ``out=`` refuses it).
+    """
+    if torch.is_grad_enabled() and (block.requires_grad or any(x.requires_grad for x in leaves)):
+        return False
+    return all(
+        leaf.is_contiguous() and leaf.dtype == block.dtype and leaf.device == block.device
+        for leaf in leaves
+    )
 
 
 def _is_even(slot: Slot) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import runtime
+from funcshard._src.comm import devices, runtime
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.rules import matches, pattern_repr
 from funcshard._src.shard import counter_rng
@@ -59,8 +59,9 @@ def materialize(
             params' structure, or rules ``[(pattern, initializer), ...]`` over leaf
             paths (the first match wins; patterns as in ``fs.plan``'s rules).
         seed: an int in ``[0, 2**64)``.
-        device: where the shards go; default: the leaves' device, or the CPU for
-            ``meta`` leaves. Values are computed on the CPU whatever it is.
+        device: where the shards go; default: this rank's GPU under NCCL
+            (``fs.device()``), else the leaves' device, or the CPU for ``meta``
+            leaves. Values are computed on the CPU whatever it is.
 
     Returns:
         A pytree of :class:`ShardedTensor` with the structure of ``abstract``:
@@ -98,6 +99,8 @@ def materialize(
         raise ValueError(
             f"{plan.mesh!r} has {plan.mesh.size} ranks but the world size is {world_size}; {hint}"
         )
+    if device is None and devices.backend() == "nccl":
+        device = devices.default_device()  # See [Note: devices and backends] (comm/devices.py)
     return materialize_for_rank(abstract, plan, init, runtime.rank(), seed=seed, device=device)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import agree, collectives, groups, settle
+from funcshard._src.comm import agree, collectives, devices, groups, settle
 from funcshard._src.comm.channel import Kind
 from funcshard._src.comm.runtime import DesyncError
 from funcshard._src.plan.plan import LeafPlan, Plan
@@ -32,7 +32,8 @@ def shard(
     Args:
         params: the pytree ``plan`` was made for (same structure, shapes, dtypes).
         plan: the plan, on a mesh whose size is the world size.
-        device: where the shards go; default: where the leaves are.
+        device: where the shards go; default: this rank's GPU under NCCL
+            (``fs.device()``, ``cuda:LOCAL_RANK``), else where the leaves are.
         verify: check that every rank passed the same values (SHA-256 of every
             leaf, compared across ranks); ``False`` skips the hashing.
 
@@ -43,7 +44,10 @@ def shard(
         ValueError: the mesh does not match the world size, the tree, a shape or a
             dtype differs from the plan, leaves sit on different devices, two leaves
             share memory (a tie written as a view), some floating leaves require
-            grad and others do not, or ``device`` is not available here.
+            grad and others do not, ``device`` is not available here, or the
+            shards would sit on a device the backend cannot carry (CUDA under
+            gloo, the CPU under NCCL; see [Note: devices and backends] in
+            ``comm/devices.py``).
         TypeError: a leaf is not a tensor.
         DesyncError: with ``verify``, the ranks passed different values or plans; the
             message names the leaves that differ.
@@ -60,6 +64,7 @@ def shard(
     target = _device(device)
     bound = groups.bind(plan.mesh)
     leaves = check_params(params, plan)
+    target = _target(target, leaves)
     if verify:
         with settle.operation("fs.shard"):
             _agree_on_values(plan, leaves)
@@ -232,6 +237,20 @@ def check_params(params: Any, plan: Plan, /) -> list[torch.Tensor]:
                 f"state), or give every leaf the same requires_grad"
             )
     return leaves
+
+
+def _target(device: torch.device | None, leaves: list[torch.Tensor]) -> torch.device:
+    """Where :func:`shard` puts the shards: ``device``, else the backend's default or the leaves' device.
+
+    Raises:
+        ValueError: the backend cannot carry tensors there; names the fix.
+    """
+    if device is None and devices.backend() == "nccl":
+        device = devices.default_device()
+    target = device or (leaves[0].device if leaves else torch.device("cpu"))
+    shown = f"device={str(device)!r}" if device is not None else f"the leaves' device {target}"
+    devices.check_device(target, f"fs.shard: {shown}")
+    return target
 
 
 def _device(device: torch.device | str | None) -> torch.device | None:

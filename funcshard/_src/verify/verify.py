@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import agree, groups
+from funcshard._src.comm import agree, devices, groups
 from funcshard._src.comm.runtime import CollectiveError, DesyncError
 from funcshard._src.dtypes import dtype_name
 from funcshard._src.execute.value_and_grad import value_and_grad
@@ -62,6 +62,8 @@ def verify(
     crash; so are ranks that compute different references (a ``loss_fn`` that
     depends on the rank). The reference holds the whole model on every rank:
     verify a scaled-down configuration (fewer layers, the same rules and units).
+    In a distributed run ``params``, ``batch``, the shards and the reference go
+    to :func:`funcshard.device` (this rank's GPU under NCCL, the CPU under gloo).
     Collective: every rank calls it, and every rank gets the same report.
 
     Args:
@@ -131,6 +133,11 @@ def verify(
     atol = _tolerance("atol", default_atol if atol is None else atol)
     model = cost or CostModel(optimizer="sgd", mixed_precision=mixed_precision, prefetch=prefetch)
     bound = groups.bind(plan.mesh)
+    if devices.backend() is not None:  # shards and batches where the backend carries them
+        params, batch = (
+            _onto(params, devices.default_device()),
+            _onto(batch, devices.default_device()),
+        )
     records = _measure(
         loss_fn,
         params,
@@ -290,6 +297,11 @@ def _add(prints: list[list[float]], leaves: list[torch.Tensor], at: int) -> None
     for row, leaf in zip(prints, leaves):
         for k, v in enumerate(fingerprint(leaf)):
             row[at + k] += v
+
+
+def _onto(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor leaf on ``device`` (a leaf already there stays itself)."""
+    return tree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, value)
 
 
 def _device(sparams: Any) -> torch.device | None:
