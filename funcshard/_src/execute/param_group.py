@@ -790,7 +790,10 @@ def make_groups(
         if not _eligible(unit) or nbytes > bucket_bytes:
             close()
             size = 0
-            groups.append(ParamGroup([unit], gather_pool, reduce_pool))
+            # the root unit's staging is as large as the embeddings and used once a step: a
+            # pool that keeps nothing, so it is not held from its gather to its reduction
+            pool = BufferPool(depth=0) if unit.is_root else gather_pool
+            groups.append(ParamGroup([unit], pool, reduce_pool))
             continue
         if run and (_signature(run[0]) != _signature(unit) or size + nbytes > bucket_bytes):
             close()
