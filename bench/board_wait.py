@@ -1,4 +1,4 @@
-"""Round trip of two ranks through the shared-memory board: how a wait polls ([Note: waiting for a peer]).
+"""Round trip of two ranks through the shared-memory board: how a wait polls ([Note: waiting for a peer] in ``comm/shm/board.py``).
 
 Two processes post a descriptor and collect the other's, ``--rounds`` times, as
 every shared-memory collective does, with the board's wait as it is (``yield``)
@@ -30,7 +30,7 @@ def _spin_then_sleep(
     timeout_s: float,
     what: str,
 ) -> None:
-    """The wait before [Note: waiting for a peer]: 200 us of polls without yielding, then 20 us sleeps."""
+    """The wait before [Note: waiting for a peer] in ``comm/shm/board.py``: 200 us of polls without yielding, then 20 us sleeps."""
     start = time.monotonic()
     while not ready():
         waited = time.monotonic() - start

@@ -96,7 +96,7 @@ def test_every_algorithm_equals_native_and_every_members_input(pools, name, n, d
 
 def _rings_in_flight_together(world: int) -> list[bool]:
     """Two ring gathers of different sizes and a ring reduce-scatter in flight at once, waited
-    out of order: point-to-point messages pair by order (see [Note: all-gather steps])."""
+    out of order: point-to-point messages pair by order (see [Note: all-gather steps] in ``comm/all_gather.py``)."""
     bound = groups.bind(fs.Mesh({"fsdp": world}))
     a = collectives.all_gather(_flat(bound.rank, 7, "float32"), bound, ("fsdp",), algorithm="ring")
     rows = torch.ones(world, 5) * (bound.rank + 1)

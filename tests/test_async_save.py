@@ -197,7 +197,7 @@ def test_a_sigkill_in_the_middle_of_an_async_write_leaves_the_previous_checkpoin
 
 
 def test_staging_packs_chunks_into_batches_and_reuses_them():
-    """[Note: staging in batches]: on the CPU, plain memory; 64-byte aligned views."""
+    """[Note: staging in batches] in ``checkpoint/staging.py``: on the CPU, plain memory; 64-byte aligned views."""
     from funcshard._src.checkpoint.staging import Staging
 
     staging = Staging(batch_bytes=256)

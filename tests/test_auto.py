@@ -113,7 +113,7 @@ def test_with_micro_batches_a_generous_budget_picks_shard_optimizer():
 
 def test_where_gathers_across_nodes_are_exposed_auto_keeps_partial_copies():
     """llama-7b on 4 nodes of 8 A100s, 256 tokens a rank (communication exposed), a budget
-    that fits every unit's partial copy ([Note: partial copies]) but not shard_grad_op or
+    that fits every unit's partial copy ([Note: partial copies] in ``plan/strategy.py``) but not shard_grad_op or
     hybrid_shard: re-gathers inside a node make partial copies the fastest plan that fits.
     With 4 micro-batches, and a budget that also fits partial gradients ([Note: two-hop
     reductions]), they are kept for the step (hybrid_shard_optimizer)."""
@@ -172,7 +172,7 @@ def test_the_auto_plan_fits_its_budget(n, mesh, a, optimizer):
     assert estimate(plan, cost).memory.total <= budget
 
 
-# -- auto dominates every fixed strategy (see [Note: auto dominates]) --------------------------
+# -- auto dominates every fixed strategy (see [Note: auto dominates] in ``plan/search.py``) --------------------------
 
 BF16 = MixedPrecision(torch.bfloat16, torch.float32)
 Axes = tuple[tuple[str, int], ...]

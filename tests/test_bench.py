@@ -218,7 +218,7 @@ def test_tiny_benchmark_runs_the_per_step_levers(tmp_path):
 
 def test_tiny_benchmark_runs_the_partial_copies(tmp_path):
     """partial_reshard on {node: 2, local: 1} and hybrid_shard_optimizer on {dp: 2, fsdp: 1}
-    ([Note: partial copies]) train like the one-process reference and send what the cost
+    ([Note: partial copies] in ``plan/strategy.py``) train like the one-process reference and send what the cost
     model says; hybrid_shard_optimizer holds half of hybrid_shard's optimizer state."""
     modes = "funcshard/partial_reshard,funcshard/hybrid_shard_optimizer,funcshard/hybrid_shard/2mb,single"
     summary = _tiny(tmp_path, "--modes", modes, "--size", "34m")

@@ -37,7 +37,10 @@ def _plan(world: int, variant: int) -> fs.Plan:
     if variant == 5:  # sharded over fsdp, replicated over dp
         hybrid = fs.Mesh({"dp": 2, "fsdp": world // 2})
         return fs.plan(params, hybrid, units=MODEL.units, strategy="hybrid_shard")
-    if variant in (6, 7):  # partial copies over "local" ([Note: partial copies]), flat for 7
+    if variant in (
+        6,
+        7,
+    ):  # partial copies over "local" ([Note: partial copies] in ``plan/strategy.py``), flat for 7
         nodes = fs.Mesh({"node": min(world, 2), "local": max(1, world // 2)})
         strategy = "partial_reshard" if variant == 6 else "hybrid_shard_optimizer"
         layout = "leaf" if variant == 6 else "flat"

@@ -106,7 +106,7 @@ def test_a_transposed_chunk_that_covers_its_bytes_once_loads_exactly(ckpt):
     assert torch.equal(fs.checkpoint.load(ckpt, like=_like())["params"]["w"].local, W)
 
 
-# -- pickles whose unpickling would never end (See [Note: pickles checked before they are unpickled])
+# -- pickles whose unpickling would never end (See [Note: pickles checked before they are unpickled] in ``untrusted_pickle.py``)
 
 
 def _refused_at_once(directory: Path, *parts: str) -> None:

@@ -263,7 +263,7 @@ def test_deepspeed_layout_matches_deepspeeds_formulas_term_by_term(gpus, tmp_pat
         0 if whole else 2 * p
     )
     # one estimator for stages 1 and 2; shard_optimizer holds shard_grad_op's bytes at one
-    # micro-batch ([Note: shard_optimizer])
+    # micro-batch ([Note: shard_optimizer] in ``plan/strategy.py``)
     z1 = ds["zero1"]
     assert (z1["strategy"], z1["deepspeed"], z1["funcshard"]) == (
         "shard_optimizer",

@@ -1,6 +1,6 @@
 """Commits, runs and rotation: no checkpoint is lost to ``keep``, a bad step, or a run saving alongside.
 
-Also: ``keep`` deletes exactly the files a save wrote (see [Note: what cleanup deletes]),
+Also: ``keep`` deletes exactly the files a save wrote (see [Note: what cleanup deletes] in ``checkpoint/cleanup.py``),
 never follows a symlink, never touches anything outside the directory, and a save either
 committed and returns or raises and committed nothing.
 

@@ -73,7 +73,7 @@ def _measure(mesh: dict[str, int], strategies: list[Any]) -> list[dict[str, Any]
         (2, {"fsdp": 2}, ["full_shard", "shard_grad_op", "shard_optimizer", "no_shard"]),
         (4, {"fsdp": 4}, ["full_shard", "shard_grad_op", "no_shard"]),
         (4, {"dp": 2, "fsdp": 2}, ["hybrid_shard", "shard_optimizer", "full_shard"]),
-        # partial copies ([Note: partial copies]): the whole unit on two ranks, and 2x2
+        # partial copies ([Note: partial copies] in ``plan/strategy.py``): the whole unit on two ranks, and 2x2
         (2, {"node": 2, "local": 1}, ["partial_reshard", "hybrid_shard_optimizer"]),
         (4, {"dp": 2, "fsdp": 2}, ["partial_reshard", "hybrid_shard_optimizer"]),
     ],

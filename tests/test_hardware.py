@@ -220,7 +220,7 @@ def test_the_bench_step_on_this_machine_is_predicted_within_25_percent(strategy)
     assert predicted == pytest.approx(measured, rel=0.25), (predicted, measured)
 
 
-# -- implausible numbers and malformed files (See [Note: plausible hardware]) ---------------
+# -- implausible numbers and malformed files (See [Note: plausible hardware] in ``plan/hardware.py``) ---------------
 
 
 @pytest.mark.parametrize(

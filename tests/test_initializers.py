@@ -1,6 +1,6 @@
 """Initializers: the counter RNG's contract, each law's statistics, torch's fans, keys and errors.
 
-References: a pure-Python transcription of [Note: counter rng v1] (the contract
+References: a pure-Python transcription of [Note: counter rng v1] in ``shard/counter_rng.py`` (the contract
 the vectorized numpy code must keep bit for bit), pinned values (a change of
 scheme fails here first), ``torch.nn.init`` (fans, gains, the laws of
 ``xavier_*``/``kaiming_*``/``orthogonal_``) and closed-form moments.
@@ -29,7 +29,7 @@ LARGE = (512, 1024)  # 2**19 elements: standard errors near 0.1 % of the std
 
 
 def _reference_bits(seed: int, path: str, stream: int, i: int) -> int:
-    """[Note: counter rng v1] step by step, in Python ints."""
+    """[Note: counter rng v1] in ``shard/counter_rng.py`` step by step, in Python ints."""
     digest = hashlib.sha256(
         b"funcshard.counter_rng.v1\x00"
         + seed.to_bytes(8, "little")

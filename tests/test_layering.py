@@ -355,7 +355,7 @@ def test_no_lines_packed_past_the_formatter():
 
 
 def test_a_step_loads_nothing_that_describes_a_plan():
-    """[Note: the plan is data]: the executor's imports reach no cost, step time, hardware or explanation."""
+    """[Note: the plan is data] in ``plan/plan.py``: the executor's imports reach no cost, step time, hardware or explanation."""
     describing = {"cost", "cost_model", "estimates", "explain", "step_time", "hardware", "auto"}
     describing |= {"search", "advice", "planner", "presets", "activations", "model_config"}
     reached: dict[str, str] = {}
@@ -376,7 +376,7 @@ def test_a_step_loads_nothing_that_describes_a_plan():
 
 
 def test_a_calls_phase_is_assigned_only_in_run():
-    """[Note: a call's phase changes only in Run]: no other module assigns ``.phase``."""
+    """[Note: a call's phase changes only in Run] in ``execute/call_record.py``: no other module assigns ``.phase``."""
     assigning = []
     for path, _, _ in _src_modules():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -418,7 +418,7 @@ def test_only_parameter_groups_issue_the_executors_collectives():
 
 
 def test_only_parameter_groups_move_a_units_state():
-    """[Note: a unit's state is moved by its group alone]: its transitions are the group's to call."""
+    """[Note: a unit's state is moved by its group alone] in ``execute/unit_state.py``: its transitions are the group's to call."""
     transitions = {
         "mark_gathering",
         "mark_gathered",

@@ -123,7 +123,7 @@ def test_bind_refuses_a_mesh_that_is_not_the_world(pools):
 
 
 def _groups_die_with_the_process_group() -> bool:
-    """funcshard holds no process group or DeviceMesh strongly (see [Note: weak process groups])."""
+    """funcshard holds no process group or DeviceMesh strongly (see [Note: weak process groups] in ``comm/groups.py``)."""
     import gc
 
     import torch.distributed as dist

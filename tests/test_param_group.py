@@ -1,4 +1,4 @@
-"""A parameter group against an in-process fake transport, with no processes ([Note: one owner per collective]).
+"""A parameter group against an in-process fake transport, with no processes ([Note: one owner per collective] in ``execute/param_group.py``).
 
 As FSDP2 tests its param group: rank 0 of a two-rank mesh is built in this
 process (``shard_for_rank``), and the group's collectives go to

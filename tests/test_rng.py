@@ -108,7 +108,7 @@ def test_bad_seeds(bad):
         fs.seed(bad)
 
 
-# -- states checked by value (See [Note: rng states checked by value]) ---------------------
+# -- states checked by value (See [Note: rng states checked by value] in ``checkpoint/rng.py``) ---------------------
 
 
 def _row(change: Any = None, *, cuda: list[bytes] | None = None) -> bytes:
@@ -273,7 +273,7 @@ def test_a_crafted_checkpoint_with_a_nan_gaussian_is_refused_and_changes_nothing
 
 
 def test_only_the_local_devices_cuda_generator_is_saved_and_set(monkeypatch):
-    """[Note: the local CUDA generator], with torch.cuda faked: rank on cuda:2 of 4 GPUs."""
+    """[Note: the local CUDA generator] in ``checkpoint/rng.py``, with torch.cuda faked: rank on cuda:2 of 4 GPUs."""
     from funcshard._src.checkpoint import rng
 
     states = {d: bytes([d]) * 8 + (4 * d).to_bytes(8, "little") for d in range(4)}

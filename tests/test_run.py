@@ -125,7 +125,7 @@ def test_gathered_memory_stays_within_the_cost_model(pools, world_size, mesh, st
     at most the model's ``gathered + staging``. Units freed after forward (full_shard,
     hybrid_shard, as FSDP's HYBRID_SHARD) never hold every unit at once; the others hold
     all of them at the end of forward, shard_optimizer's for the whole step. Partial copies
-    ([Note: partial copies]) held at the end of forward are exactly the model's."""
+    ([Note: partial copies] in ``plan/strategy.py``) held at the end of forward are exactly the model's."""
     for micro in (1, 3):
         for r in pools.run(world_size, _peak_against_the_model, mesh, strategy, micro):
             assert r["peak"] <= r["bound"], (micro, r)
@@ -139,7 +139,7 @@ def test_gathered_memory_stays_within_the_cost_model(pools, world_size, mesh, st
                 assert r["peak"] >= r["all_units"], (micro, r)
 
 
-# meshes on which a partial copy is more than the shard ([Note: partial copies]): its copy is
+# meshes on which a partial copy is more than the shard ([Note: partial copies] in ``plan/strategy.py``): its copy is
 # the whole unit (re-gathered over a group of one), 2x2, and three axes
 PARTIAL_MESHES = [
     (2, {"node": 2, "local": 1}),
@@ -190,7 +190,7 @@ def test_partial_copies_keep_backward_inside_the_last_axis(pools):
     one = full // 6  # one gather of every unit, from the shards: 3/4 of the parameters
     assert ledgers["partial_reshard"]["sharded"][local] == 3 * one * 2 // 3
     assert ledgers["hybrid_shard_optimizer"]["sharded"][local] == 5 * one * 2 // 3
-    # gradients ([Note: two-hop reductions]): full_shard and partial_reshard reduce-scatter over
+    # gradients ([Note: two-hop reductions] in ``execute/partial_gradient.py``): full_shard and partial_reshard reduce-scatter over
     # both axes each micro-batch, 3/4 of the unit; hybrid_shard_optimizer over "local" each
     # micro-batch (1/2 of it) and over "node" once per step (1/2 of its partial gradient)
     rs_both = ("reduce_scatter", ("node", "local"))
@@ -226,7 +226,7 @@ def _partial_gradients(mesh: dict[str, int], layout: Any) -> list[tuple[Any, int
 
 @pytest.mark.parametrize("layout", ["leaf", "flat"])
 def test_partial_gradients_alive_equal_the_cost_model(pools, layout):
-    """[Note: two-hop reductions] on 2x2: every unit's partial gradient between micro-batches,
+    """[Note: two-hop reductions] in ``execute/partial_gradient.py`` on 2x2: every unit's partial gradient between micro-batches,
     one unit's at a time within one micro-batch or with accumulate="unsharded"."""
     for per_rank in pools.run(4, _partial_gradients, {"node": 2, "local": 2}, layout):
         for case, peak, expected in per_rank:
@@ -395,7 +395,7 @@ def test_the_ledger_of_several_micro_batches_equals_the_cost_model(pools, world_
 
 
 def test_shard_optimizer_gathers_and_reduces_once_per_step(pools):
-    """[Note: shard_optimizer]: one all-gather and one reduce-scatter per step of 3 micro-batches,
+    """[Note: shard_optimizer] in ``plan/strategy.py``: one all-gather and one reduce-scatter per step of 3 micro-batches,
     a third of shard_grad_op's gathers, whatever the accumulation mode."""
     once, per_micro_batch = (
         {mode: ledger for mode, ledger, _ in pools.run(2, _accumulated_ledgers, {"fsdp": 2}, s)[0]}

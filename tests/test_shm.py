@@ -117,7 +117,7 @@ def test_collectives_in_flight_equal_gloo_and_reuse_their_regions(pools, name, t
         # yet been heard to finish reading; never one per collective started
         assert r["regions"][-1] == r["regions"][ROUNDS // 2], f"rank {rank}: {r['regions']}"
         assert r["regions"][-1] <= 12, f"rank {rank}: {r['regions']}"
-        # see [Note: peers' pages]: what a rank read from its peers is not in its RSS
+        # see [Note: peers' pages] in ``comm/shm/regions.py``: what a rank read from its peers is not in its RSS
         assert r["peer_resident"] == 0, f"rank {rank}: {r['peer_resident']} bytes of peers'"
 
 
@@ -263,7 +263,7 @@ def test_an_all_reduce_on_sockets_gives_its_sum_to_out_too(pools):
 
 
 def _own_row_apart(mesh: dict[str, int], axes: tuple[str, ...]) -> dict[str, Any]:
-    """A reduce-scatter whose own row is made when summed ([Note: the own row from the leaves])."""
+    """A reduce-scatter whose own row is made when summed ([Note: the own row from the leaves] in ``shard/own_row.py``)."""
     bound, _, arena = _sharing(mesh, axes)
     w, n, me = arena.w, 301, arena.me
     gen = torch.Generator().manual_seed(bound.rank)

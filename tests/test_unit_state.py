@@ -82,7 +82,7 @@ def test_a_transition_from_the_wrong_state_is_an_internal_error(wrong, message):
         wrong(group, group.members[0])
 
 
-# -- gathering leaf by leaf ([Note: persistent gathered storage]) ----------------------------------
+# -- gathering leaf by leaf ([Note: persistent gathered storage] in ``execute/unit_state.py``) ----------------------------------
 
 
 def _blocks(v: tuple[int, ...]) -> dict[str, Any]:

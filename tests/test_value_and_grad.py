@@ -175,7 +175,7 @@ def one_thread() -> Iterator[None]:
 
 MESHES = [(("fsdp", 1),), (("fsdp", 2),), (("fsdp", 4),), (("dp", 2), ("fsdp", 2))]
 STRATEGIES = list(ALL_STRATEGIES)  # every strategy, in every grid
-# meshes on which a partial copy is more than the shard ([Note: partial copies]): two ranks
+# meshes on which a partial copy is more than the shard ([Note: partial copies] in ``plan/strategy.py``): two ranks
 # whose copy is the whole unit (re-gathered over a group of one), 2x2, and three axes
 PARTIAL_MESHES = [
     (("node", 2), ("local", 1)),
@@ -274,7 +274,7 @@ def _on(mesh: tuple[tuple[str, int], ...]) -> list[Any]:
 
 
 def test_shard_optimizer_trains_like_one_device_over_micro_batches(pools):
-    """ZeRO-1 ([Note: shard_optimizer]): gathered once per step, gradients kept whole across
+    """ZeRO-1 ([Note: shard_optimizer] in ``plan/strategy.py``): gathered once per step, gradients kept whole across
     the micro-batches and reduced once; both accumulation modes, bf16, the flat layout, buckets.
 
     bf16 runs 4 micro-batches: the reference differentiates the mean loss, scaling each
@@ -305,7 +305,7 @@ def test_shard_optimizer_trains_like_one_device_over_micro_batches(pools):
 
 
 def test_partial_copies_train_like_one_device(pools):
-    """partial_reshard and hybrid_shard_optimizer ([Note: partial copies]): the copy kept from
+    """partial_reshard and hybrid_shard_optimizer ([Note: partial copies] in ``plan/strategy.py``): the copy kept from
     forward to backward, or across micro-batches, re-gathered over the last axis; both
     accumulation modes, bf16, the flat layout, rules, remat and frozen leaves."""
     for mesh in PARTIAL_MESHES:

@@ -20,7 +20,7 @@ pickles and ``torch.save`` blobs through ``untrusted_pickle.py``:
   the last a regular file, no symlink anywhere, so nothing outside the root is read.
 - **Pickles and tensors** (``untrusted_pickle.py``: ``check_pickle``, ``load_tensor``):
   a pickle's opcodes are bounded before it is unpickled (no memo-reuse bomb that hashes
-  for hours; see [Note: pickles checked before they are unpickled]); before
+  for hours; see [Note: pickles checked before they are unpickled] in ``untrusted_pickle.py``); before
   ``torch.load``, the blob is a zip archive of stored entries whose sizes add up to at
   most the blob (nothing is allocated beyond what the file holds); after it, the result
   is a plain dense CPU tensor of the declared dtype and shape holding exactly its bytes.

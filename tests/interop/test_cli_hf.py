@@ -152,7 +152,7 @@ def test_a_config_that_is_a_fifo_is_refused_without_waiting(tmp_path, capsys):
     assert "config.json: not a regular file (a fifo)" in capsys.readouterr().err
 
 
-# -- untrusted configs (See [Note: untrusted configs]) -------------------------------------
+# -- untrusted configs (See [Note: untrusted configs] in ``cli/hf_config.py``) -------------------------------------
 
 
 def _llama(**changes) -> dict:

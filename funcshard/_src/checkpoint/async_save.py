@@ -119,7 +119,7 @@ class AsyncCheckpointer:
     def staging_bytes(self) -> int:
         """Bytes of host memory the staging buffers hold (this rank's chunks of the last save).
 
-        The buffers add under 64 bytes a chunk to align them ([Note: staging in batches]).
+        The buffers add under 64 bytes a chunk to align them ([Note: staging in batches] in ``checkpoint/staging.py``).
         """
         return self._staging.chunk_bytes
 

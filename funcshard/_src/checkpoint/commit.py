@@ -176,7 +176,7 @@ def rotate(parent: Path, run: str, keep: int | None, /, *, written: Path, token:
     """Deletes all but ``keep`` newest checkpoints of ``run`` in ``parent``, and its interrupted saves.
 
     Never deletes ``written`` (the checkpoint just committed), another run's files,
-    or a file no save writes; see [Note: runs] and [Note: what cleanup deletes].
+    or a file no save writes; see [Note: runs] and [Note: what cleanup deletes] in ``checkpoint/cleanup.py``.
     With ``keep=None`` only the interrupted saves go. Mutates the disk.
 
     Returns:

@@ -4,7 +4,7 @@ A :class:`Request` names a target (a sharded leaf to fill, or a whole tensor as
 saved) and the DCP keys that may hold it. :func:`resolve` checks every
 request against the index before anything is read (missing keys, shapes and
 dtypes, all listed in one error); :func:`read_into` then reads, on this rank,
-only the chunks that overlap the boxes the rank holds, from files opened as [Note: reading DCP files] says, and checks
+only the chunks that overlap the boxes the rank holds, from files opened as [Note: reading DCP files] in ``checkpoint/dcp_metadata.py`` says, and checks
 each chunk it decodes. :func:`agreed` runs a load on every rank and lets all of
 them fail alike when one fails, as ``fs.checkpoint.load`` does.
 """

@@ -129,6 +129,7 @@ def rng_setter(states: torch.Tensor, /) -> Callable[[], None]:
 
 
 def _pack() -> bytes:
+    """This rank's row, laid out as [Note: rng state v1] says."""
     cpu = torch.get_rng_state().numpy().tobytes()
     version, words, gauss = random.getstate()
     assert version == 3
@@ -151,7 +152,7 @@ def _pack() -> bytes:
 
 
 def _parse(row: bytes) -> Callable[[], None]:
-    """Checks all of ``row``; returns the function that sets the generators it holds."""
+    """Checks all of ``row`` ([Note: rng state v1]); returns the function that sets the generators it holds."""
     if not row.startswith(_MAGIC):  # a row of torch's CPU state alone
         return _setter(_check_torch_cpu(row), None, None, [])
     at = len(_MAGIC)

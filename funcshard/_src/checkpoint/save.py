@@ -1,7 +1,7 @@
 """``fs.checkpoint.save``: every rank writes its chunks in parallel, rank 0 commits.
 
 The ranks first agree on what they save (the same target, tree, step and
-options; see [Note: agreements]); each writes the chunks it holds (replica 0
+options; see [Note: agreements] in ``comm/channel.py``); each writes the chunks it holds (replica 0
 of each) into its own sub-directory of a staging directory; they exchange
 what they wrote (or why they could not); rank 0 writes the manifest, renames
 the staging directory into place (see ``commit.py``) and, with ``keep``,

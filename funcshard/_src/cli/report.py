@@ -86,7 +86,7 @@ def hardware_of(name: str | None, /) -> Hardware | None:
         return get_hardware(name)
     path = Path(name)
     if path.suffix == ".json" or path.exists():
-        try:  # strict JSON, every field checked (See [Note: plausible hardware])
+        try:  # strict JSON, every field checked (See [Note: plausible hardware] in ``plan/hardware.py``)
             return Hardware.from_json(path)
         except ValueError as e:
             raise UsageError(f"--hardware {e}") from None

@@ -44,7 +44,7 @@ def agree(
 ) -> list[tuple[bytes, tuple[int, ...]]] | None:
     """Every rank's ``(digest, payload)`` once all ranks reach the same agreement; collective.
 
-    ``None`` outside a distributed run. See [Note: agreements].
+    ``None`` outside a distributed run. See [Note: agreements] in ``comm/channel.py``.
 
     Raises:
         DesyncError: ranks are at different operations (the message lists each rank's).
@@ -199,7 +199,7 @@ def all_gather_json(value: Any, what: str, /) -> list[Any]:
     mine = torch.zeros(size, dtype=torch.uint8)
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
     out = mirror(ch, mine)
-    # See [Note: agreements]: the sizes were just agreed, so this cannot meet a message of another size
+    # See [Note: agreements] in ``comm/channel.py``: the sizes were just agreed, so this cannot meet a message of another size
     work = None
     try:
         work = all_gather_single(out, mine, group=ch.group("payload"), async_op=True)

@@ -146,7 +146,7 @@ def existing_channel() -> Channel | None:
 
 
 def ensure_in_step(what: str, /) -> None:
-    """Raises if this process is out of step (see [Note: out of step]).
+    """Raises if this process is out of step (see [Note: out of step] in ``comm/settle.py``).
 
     Raises:
         CollectiveError: an earlier operation left the ranks out of step.

@@ -6,7 +6,7 @@ wait only when they need the data; a caller that needs the result at once just
 waits. A collective that fails or outlives :func:`runtime.collective_timeout`
 raises :class:`CollectiveError` naming the operation, its ``tag`` (the unit),
 the mesh axes and the rank, and leaves this process out of step (see
-[Note: out of step] in ``channel.py``): no later collective is issued. Every
+[Note: out of step] in ``comm/settle.py``): no later collective is issued. Every
 collective is counted in the trace that agreements compare. Before the first,
 every rank agrees on the settings that choose how collectives move their bytes
 (``preflight.py``); with ``FUNCSHARD_DEBUG=1`` every collective first agrees on

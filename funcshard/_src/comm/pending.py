@@ -4,7 +4,7 @@
 it refuses a process that is out of step, checks the transport settings every rank
 agreed on (``preflight.py``), records the collective in the trace that agreements
 compare, and turns a failure into a :class:`CollectiveError` naming the operation,
-its unit, the mesh axes and the rank (see [Note: out of step] in ``channel.py``).
+its unit, the mesh axes and the rank (see [Note: out of step] in ``comm/settle.py``).
 
 [Note: waits that never block the host]
 On NCCL, ``Work.wait()`` makes the current CUDA stream wait for the collective
@@ -124,7 +124,9 @@ def issue(
         f"{op}{f' of unit {tag!r}' if tag else ''} over mesh axes {list(axes)} on rank {bound.rank}"
     )
     channel.ensure_in_step(what)
-    preflight.check(op, tag, group, tensor, what)  # see [Note: transport settings]
+    preflight.check(
+        op, tag, group, tensor, what
+    )  # see [Note: transport settings] in ``comm/preflight.py``
     channel.record_issued(op, tag, tensor.numel(), tensor.dtype)
     try:
         work = call()

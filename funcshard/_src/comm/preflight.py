@@ -72,7 +72,7 @@ def check(op: str, tag: str, group: dist.ProcessGroup, tensor: torch.Tensor, wha
 def _check_same_collective(
     op: str, tag: str, group: dist.ProcessGroup, tensor: torch.Tensor, what: str
 ) -> None:
-    """FUNCSHARD_DEBUG: every rank agrees on (op, tag, shape, dtype) first; see [Note: agreements]."""
+    """FUNCSHARD_DEBUG: every rank agrees on (op, tag, shape, dtype) first; see [Note: agreements] in ``comm/channel.py``."""
     mine = [op, tag, list(tensor.shape), str(tensor.dtype)]
     members = dist.get_process_group_ranks(group)
     everyone = agree.all_gather_json(mine, f"the debug check before {what}")

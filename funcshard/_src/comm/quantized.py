@@ -60,7 +60,7 @@ def _fp8_failure(device_type: str, /) -> str:
 
 
 def error_bound(x: torch.Tensor, block: int, format: Format = "int8", /) -> torch.Tensor:
-    """Per element of ``x`` ``(n,)``: how far its quantized value may be from it ([Note: quantized collectives]).
+    """Per element of ``x`` ``(n,)``: how far its quantized value may be from it ([Note: quantized collectives] in ``plan/quantize.py``).
 
     Example:
         >>> error_bound(torch.tensor([1.0, -0.5, 0.25, 0.0]), 4, "int4")

@@ -23,7 +23,7 @@ from funcshard._src.comm.transport import Capabilities, OwnTerm, Transport, Work
 
 
 class _Torch:
-    """torch.distributed's collectives: gloo (its own or the rings) and NCCL; see [Note: transports].
+    """torch.distributed's collectives: gloo (its own or the rings) and NCCL; see [Note: transports] in ``comm/transport.py``.
 
     The algorithm for gloo is chosen in ``all_gather.py`` and ``reduce_scatter.py``;
     this class is the interface's view of them.

@@ -10,7 +10,7 @@ planner and the executor ask about. Two implement it:
   and on gloo the backend's own or the point-to-point rings of ``all_gather.py``
   and ``reduce_scatter.py``. Always there.
 - the shared-memory transport for gloo ranks on one host (the package
-  ``funcshard._src.comm.shm``, [Note: shared-memory collectives] there): a
+  ``funcshard._src.comm.shm``, [Note: shared-memory collectives] in ``comm/shm/__init__.py`` there): a
   plug-in. Nothing outside that package names its modules or types; it is
   imported only when chosen, by :func:`shared_memory`, and never where
   ``FUNCSHARD_SHM=0`` or the host has no ``memfd``. Where its package is

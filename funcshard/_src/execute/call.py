@@ -89,7 +89,7 @@ def _replay(
     *,
     remat: bool,
 ) -> _R:
-    """A call in backward: ``fn`` again on the unit's gathered leaves; see [Note: recomputes in backward].
+    """A call in backward: ``fn`` again on the unit's gathered leaves; see [Note: recomputes in backward] in ``execute/replay.py``.
 
     It computes what the forward's call computed, in the same way (``remat``, the
     output cast), so that a checkpoint's recompute saves the same tensors.

@@ -49,5 +49,5 @@ class CallRecord:
     expects_backward: bool = False  # outputs that require grad were hooked
     compiled: bool = False  # a compiled call: its gather op copied the leaves out and released
     # a local-only unit's call: the autograd leaves its function got, whose .grad
-    # autograd fills; reduced by Run.finish. See [Note: local-only calls]
+    # autograd fills; reduced by Run.finish. See [Note: local-only calls] in ``execute/local_calls.py``
     leaves: list[torch.Tensor] | None = None

@@ -133,7 +133,7 @@ def _short(text: str) -> str:
 def settle_after_error(inflight: list[Pending], error: BaseException) -> None:
     """After ``error`` in a step: drains the collectives in flight if every rank gave up alike.
 
-    See [Note: out of step] in ``comm/channel.py``: otherwise this process is out
+    See [Note: out of step] in ``comm/settle.py``: otherwise this process is out
     of step and the collectives in flight are left to the process group.
     """
     if not settle.abort_exchange("a step", error):

@@ -140,7 +140,7 @@ class Gradients:
 
 
 def take_donated(last: Sequence[FlatShard], /) -> dict[FlatLayout, torch.Tensor]:
-    """The buffers of the gradients a call returned last, for this call's; see [Note: donation].
+    """The buffers of the gradients a call returned last, for this call's; see [Note: donation] in ``shard/flat_shard.py``.
 
     Mutates ``last``'s shards: the tree is donated, and reading it raises.
     """

@@ -504,7 +504,7 @@ class ParamGroup:
         With ``keep``, the unit stays GATHERED without holders, for the step's next
         micro-batch (see [Note: shard_optimizer] in ``plan/strategy.py``). Without
         ``keep_partial``, the last holder frees the partial copy too (see
-        [Note: partial copies] there).
+        [Note: partial copies] in ``plan/strategy.py`` there).
         """
         if unit.unhold():
             if not keep:
@@ -643,6 +643,7 @@ class ParamGroup:
 
     def _start_shared(self) -> None:
         """SHARDED -> GATHERING for every member still SHARDED: one all-gather per part."""
+        # who joins depends on unit states alone, the same on every rank: [Note: bucket order]
         joining = [i for i, m in enumerate(self.members) if m.state is UnitState.SHARDED]
         first = self.members[joining[0]]
         for j, part in enumerate(first.parts):
@@ -673,7 +674,7 @@ class ParamGroup:
             self.members[i].mark_gathering()
 
     def _finish(self, unit: UnitRuntime) -> None:
-        """GATHERING -> GATHERED: waits, then fills every full leaf; see [Note: persistent gathered storage]."""
+        """GATHERING -> GATHERED: waits, then fills every full leaf; see [Note: persistent gathered storage] in ``execute/unit_state.py``."""
         unit.expect(UnitState.GATHERING, "finish gathering")
         for part in unit.parts:
             if part.aliased:
@@ -700,7 +701,7 @@ class ParamGroup:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
                 if not unit.partial.in_flight:
                     unpack_into(part.layout, gathered, part.views, self.axes)
-                else:  # [Note: a partial copy on the executor]
+                else:  # [Note: a partial copy on the executor] in ``execute/unit_state.py``
                     _unpack_regathered(unit, part, full, gathered)
             self.memory.sub(gathered.numel() * gathered.element_size())
             if isinstance(inflight, Share):

@@ -33,8 +33,10 @@ warm regions the other units' reductions leave free, and no large region is made
 Each element's sum is the same as the whole reduce-scatter's, in the same order:
 the gradient is bitwise that of one reduce-scatter, and the ledger counts the same
 bytes. The ranges start after every reduction in flight is done and run one after
-another: such a part is a root unit's, whose reduction ends backward with nothing
-left to overlap. Whether a part is reduced in chunks follows from the plan alone
+another, so they give up overlapping the backward that follows: nothing is lost for
+a root unit's embeddings (the usual such part), whose reduction ends backward, but a
+unit of more than ``LARGE_BYTES`` of gradients elsewhere in the stack (a very wide
+block) waits here too; ``chunk_columns`` checks only the size. Whether a part is reduced in chunks follows from the plan alone
 (a CPU device, a group of several ranks, a flat part, exact gradients, no replica
 axes, not two-hop, not deferred), so every rank issues the same collectives.
 """
@@ -79,7 +81,9 @@ class Reducer:
     ) -> None:
         self.world_size = world_size
         self.chunk_bytes = chunk_bytes  # see [Note: reductions in chunks]
-        self.pool = BufferPool() if pool is None else pool  # see [Note: staging lifetimes]
+        self.pool = (
+            BufferPool() if pool is None else pool
+        )  # see [Note: staging lifetimes] in ``execute/param_group.py``
         # the result, what is kept across micro-batches, donated buffers: gradients.py
         self.gradients = Gradients(spares=spares, hold_leaves=hold_leaves)
         self.deferring: dict[str, tuple[ParamGroup, UnitRuntime]] = {}  # units that deferred
@@ -88,7 +92,7 @@ class Reducer:
         # buckets this call packed gradients into: their groups hold the rounds
         self.bucketed: dict[ParamGroup, None] = {}
         self.rounds_opened = 0  # rounds opened so far: their order
-        # two-hop units' partial gradients, by layout: [Note: two-hop reductions]
+        # two-hop units' partial gradients, by layout: [Note: two-hop reductions] in ``execute/partial_gradient.py``
         self.partial_sums: dict[FlatLayout, PartialGradient] = {}
         self.partial_bytes = 0  # partial gradients alive (stored dtype), and their peak
         self.partial_peak = 0
@@ -140,7 +144,7 @@ class Reducer:
         """Reduces the buckets' open rounds, waits for every reduction and adds it into :attr:`grads`; mutates.
 
         After the step's last micro-batch (``last``) the partial gradients take
-        their second hop ([Note: two-hop reductions]).
+        their second hop ([Note: two-hop reductions] in ``execute/partial_gradient.py``).
         """
         while rounds := self._open_rounds():
             group, j = rounds[0]
@@ -158,7 +162,7 @@ class Reducer:
             self._finish_oldest()
 
     def _across(self, layout: FlatLayout, /) -> None:
-        """Starts the second hop of ``layout``'s partial gradient ([Note: two-hop reductions]); mutates."""
+        """Starts the second hop of ``layout``'s partial gradient ([Note: two-hop reductions] in ``execute/partial_gradient.py``); mutates."""
         p = self.partial_sums.pop(layout)
         sums = p.sums if p.sums.dtype == p.part.grad_dtype else p.sums.to(p.part.grad_dtype)
         out = self.gradients.spare(layout, p.part.grad_dtype)
@@ -239,7 +243,7 @@ class Reducer:
             and self.gradients.keep_as_leaves(layout, mine, device)
         ):
             return
-        # a two-hop unit's donated buffer receives its second hop ([Note: two-hop reductions])
+        # a two-hop unit's donated buffer receives its second hop ([Note: two-hop reductions] in ``execute/partial_gradient.py``)
         spare = None if defer or unit.two_hop else self.gradients.spare(layout, part.grad_dtype)
         kept = self.gradients.take_kept(layout)  # packed by earlier micro-batches' calls
         dtype = part.grad_dtype
@@ -295,7 +299,7 @@ class Reducer:
             # no_shard: packed straight into shared memory, summed from there into rows
             into = collectives.input_rows(unit.bound, replica, layout.numel, dtype, all_reduce=True)
             packed = rows if into is None else into.view(1, -1)
-        # a two-hop unit's rows come last axis major ([Note: two-hop reductions])
+        # a two-hop unit's rows come last axis major ([Note: two-hop reductions] in ``execute/partial_gradient.py``)
         order = unit.partial.order if unit.two_hop else unit.axes
         scale = 1.0 / self.world_size if direct else 1.0
         own = pack_rows(
@@ -325,7 +329,7 @@ class Reducer:
         group, reduction = self.pending.pop(0)
         reduced = group.wait(reduction, self.pool)
         self.partial_bytes -= reduction.partial_bytes
-        if reduction.first_hop:  # into the partial gradient: [Note: two-hop reductions]
+        if reduction.first_hop:  # into the partial gradient: [Note: two-hop reductions] in ``execute/partial_gradient.py``
             ((layout, _, _),) = reduction.pieces
             partial = self.partial_sums.get(layout)
             if partial is None:

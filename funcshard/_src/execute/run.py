@@ -122,7 +122,7 @@ class Run:
     ) -> None:
         self.units = {u.name: u for g in groups for u in g.members}
         self.groups = list(groups)
-        # every collective goes through the unit's group: [Note: one owner per collective]
+        # every collective goes through the unit's group: [Note: one owner per collective] in ``execute/param_group.py``
         self.group_of = {u.name: g for g in groups for u in g.members}
         self.mode = mode
         self.stage = Stage.FORWARD
@@ -144,7 +144,9 @@ class Run:
         self.forward_check: Agreement | None = None  # finished before backward's first collective
         self._token: Any = None
         self._root_grads: list[torch.Tensor | None] | None = None  # see gathered_grads
-        self._root_guard: Watch | None = None  # See [Note: what a call may do to its parameters]
+        self._root_guard: Watch | None = (
+            None  # See [Note: what a call may do to its parameters] in ``execute/guard.py``
+        )
 
     @property
     def evaluation(self) -> bool:
@@ -260,7 +262,7 @@ class Run:
         The copies are the compiled graph's, so the unit is released at once; in an
         evaluation the call is DONE. After forward (the backward re-gather of a WAITING
         call, BACKWARD since :meth:`pre_backward`) the phase stays.
-        See [Note: a call's phase changes only in Run].
+        See [Note: a call's phase changes only in Run] in ``execute/call_record.py``.
         """
         self._release(record.unit, after_forward=not self.forward_done)
         if self.forward_done:
@@ -399,7 +401,7 @@ class Run:
 
         A collective in flight may never complete (the error may be a dead peer),
         so none is waited for here; they are returned, for the caller to wait
-        for once it knows every rank gave up alike (see [Note: out of step]).
+        for once it knows every rank gave up alike (see [Note: out of step] in ``comm/settle.py``).
         """
         self._end()
         inflight = self.reducer.abandon()
@@ -450,7 +452,7 @@ class Run:
 # next micro-batch (``shard_optimizer``; [Note: shard_optimizer] in
 # ``plan/strategy.py``), and frees its partial copy unless backward still needs it
 # (the release at the end of a call's forward) or the unit keeps it for the step
-# (``hybrid_shard_optimizer``; [Note: partial copies] there). The step's last
+# (``hybrid_shard_optimizer``; [Note: partial copies] in ``plan/strategy.py`` there). The step's last
 # micro-batch keeps nothing: shards change at the update, so nothing gathered from
 # them may outlive the step. ``Run`` asks here at every release.
 

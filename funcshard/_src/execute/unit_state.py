@@ -532,7 +532,9 @@ class UnitRuntime:
             huge_pages.advise(part.full)
         elif part.full.untyped_storage().size() == 0:
             part.full.untyped_storage().resize_(part.full_bytes)
-            huge_pages.advise(part.full)  # [Note: huge pages for gathered storage]
+            huge_pages.advise(
+                part.full
+            )  # [Note: huge pages for gathered storage] in ``execute/huge_pages.py``
         self.memory.add(part.full_bytes)
         return part.full
 

@@ -46,8 +46,8 @@ class StepStats:
 
     peak_gathered_bytes: int  # gathered parameters (and all-gather buffers) alive at once, at most
     unit_gathered_bytes: dict[str, int]  # per unit, bytes of its full leaves when gathered
-    staging_bytes: int = 0  # staging buffers kept for the next call; see [Note: staging lifetimes]
-    # two-hop reductions' partial gradients alive at once, at most ([Note: two-hop reductions])
+    staging_bytes: int = 0  # staging buffers kept for the next call; see [Note: staging lifetimes] in ``execute/param_group.py``
+    # two-hop reductions' partial gradients alive at once, at most ([Note: two-hop reductions] in ``execute/partial_gradient.py``)
     peak_partial_grad_bytes: int = 0
 
 
@@ -85,7 +85,7 @@ class Step:
         self.donate_grads = donate_grads
         self.ledger = Ledger()
         self.memory = GatheredMemory()
-        # staging buffers, see [Note: staging lifetimes]: all-gather outputs, reduce-scatter inputs
+        # staging buffers, see [Note: staging lifetimes] in ``execute/param_group.py``: all-gather outputs, reduce-scatter inputs
         self.gather_pool = BufferPool(depth=max(1, prefetch))
         self.reduce_pool = BufferPool(depth=1)
         self._layouts = plan_layouts(plan)
@@ -152,7 +152,7 @@ class Step:
         """Frees what the step keeps between calls (its staging buffers); mutates. Local: no collective.
 
         Between calls a step keeps only its staging pools (``stats.staging_bytes``,
-        a few units' collective buffers, see [Note: staging lifetimes]); gathered
+        a few units' collective buffers, see [Note: staging lifetimes] in ``execute/param_group.py``); gathered
         parameters and gradients are never kept. The next call allocates them
         again. Dropping the step frees the same.
 
@@ -317,7 +317,7 @@ class Step:
         return self._groups, by_unit
 
     def _take_donated(self) -> dict[FlatLayout, torch.Tensor]:
-        """With ``donate_grads``: the last call's gradient buffers, for this call's; see [Note: donation].
+        """With ``donate_grads``: the last call's gradient buffers, for this call's; see [Note: donation] in ``shard/flat_shard.py``.
 
         Mutates the last returned gradient tree (it is donated: reading it raises).
         """

@@ -34,7 +34,9 @@ from funcshard._src.shard.sharded import ShardedTensor
 
 __all__ = ["Apply", "Leaf", "Params"]
 
-Params: TypeAlias = Any  # nested dicts and lists of tensors, see [Note: module trees]
+Params: TypeAlias = (
+    Any  # nested dicts and lists of tensors, see [Note: module trees] in ``interop/module.py``
+)
 
 
 class Apply(Weights):
@@ -165,9 +167,11 @@ class Apply(Weights):
         """
         by_path = self._leaf_values(params)
         self._layout.check()
-        if in_plain() and current_run() is None:  # See [Note: plain references]
+        if (
+            in_plain() and current_run() is None
+        ):  # See [Note: plain references] in ``execute/reference.py``
             return self._plain(by_path, args, kwargs)
-        # See [Note: Hugging Face checkpointing]
+        # See [Note: Hugging Face checkpointing] in ``interop/hf_checkpointing.py``
         flagged = hf.checked_at_apply(self._module, self._units.paths, remat=self._remat)
         args, kwargs = cast_inputs(args, self._caches.top_level(args, kwargs, remat=self._remat))
         tensors: dict[str, Any] = dict(self._state.tensors)
@@ -247,7 +251,7 @@ class Apply(Weights):
         )
 
     def _plain(self, by_path: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The module's own call with every leaf bound and no units; see [Note: plain references]."""
+        """The module's own call with every leaf bound and no units; see [Note: plain references] in ``execute/reference.py``."""
         tensors: dict[str, Any] = {name: t.clone() for name, t in self._state.tensors.items()}
         for leaf in self._leaves:
             tensors.update(dict.fromkeys(leaf.names, by_path[leaf.path]))

@@ -25,7 +25,7 @@ and every read goes through a binding:
    backward hooks the module registers for it (``hooks.py``). Re-entry first holds
    the unit (and the root unit) gathered, re-gathering one that was released, and
    refuses one whose gradients are already reduced: it never reads freed memory.
-   A unit called by a recompute replays its call ([Note: recomputes in backward]).
+   A unit called by a recompute replays its call ([Note: recomputes in backward] in ``execute/replay.py``).
 4. **Everything else meets a placeholder**: a read of another unit's parameter,
    the module run outside apply, a recompute funcshard does not know.
 """

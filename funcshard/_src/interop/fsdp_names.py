@@ -37,7 +37,7 @@ Names = Mapping[str, str | Sequence[str]]  # leaf path -> its state-dict name(s)
 
 @dataclass(frozen=True)
 class HookedScope:
-    """A submodule whose state-dict hook computes keys: what it needs and gives ([Note: state-dict hooks])."""
+    """A submodule whose state-dict hook computes keys: what it needs and gives ([Note: state-dict hooks] in ``interop/state_hooks.py``)."""
 
     scope: Scope
     leaves: Mapping[str, str]  # dotted name under it -> leaf path (gathered to run its hooks)
@@ -145,7 +145,7 @@ def _apply_names(
 ) -> tuple[
     dict[str, tuple[str, ...]], dict[str, torch.Tensor], tuple[HookedScope, ...], dict[str, str]
 ]:
-    """Names through the module's state dict on the meta device ([Note: state-dict hooks])."""
+    """Names through the module's state dict on the meta device ([Note: state-dict hooks] in ``interop/state_hooks.py``)."""
     layout = apply.state_layout()
     leaves = apply._leaves  # pyright: ignore[reportPrivateUsage]
     state = apply._state.tensors  # pyright: ignore[reportPrivateUsage]

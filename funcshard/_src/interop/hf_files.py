@@ -131,7 +131,7 @@ def staging_dir(target: Path) -> Path:
 
 
 def publish(staging: Path, target: Path, names: set[str]) -> None:
-    """``staging`` becomes ``target``; see [Note: streaming save] for an existing directory."""
+    """``staging`` becomes ``target``; see [Note: streaming save] in ``interop/hf_export.py`` for an existing directory."""
     if not target.exists():
         staging.rename(target)
         return

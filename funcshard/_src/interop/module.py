@@ -46,7 +46,7 @@ def functionalize(
     replicated state. Mutates ``module``: it holds placeholders where its parameters
     were, so that no code reads values older than the params (a read outside
     apply's calls raises ``UnboundParameterError``; ``apply.bound(params)`` binds
-    values for a block; see [Note: module code outside the call]). ``apply(params, *args, **kwargs)`` is the module's forward
+    values for a block; see [Note: module code outside the call] in ``interop/binding.py``). ``apply(params, *args, **kwargs)`` is the module's forward
     with the leaves of ``params``. ``units`` name submodules whose forward becomes
     one :func:`funcshard.call` each; plan with ``units=apply.units``, and a step
     gathers each unit's parameters just for its forward, with no per-layer code.

@@ -161,7 +161,7 @@ def _match(
 def _assign(
     module: nn.Module, units: list[tuple[str, nn.Module]], trainable: Sequence[tuple[str, ...]]
 ) -> Units:
-    """Maps every name of every trainable tensor to its unit; see ``[Note: tied parameters]``."""
+    """Maps every name of every trainable tensor to its unit; see ``[Note: tied parameters]`` in ``interop/module_tree.py``."""
     unit_by_id = {id(m): path for path, m in units}
     occurrence: dict[str, tuple[str | None, str]] = {}  # module name -> (unit path, its prefix)
     for name, m in module.named_modules(remove_duplicate=False):

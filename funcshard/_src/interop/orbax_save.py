@@ -200,7 +200,10 @@ def _kvstore(base: Path, name: str | None = None) -> dict[str, Any]:
 
 
 def _write_own(ts: Any, root: Path, leaves: Sequence[_Leaf], rank: int) -> None:
-    """This rank's chunks of every leaf, and (rank 0) every array's ``.zarray``, in its database."""
+    """This rank's chunks of every leaf, and (rank 0) every array's ``.zarray``, in its database.
+
+    Each chunk from exactly one rank, in ``ocdbt.process_<rank>/``: [Note: Orbax layout written].
+    """
     base = root / _PROCESS_DIR.format(rank)
     base.mkdir()
     context = ts.Context()

@@ -13,7 +13,7 @@ two names every one of them reaches at call time,
 - a non-reentrant checkpoint taken under a binding recomputes a function wrapped
   by :meth:`Binding.reentering`: in backward it runs with the same tensors bound
   to the module's names as in forward, the units it calls replaying their calls
-  ([Note: recomputes in backward]), so it saves what forward saved;
+  ([Note: recomputes in backward] in ``execute/replay.py``), so it saves what forward saved;
 - a reentrant checkpoint (``use_reentrant=True``, HF's default) becomes a
   non-reentrant one of the same function: the reentrant kind differentiates its
   recompute in a nested backward, which would reach the root unit's gather node

@@ -52,7 +52,7 @@ def load_safetensors(
 
     Each rank reads only the slices of every leaf that it keeps (``get_slice``), never
     a whole leaf it does not keep whole, and casts them to the plan's dtypes. Needs no
-    collective. See [Note: untrusted safetensors] for what is checked.
+    collective. See [Note: untrusted safetensors] in ``interop/safetensors_format.py`` for what is checked.
 
     Args:
         files: a ``.safetensors`` file, a list of them, an index
@@ -191,7 +191,9 @@ def load_pretrained(
             f"frozen=apply.frozen)"
         )
     rank = _rank_of(plan)
-    persistent = set(probe(module, named_tensors(module)).keys)  # See [Note: state-dict hooks]
+    persistent = set(
+        probe(module, named_tensors(module)).keys
+    )  # See [Note: state-dict hooks] in ``interop/state_hooks.py``
     stored = checkpoint_tensors(path)
     entries, stored_as = _prefixed(stored, module, persistent=persistent)
     by_path = {leaf.path: tuple(leaf.names) for leaf in leaves}

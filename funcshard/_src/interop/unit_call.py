@@ -67,7 +67,9 @@ def unit_call(
         for rel, leaf in zip(rel_paths, leaves):
             tensors.update(dict.fromkeys(unit.own[rel], leaf))
         if kept is not None and running_unit() is None:  # remat's recompute in backward
-            tensors.update(recompute_buffers(kept))  # See [Note: remat and buffers]
+            tensors.update(
+                recompute_buffers(kept)
+            )  # See [Note: remat and buffers] in ``interop/remat_state.py``
         bind_once(tensors, redundant)  # a module object at two paths
         binding = current_binding()
         if (
@@ -92,7 +94,9 @@ def unit_call(
         args, kwargs = cast_inputs(args, caches.unit(unit.module, kwargs, remat=remat))
         if not (remat and torch.is_grad_enabled() and current_run() is not None):
             return call(functools.partial(run, kept=None), subtree, args, kwargs, remat=remat)[0]
-        kept = kept_buffers(unit.module)  # See [Note: remat and buffers]
+        kept = kept_buffers(
+            unit.module
+        )  # See [Note: remat and buffers] in ``interop/remat_state.py``
         return call(functools.partial(run, kept=kept), subtree, args, kwargs, remat=remat)[0]
 
     return target

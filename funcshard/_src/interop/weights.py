@@ -66,7 +66,7 @@ class Weights:
         bind_once(tensors, self._redundant)
         leaf_ids = {id(v) for v in by_path.values()}
         # the module's own state_dict with the values bound: its hooks (renaming keys, or
-        # computing them from parameters) run on these tensors; see [Note: state-dict hooks]
+        # computing them from parameters) run on these tensors; see [Note: state-dict hooks] in ``interop/state_hooks.py``
         with swapped(self._module, tensors):
             out = run_state_dict(self._module)
         return {k: v if id(v) in leaf_ids else v.detach() for k, v in out.items()}
@@ -175,7 +175,7 @@ class Weights:
         initialized in turn by the module's own code (Hugging Face ``_init_weights``,
         else ``reset_parameters``); this rank keeps its shards, so the peak is its
         shards plus one submodule. Values depend only on ``(seed, submodule name)``,
-        not on the world size, mesh or units ([Note: materializing a module]).
+        not on the world size, mesh or units ([Note: materializing a module] in ``interop/module_init.py``).
         Buffers become real too (mutates ``apply.state``). No collective.
 
         Args:

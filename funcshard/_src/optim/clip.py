@@ -53,7 +53,7 @@ def clip_by_global_norm(*args: Any, eps: float = 0.0) -> Any:
     :func:`clip_by_global_norm_` is the same in place (no copy).
 
     The norm covers every leaf across all ranks with one agreement of every
-    rank's sum of squares (see [Note: agreements]); a leaf replicated over some
+    rank's sum of squares (see [Note: agreements] in ``comm/channel.py``); a leaf replicated over some
     mesh axes counts once. It is reduced and applied on the device with no
     host read on one rank, and over several ranks on an accelerator (an
     all-reduce over the mesh; on the CPU the sums travel in the agreement). Scaling is optax's: ``grads * (max_norm / norm)`` where

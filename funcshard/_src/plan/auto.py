@@ -157,7 +157,7 @@ def plan_within(spec: Spec, strategy: Requested, budget: int, cost: CostModel | 
 
     ``"auto"`` gives each unit a strategy: the best assignment found from every uniform
     one, by step time (bytes sent without a workload and hardware), then memory
-    (see [Note: auto dominates] in :mod:`funcshard._src.plan.search`).
+    (see [Note: auto dominates] in ``plan/search.py`` in :mod:`funcshard._src.plan.search`).
 
     Raises:
         BudgetError: nothing fits; the message gives the bytes missing per rank and

@@ -64,7 +64,7 @@ def with_efficiency(hardware: Hardware, efficiency: float, label: str, /) -> Har
         >>> with_efficiency(get_hardware("a100-80gb"), 0.24, "profile 'eager'").efficiency
         0.24
     """
-    source = f"efficiency {efficiency:g} ({label}; see [Note: efficiency profiles])"
+    source = f"efficiency {efficiency:g} ({label}; see [Note: efficiency profiles] in plan/efficiency.py)"
     if hardware.source:  # what the other figures are: a preset's note or a calibration's
         source = f"{hardware.source.split(';')[0]}; {source}"
     return dataclasses.replace(hardware, efficiency=efficiency, source=source)

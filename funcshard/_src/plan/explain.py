@@ -90,7 +90,7 @@ def explain(plan: Plan, /) -> str:
 
 
 def _on_this_mesh(strategy: Strategy, mesh: Mesh, /) -> str:
-    """Where ``strategy``'s partial copy is re-gathered on ``mesh``; see [Note: partial copies]."""
+    """Where ``strategy``'s partial copy is re-gathered on ``mesh``; see [Note: partial copies] in ``plan/strategy.py``."""
     regather, replicated = partial_axes(strategy, mesh)
     if not regather:
         return ""
@@ -164,4 +164,6 @@ def _explain(self: Plan) -> str:
 
 
 _explain.__name__ = _explain.__qualname__ = "explain"
-Plan.explain = _explain  # a method added from above: See [Note: the plan is data]
+Plan.explain = (
+    _explain  # a method added from above: See [Note: the plan is data] in ``plan/plan.py``
+)

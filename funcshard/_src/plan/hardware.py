@@ -242,8 +242,8 @@ class Hardware:
 # reproduces published runs of tuned kernels (See [Note: efficiency profiles] in
 # efficiency.py); overlap 1: NCCL moves bytes on its own SMs and engines.
 _DGX_NOTE = (
-    "published peak figures (See [Note: published links]); efficiency 0.5: the default "
-    "profile 'tuned' (See [Note: efficiency profiles])"
+    "published peak figures (See [Note: published links] in plan/hardware.py); efficiency 0.5: "
+    "the default profile 'tuned' (See [Note: efficiency profiles] in plan/efficiency.py)"
 )
 HARDWARE: Mapping[str, Hardware] = {
     h.name: h

@@ -214,7 +214,7 @@ class Plan:
             True
         """
         # strict: no NaN, Infinity or 1e400, no key twice, at most 256 deep (a tree node is three
-        # JSON levels); See [Note: reader discipline]
+        # JSON levels); See [Note: reader discipline] in ``untrusted.py``
         d: Any = (
             loads_json(data, what="plan JSON", max_depth=256) if isinstance(data, str) else data
         )

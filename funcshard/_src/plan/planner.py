@@ -17,7 +17,7 @@ import torch
 from funcshard._src import tree
 from funcshard._src.plan import auto
 from funcshard._src.plan import (
-    explain as explain,  # adds Plan.explain: See [Note: the plan is data]
+    explain as explain,  # adds Plan.explain: See [Note: the plan is data] in ``plan/plan.py``
 )
 from funcshard._src.plan.cost import estimate
 from funcshard._src.plan.cost_model import CostModel

@@ -81,7 +81,9 @@ class UnitCost:
     n_params: int
     gather_buffer: int = 0  # the all-gather's output, (group_size * shard) in the compute dtype
     reduce_buffer: int = 0  # the reduce-scatter's input, (group_size * shard) in the reduce dtype
-    partial: int = 0  # its partial copy, in the compute dtype ([Note: partial copies])
+    partial: int = (
+        0  # its partial copy, in the compute dtype ([Note: partial copies] in ``plan/strategy.py``)
+    )
     partial_grads: int = 0  # its partial gradient, in the stored dtype (two-hop reductions)
 
 
@@ -334,7 +336,7 @@ def memory_of(costs: list[UnitCost], model: CostModel, /) -> Memory:
     grads_alive = sum(c.deferred_grads for c in costs if defers(c, model)) + max(
         (c.unreduced_grads for c in costs), default=0
     )
-    # every partial copy is alive at the end of forward ([Note: partial copies]); partial
+    # every partial copy is alive at the end of forward ([Note: partial copies] in ``plan/strategy.py``); partial
     # gradients ([Note: two-hop reductions] in execute/partial_gradient.py): every unit's between
     # micro-batches, one unit's at a time within one
     across = model.micro_batches > 1 and model.accumulate == "sharded"

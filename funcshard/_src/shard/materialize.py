@@ -3,7 +3,7 @@
 The result is what :func:`funcshard.shard` would return for the whole
 initialized tree, but no rank ever holds a whole leaf: every element comes from
 its initializer as a function of ``(seed, leaf path, flat index)`` (see
-[Note: counter rng v1]), generated block by block straight into the rank's
+[Note: counter rng v1] in ``shard/counter_rng.py``), generated block by block straight into the rank's
 flat buffers. ``fs.unshard(fs.materialize(...))`` is therefore the same for
 every world size, mesh, strategy and unit grouping.
 """

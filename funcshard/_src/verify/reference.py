@@ -3,7 +3,7 @@
 It computes what ``funcshard.testing.reference_value_and_grad`` does (the mean
 loss over every rank's batch and its gradient, by autograd, in a plain scope:
 ``fs.call`` is a plain call and a functionalized module runs as plain PyTorch, see
-[Note: plain references]), and trains with the verified optimizer itself: the
+[Note: plain references] in ``execute/reference.py``), and trains with the verified optimizer itself: the
 params live in a plan over a mesh of one rank, so ``update_`` runs on one flat
 buffer holding every leaf whole, with no process group. Autograd rather than
 ``torch.func``: a model with activation checkpoints (saved-tensor hooks) or

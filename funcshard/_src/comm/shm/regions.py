@@ -268,7 +268,7 @@ def existing(group: Any, /) -> Arena | None:
 def arena(group: Any, /) -> Arena | None:
     """The group's arena, set up by every rank together on first use; ``None`` where ranks cannot share memory.
 
-    The first call on a group is collective (see [Note: shared-memory collectives]):
+    The first call on a group is collective (see [Note: shared-memory collectives] in ``comm/shm/__init__.py``):
     every rank of the group must make it at the same point of its sequence of
     collectives on the group, as it does for any collective.
     """
