@@ -129,6 +129,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Every mode's step times over the rounds, under a fake W=8 process group; collective-free."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    # flushing denormals sets the CPU's FTZ/DAZ flags, which Python's float arithmetic obeys
+    # too: set for the measurement only, so a caller in the same process (a test) keeps its
+    # arithmetic (1e-308 stays 1e-308)
     torch.set_flush_denormal(True)
     torch.set_num_threads(1)
     cfg = gpt.Config(vocab=64, width=args.width, heads=2, layers=args.layers, seq=args.seq, batch=2)
@@ -142,6 +145,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 times[name] += _timed(step, args.steps)
     finally:
         dist.destroy_process_group()
+        torch.set_flush_denormal(False)
     units = cfg.layers + 1
     median = {name: statistics.median(t) for name, t in times.items()}
     per_unit = {name: median[name] / units for name in MODES}
