@@ -465,7 +465,7 @@ def reduce_in_chunks(
         if kept is not None:
             rows.add_(kept[:, start : start + width]).div_(world_size)
         into = result[start : start + width]
-        group.reduce_columns(unit, rows, into, first=start == 0, own=own).wait()
+        group.wait_columns(group.reduce_columns(unit, rows, into, first=start == 0, own=own))
         if staged is not None:
             pool.give(staged)
     return result
