@@ -241,9 +241,9 @@ def test_a_full_shard_step_orders_copy_in_all_gather_compute_and_reduce_scatter_
         copy_in = _at(log, ("wait_stream", "copy_in", "compute"))
         assert copy_in < issued
         assert log.index(("wait_stream", "all_gather", "copy_in")) < issued
-        assert ("record_stream", "all_gather") in log[:issued]
         # the event after it, and the compute stream waits on it before the unit is used
         recorded, event = _event_after(log, issued, "all_gather")
+        assert ("record_stream", "all_gather") in log[issued:recorded]  # the cast shard
         waited = _at(log, ("wait_event", "compute", event), recorded)
         assert waited < log.index(("use", n))
         # reduce-scatter: on its stream, after the compute stream made the gradients
@@ -251,6 +251,7 @@ def test_a_full_shard_step_orders_copy_in_all_gather_compute_and_reduce_scatter_
         rs = _at(log, ("issue", "reduce_scatter", "reduce_scatter", n), backward)
         assert ("wait_stream", "reduce_scatter", "compute") in log[backward:rs]
         recorded, event = _event_after(log, rs, "reduce_scatter")
+        assert ("record_stream", "reduce_scatter") in log[rs:recorded]  # the packed gradients
         waited = _at(log, ("wait_event", "compute", event), recorded)
         assert waited < log.index(("gradient used", n))
     assert not any(e[:2] == ("issue", "all_reduce") for e in log)

@@ -300,6 +300,7 @@ class ParamGroup:
                     tag=unit.name,
                     out=None if packed is rows else rows.view(-1),
                 ),
+                (packed, rows),
             )
             then: tuple[str, ...] = ()
             staging = None  # reduced in place: it becomes the gradient
@@ -392,6 +393,7 @@ class ParamGroup:
             rows.device,
             "reduce_scatter",
             lambda: self._reduce_scatter_now(unit, rows, axes, out=out, own=own),
+            (rows,),
         )
 
     def _reduce_scatter_now(
@@ -469,6 +471,7 @@ class ParamGroup:
                 rows.device,
                 "all_reduce",
                 lambda: collectives.all_reduce(rows.view(-1), self.bound, replica, tag=self.name),
+                (rows,),
             )
             op, axes, size, then, staging = "all_reduce", replica, self.replica_size, (), None
         else:
@@ -476,6 +479,7 @@ class ParamGroup:
                 rows.device,
                 "reduce_scatter",
                 lambda: collectives.reduce_scatter(rows, self.bound, self.axes, tag=self.name),
+                (rows,),
             )
             op, axes, size, then, staging = (
                 "reduce_scatter",
@@ -658,7 +662,6 @@ class ParamGroup:
                     side.after_compute(side.copy_in)
                     with side.use(side.copy_in):
                         local = data.to(part.compute_dtype)
-                    side.keep_for(local, side.all_gather)
             if part.in_place and not partial:
                 full = unit.materialize(part)
                 # the refill is not an in-place change of tensors autograd saved: the
@@ -699,6 +702,7 @@ class ParamGroup:
                     tag=unit.name,
                     stable=not partial,
                 ),
+                (local,),
             )
         unit.mark_gathering(from_partial=partial)
 
@@ -725,6 +729,7 @@ class ParamGroup:
                     algorithm=algorithm,
                     stable=True,  # the unit's shard, or its cast
                 ),
+                (local,),
             )
             return [pending]
         pieces = [
@@ -737,6 +742,7 @@ class ParamGroup:
             lambda: collectives.all_gather_pieces(
                 local, self.bound, self.axes, pieces, ledger=self.ledger, tag=unit.name, stable=True
             ),
+            (local,),
         )
         return [pending]
 
@@ -765,6 +771,7 @@ class ParamGroup:
                 device,
                 "all_gather",
                 lambda: collectives.all_gather(local, self.bound, self.axes, out=out, tag=self.name),
+                (local,),
             )
             gathered = pending.result  # (group_size, numel)
             gathering = SharedGathering(pending, (local, out), set(joining))
@@ -844,12 +851,19 @@ def _side(device: torch.device, /) -> Streams | None:
     return streams if streams.active else None
 
 
-def _on_side(device: torch.device, which: str, issue: Callable[[], Pending], /) -> Pending:
-    """Calls ``issue`` (a collective) on ``device``'s side stream ``which``, after the compute stream.
+def _on_side(
+    device: torch.device,
+    which: str,
+    issue: Callable[[], Pending],
+    inputs: tuple[torch.Tensor, ...],
+    /,
+) -> Pending:
+    """Calls ``issue`` (a collective reading ``inputs``) on ``device``'s side stream ``which``, after the compute stream.
 
-    Records the event its consumer waits on (:func:`_wait_on_device`). An all-gather's
-    stream waits for the copy-in stream too. On the CPU: ``issue()``. See [Note:
-    streams and buffer lifetimes] in ``execute/streams.py``.
+    Records the event its consumer waits on (:func:`_wait_on_device`) and marks
+    ``inputs`` in use on that stream. An all-gather's stream waits for the copy-in
+    stream too. On the CPU: ``issue()``. See [Note: streams and buffer lifetimes]
+    in ``execute/streams.py``.
     """
     side = _side(device)
     if side is None:
@@ -860,6 +874,8 @@ def _on_side(device: torch.device, which: str, issue: Callable[[], Pending], /) 
     side.after_compute(stream)
     with side.use(stream):
         pending = issue()
+    for tensor in inputs:
+        side.keep_for(tensor, stream)
     side.issued(pending, stream)
     return pending
 

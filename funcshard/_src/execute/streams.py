@@ -29,6 +29,10 @@ A tensor made on one stream and used on another stays valid by one of two rules:
   collective's own result) is marked with ``record_stream`` for the stream that
   uses it next (:meth:`Streams.keep_for`), so the allocator does not hand its memory
   out again before that use is done.
+* Every input of a collective is marked with ``record_stream`` for the side stream
+  it was issued on: NCCL's work keeps its inputs only until its wait, which
+  :meth:`Streams.issued` calls at once, and a host reference may end before the
+  consumer waits (the root unit's packed gradients, a cast shard, a partial copy).
 
 On NCCL a collective issued with ``async_op`` runs on NCCL's stream;
 ``Work.wait()`` makes the current stream wait for it and returns at once (see
