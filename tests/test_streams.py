@@ -76,11 +76,11 @@ class FakeDeviceModule:
         self.current = FakeStream(self.log, "compute")
         self.made: list[dict[str, Any]] = []
 
-    def Stream(self, **kwargs: Any) -> FakeStream:  # noqa: N802 (torch.cuda.Stream)
+    def Stream(self, **kwargs: Any) -> FakeStream:  # torch.cuda.Stream
         self.made.append(kwargs)
         return FakeStream(self.log, SIDE[len(self.made) - 1])
 
-    def Event(self) -> FakeEvent:  # noqa: N802 (torch.cuda.Event)
+    def Event(self) -> FakeEvent:  # torch.cuda.Event
         return FakeEvent(self.log)
 
     def current_stream(self) -> FakeStream:

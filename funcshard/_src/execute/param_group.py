@@ -43,6 +43,7 @@ group of its own.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -370,7 +371,8 @@ class ParamGroup:
     def wait_columns(pending: Pending, /) -> torch.Tensor:
         """Waits for a range of columns started by :meth:`reduce_columns`: the host on gloo, else the compute stream."""
         out = pending.wait()
-        if pending.event is not None:  # see [Note: streams and buffer lifetimes] in ``execute/streams.py``
+        # see [Note: streams and buffer lifetimes] in ``execute/streams.py``
+        if pending.event is not None:
             _wait_on_device(pending)
         return out
 
@@ -549,7 +551,8 @@ class ParamGroup:
         """
         stage = reduction.stage
         out = stage.wait()
-        if stage.event is not None:  # see [Note: streams and buffer lifetimes] in ``execute/streams.py``
+        # see [Note: streams and buffer lifetimes] in ``execute/streams.py``
+        if stage.event is not None:
             _wait_on_device(stage)
         if reduction.staging is not None:
             pool.give(reduction.staging)
@@ -693,7 +696,8 @@ class ParamGroup:
             part.inflight = _on_side(
                 local.device,
                 "all_gather",
-                lambda: collectives.all_gather(
+                functools.partial(
+                    collectives.all_gather,
                     local,
                     self.bound,
                     axes,
@@ -770,7 +774,9 @@ class ParamGroup:
             pending = _on_side(
                 device,
                 "all_gather",
-                lambda: collectives.all_gather(local, self.bound, self.axes, out=out, tag=self.name),
+                functools.partial(
+                    collectives.all_gather, local, self.bound, self.axes, out=out, tag=self.name
+                ),
                 (local,),
             )
             gathered = pending.result  # (group_size, numel)

@@ -357,7 +357,6 @@ def _cast(
     return [g if g is None or g.dtype == dtype else g.to(dtype) for g in leaves]
 
 
-
 def pack_rows(
     unit: UnitRuntime,
     layout: FlatLayout,

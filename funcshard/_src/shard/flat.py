@@ -378,9 +378,7 @@ def column_widths(
     return _column_widths(layout, tuple(layout.mesh.axis_names if axes is None else axes))
 
 
-def _fusable(
-    block: torch.Tensor, leaves: Sequence[torch.Tensor], *, cast_ok: bool = False
-) -> bool:
+def _fusable(block: torch.Tensor, leaves: Sequence[torch.Tensor], *, cast_ok: bool = False) -> bool:
     """Whether ``leaves`` can each be viewed as ``block``'s rows, in its dtype (or, ``cast_ok``, any float) and on its device.
 
     Not where autograd would record the copies (a fused copy's ``out=`` refuses it).
