@@ -14,7 +14,11 @@ On a machine with a CUDA GPU it starts a one-rank NCCL process group on
 4. ``throughput``: bf16 tokens/s and peak CUDA memory of funcshard
    ``full_shard`` against FSDP2 ``fully_shard`` (each block, then the root) on
    a GPT of about 350M parameters, the two alternated twice (A B A B), each
-   with its own AdamW.
+   with its own AdamW;
+5. ``streams``: a W=2 ``full_shard`` step under torch's ``fake`` process group,
+   shards on the GPU, under ``set_sync_debug_mode("error")``: the collectives go
+   through funcshard's side streams (``execute/streams.py``), which a one-rank
+   step never reaches (no unit takes a collective at W=1).
 
 Without CUDA the same module falls back to gloo on the CPU at a tiny size, so
 that it runs anywhere (``tests/test_bench.py`` runs it). Every report line
@@ -175,6 +179,54 @@ def check_sync(report: Report, device: torch.device) -> bool:
     )
     report.data["sync"] = {"ok": None, "scalar_reads": reads}
     return True
+
+
+def check_streams(report: Report, device: torch.device) -> bool:
+    """A W=2 full_shard step under torch's ``fake`` process group, shards on ``device``: on CUDA
+    its collectives go through the side streams (``execute/streams.py``), with no host sync.
+
+    At W=1 (the NCCL group of the other checks) every unit is its own shard and no collective
+    runs, so the stream path is exercised here, where collectives complete at once and move
+    no bytes (the values are not checked; ``equality`` checks values).
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from funcshard._src.execute import streams
+
+    cfg = TINY
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        params = gpt.init_params(cfg)
+        plan = fs.plan(params, fs.Mesh({"fsdp": 2}), units=["blocks/*"])
+        sparams = fs.shard(params, plan, device=device)
+        step = fs.value_and_grad(_loss(cfg), plan)
+        batch = _batch(cfg, 0, device)
+        step(sparams, batch)  # warm-up: learns the call order
+        if device.type != "cuda":
+            step(sparams, batch)
+            detail = "no CUDA: a fake W=2 step ran on the CPU, with no streams (none exist there)"
+            report.say(f"streams: SKIP {detail}")
+            report.data["streams"] = {"ok": None, "detail": detail}
+            return True
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(sparams, batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        made = streams._BY_DEVICE.get(device)  # only a collective on the device makes them
+        ok = made is not None and made.active
+        detail = (
+            "side streams made and used, no host sync in the step"
+            if ok
+            else f"no side streams on {device}"
+        )
+        report.say(f"streams: {'PASS' if ok else 'FAIL'} fake W=2 full_shard step: {detail}")
+        report.data["streams"] = {"ok": ok, "detail": detail}
+        return ok
+    finally:
+        dist.destroy_process_group()
 
 
 def _count_scalar_reads(fn: Callable[[], Any]) -> int:
@@ -357,6 +409,11 @@ def main(argv: list[str] | None = None) -> Report:
         except Exception as e:
             ok = False
             report.say(f"throughput: ERROR {type(e).__name__}: {e}")
+    try:  # its own (fake) process group, after the one above
+        ok &= check_streams(report, device)
+    except Exception as e:
+        ok = False
+        report.say(f"check_streams: ERROR {type(e).__name__}: {e}")
     report.say(f"{'PASS' if ok else 'FAIL'} in {time.perf_counter() - start:.0f} s")
     report.data.update(ok=ok, command="python -m bench.gpu " + " ".join(argv or sys.argv[1:]))
     if args.out is not None:

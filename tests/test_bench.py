@@ -267,6 +267,8 @@ def test_the_one_gpu_check_falls_back_to_gloo_on_the_cpu(tmp_path, capsys):
     assert set(report.data["throughput"]["runs"]) == {"funcshard/full_shard", "fsdp2"}
     assert all(len(runs) == 2 for runs in report.data["throughput"]["runs"].values())
     assert any(line.startswith("gpu sync: ") for line in lines)
+    assert report.data["streams"]["ok"] is None  # a fake W=2 step ran; no streams on the CPU
+    assert report.data["ok"]
 
 
 def test_the_fake_process_group_bench_times_funcshard_and_fsdp2_per_unit(tmp_path, capsys):

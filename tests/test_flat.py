@@ -189,3 +189,38 @@ def test_packing_a_range_of_columns_is_that_range_of_the_rows(case):
         out = torch.full((rows.shape[0], width), 7, dtype=rows.dtype)
         pack_flat_columns(layout, members, out, start, 1.0)
         assert torch.equal(out, rows[:, start : start + width])
+
+
+@st.composite
+def cast_params(draw):
+    params = draw(tensor_trees())
+    mesh = draw(meshes(max_axes=2))
+    layout = draw(st.sampled_from(["leaf", "flat"]))
+    p = plan(params, mesh, units=draw(units_for(params)), layout=layout)
+    return params, p, draw(st.sampled_from([1.0, 1 / 3])), draw(st.booleans())
+
+
+@given(cast_params())
+def test_packing_leaves_of_a_narrower_dtype_casts_them_bit_for_bit(case):
+    """[Note: cast while packing] in ``shard/flat_rows.py``: bf16 gradients packed into float32
+    rows are the bits of casting each leaf first, scaled or not, in mesh order or the last axis major."""
+    params, p, scale, reverse = case
+    leaves = tree.flatten(params)[0]
+    axes = tuple(reversed(p.mesh.axis_names)) if reverse else None  # a two-hop order
+    for layout in layouts(p):
+        if layout.dtype != torch.float32:
+            continue
+        narrow = [leaves[s.index].to(torch.bfloat16) for s in layout.slots]
+        wide = [x.to(torch.float32) for x in narrow]
+        expected = torch.full((p.mesh.size, layout.numel), 7.0)
+        got = torch.full((p.mesh.size, layout.numel), 7.0)
+        pack_into(layout, wide, expected, axes, scale=scale)
+        pack_into(layout, narrow, got, axes, scale=scale)
+        assert torch.equal(got, expected)
+        width = max(layout.numel // 2, 1)
+        if layout.flat and layout.numel:
+            expected = torch.full((p.mesh.size, width), 7.0)
+            got = torch.full((p.mesh.size, width), 7.0)
+            pack_flat_columns(layout, wide, expected, 1 % layout.numel, scale)
+            pack_flat_columns(layout, narrow, got, 1 % layout.numel, scale)
+            assert torch.equal(got, expected)

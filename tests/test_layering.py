@@ -116,6 +116,7 @@ ORDER = {
         "desync",
         "guard",
         "unit_state",
+        "streams",
         "gradients",
         "param_group",
         "partial_gradient",

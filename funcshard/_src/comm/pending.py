@@ -48,6 +48,9 @@ class Pending:
     then: Callable[[], None] | None = None  # runs once the work is done (e.g. copy a chunk out)
     holds_copy: bool = False  # holds a copy of its input until done (shared memory: comm/shm/)
     backend: str | None = None  # the backend of its group: what its wait may pass (wait_for)
+    # an event recorded on its side stream after it, for the consumer's stream to wait on
+    # (see [Note: streams and buffer lifetimes] in ``execute/streams.py``); None on the CPU
+    event: Any = None
 
     def wait(self) -> torch.Tensor:
         """Returns the result once the collective is done (on NCCL: once the current stream waits for it).

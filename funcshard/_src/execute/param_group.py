@@ -42,7 +42,9 @@ group of its own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +52,7 @@ import torch
 from funcshard._src.comm import all_gather as _ag
 from funcshard._src.comm import collectives, quantized
 from funcshard._src.comm.pending import Pending
+from funcshard._src.execute.streams import Streams, streams_for
 from funcshard._src.execute.unit_state import LeafGathers, Part, UnitRuntime, UnitState
 from funcshard._src.shard.flat import FlatLayout, unpack_into
 from funcshard._src.shard.own_row import OwnRow
@@ -287,13 +290,18 @@ class ParamGroup:
         layout = part.layout
         replica = self.all_reduce_axes
         if self.group_size == 1 and replica:  # no_shard: in place, overlapped
-            stage = collectives.all_reduce(
-                packed.view(-1),
-                self.bound,
-                replica,
-                ledger=self.ledger,
-                tag=unit.name,
-                out=None if packed is rows else rows.view(-1),
+            stage = _on_side(
+                rows.device,
+                "all_reduce",
+                lambda: collectives.all_reduce(
+                    packed.view(-1),
+                    self.bound,
+                    replica,
+                    ledger=self.ledger,
+                    tag=unit.name,
+                    out=None if packed is rows else rows.view(-1),
+                ),
+                (packed, rows),
             )
             then: tuple[str, ...] = ()
             staging = None  # reduced in place: it becomes the gradient
@@ -309,7 +317,7 @@ class ParamGroup:
             then = replica
             staging = rows if keep_rows else None
         self.memory.log("reduce", unit.name)
-        return Reduction(
+        reduction = Reduction(
             ((layout, 0, layout.numel),),
             stage,
             then,
@@ -319,6 +327,9 @@ class ParamGroup:
             packed=self.group_size > 1 or stage.holds_copy,
             first_hop=unit.two_hop,
         )
+        if then:
+            self._all_reduce_now(reduction)
+        return reduction
 
     def reduce_across(
         self, unit: UnitRuntime, part: Part, sums: torch.Tensor, /, *, out: torch.Tensor | None
@@ -356,6 +367,15 @@ class ParamGroup:
             self.memory.log("reduce", unit.name)
         return self._reduce_scatter(unit, rows, self.axes, out=out, own=own)
 
+    @staticmethod
+    def wait_columns(pending: Pending, /) -> torch.Tensor:
+        """Waits for a range of columns started by :meth:`reduce_columns`: the host on gloo, else the compute stream."""
+        out = pending.wait()
+        # see [Note: streams and buffer lifetimes] in ``execute/streams.py``
+        if pending.event is not None:
+            _wait_on_device(pending)
+        return out
+
     def _reduce_scatter(
         self,
         unit: UnitRuntime,
@@ -366,7 +386,28 @@ class ParamGroup:
         out: torch.Tensor | None,
         own: OwnRow | None = None,
     ) -> Pending:
-        """Starts a reduce-scatter of ``rows`` over ``axes``, quantized where the unit's gradients are."""
+        """Starts a reduce-scatter of ``rows`` over ``axes``, quantized where the unit's gradients are.
+
+        Issued on the reduce-scatter stream once it has waited for the compute stream
+        that made ``rows``; see [Note: streams and buffer lifetimes] in ``execute/streams.py``.
+        """
+        return _on_side(
+            rows.device,
+            "reduce_scatter",
+            lambda: self._reduce_scatter_now(unit, rows, axes, out=out, own=own),
+            (rows,),
+        )
+
+    def _reduce_scatter_now(
+        self,
+        unit: UnitRuntime,
+        rows: torch.Tensor,
+        axes: tuple[str, ...],
+        /,
+        *,
+        out: torch.Tensor | None,
+        own: OwnRow | None = None,
+    ) -> Pending:
         if unit.grad_format:  # [Note: quantized collectives] in plan/quantize.py
             return quantized.reduce_scatter(
                 rows,
@@ -428,10 +469,20 @@ class ParamGroup:
                 rows[:, a:b].zero_()
         replica = self.all_reduce_axes
         if self.group_size == 1:  # no_shard: all-reduced in place, the rows become the gradients
-            stage = collectives.all_reduce(rows.view(-1), self.bound, replica, tag=self.name)
+            stage = _on_side(
+                rows.device,
+                "all_reduce",
+                lambda: collectives.all_reduce(rows.view(-1), self.bound, replica, tag=self.name),
+                (rows,),
+            )
             op, axes, size, then, staging = "all_reduce", replica, self.replica_size, (), None
         else:
-            stage = collectives.reduce_scatter(rows, self.bound, self.axes, tag=self.name)
+            stage = _on_side(
+                rows.device,
+                "reduce_scatter",
+                lambda: collectives.reduce_scatter(rows, self.bound, self.axes, tag=self.name),
+                (rows,),
+            )
             op, axes, size, then, staging = (
                 "reduce_scatter",
                 self.axes,
@@ -445,7 +496,7 @@ class ParamGroup:
                 full = rows.shape[0] * (b - a) * itemsize
                 self.ledger.record(op, axes, group_size=size, full_bytes=full)
             self.memory.log("reduce", member.name)
-        return Reduction(
+        reduction = Reduction(
             tuple((layout, a, b) for _, layout, a, b in pieces),
             stage,
             then,
@@ -454,26 +505,59 @@ class ParamGroup:
             per_piece=True,
             packed=self.group_size > 1,
         )
+        if then:
+            self._all_reduce_now(reduction)
+        return reduction
+
+    def _all_reduce_now(self, reduction: Reduction, /) -> None:
+        """With streams: issues ``reduction``'s all-reduce across replicas now, after its reduce-scatter.
+
+        As FSDP2's HSDP, the all-reduce stream waits on the reduce-scatter stream and
+        the all-reduce is issued at once, not when the host waits for the reduce-scatter
+        (:meth:`wait`, where the CPU and gloo issue it, in the same order, with the same
+        results). Needs the reduce-scatter queued on its stream (:meth:`Streams.issued`).
+        """
+        rs = reduction.stage
+        if rs.event is None:  # the CPU, or gloo: the host waits, then issues it
+            return
+        streams = _side(rs.result.device)
+        assert streams is not None
+        rs.event = None  # the all-reduce stream orders after it; the compute stream waits on the all-reduce
+        streams.after(streams.all_reduce, streams.reduce_scatter)
+        streams.keep_for(rs.result, streams.all_reduce)
+        with streams.use(streams.all_reduce):
+            stage = self._issue_all_reduce(reduction, rs.result)
+        streams.issued(stage, streams.all_reduce)
+        reduction.stage = stage
+        reduction.then_all_reduce = ()
+
+    def _issue_all_reduce(self, reduction: Reduction, out: torch.Tensor, /) -> Pending:
+        """Starts ``reduction``'s all-reduce across replicas of ``out``; counts it in the ledger."""
+        then = reduction.then_all_reduce
+        per_piece = reduction.per_piece
+        ledger = None if per_piece else self.ledger
+        pending = collectives.all_reduce(out, self.bound, then, ledger=ledger, tag=reduction.tag)
+        if per_piece and self.ledger is not None:
+            size = collectives.group_size(self.bound, then)
+            for _, a, b in reduction.pieces:
+                nbytes = (b - a) * out.element_size()
+                self.ledger.record("all_reduce", then, group_size=size, full_bytes=nbytes)
+        return pending
 
     def wait(self, reduction: Reduction, pool: BufferPool, /) -> torch.Tensor:
         """Waits for ``reduction`` (and all-reduces across replicas if need be); the reduced ``(numel,)``.
 
         Gives the packed input back to ``pool`` once the first stage is done.
         """
-        out = reduction.stage.wait()
+        stage = reduction.stage
+        out = stage.wait()
+        # see [Note: streams and buffer lifetimes] in ``execute/streams.py``
+        if stage.event is not None:
+            _wait_on_device(stage)
         if reduction.staging is not None:
             pool.give(reduction.staging)
-        then = reduction.then_all_reduce
-        if then:
-            per_piece = reduction.per_piece
-            ledger = None if per_piece else self.ledger
-            out = collectives.all_reduce(out, self.bound, then, ledger=ledger, tag=reduction.tag)
-            out = out.wait()
-            if per_piece and self.ledger is not None:
-                size = collectives.group_size(self.bound, then)
-                for _, a, b in reduction.pieces:
-                    nbytes = (b - a) * out.element_size()
-                    self.ledger.record("all_reduce", then, group_size=size, full_bytes=nbytes)
+        if reduction.then_all_reduce:  # the CPU and gloo: issued once the reduce-scatter is in
+            out = self._issue_all_reduce(reduction, out).wait()
         return out
 
     # -- gathering: what Run asks for ------------------------------------------------
@@ -567,12 +651,20 @@ class ParamGroup:
         for part, flat in zip(unit.parts, unit.flats):
             if part.aliased:
                 continue
+            side = _side(flat.data.device)
             if partial:
                 assert part.partial is not None
                 local = part.partial
             else:
                 data = flat.data
-                local = data if data.dtype == part.compute_dtype else data.to(part.compute_dtype)
+                if data.dtype == part.compute_dtype:
+                    local = data
+                elif side is None:
+                    local = data.to(part.compute_dtype)
+                else:  # cast on the copy-in stream; [Note: streams and buffer lifetimes] in ``execute/streams.py``
+                    side.after_compute(side.copy_in)
+                    with side.use(side.copy_in):
+                        local = data.to(part.compute_dtype)
             if part.in_place and not partial:
                 full = unit.materialize(part)
                 # the refill is not an in-place change of tensors autograd saved: the
@@ -587,6 +679,7 @@ class ParamGroup:
             self.memory.add(out.numel() * out.element_size())
             if unit.weight_format and not partial and local.dtype.is_floating_point:
                 # blocks of a low-bit format: [Note: quantized collectives] in plan/quantize.py
+                # (on the compute stream: its quantizing is compute)
                 part.inflight = quantized.all_gather(
                     local,
                     self.bound,
@@ -600,14 +693,20 @@ class ParamGroup:
                 continue
             # a shard (or its cast) is stable until the evaluation settles; a partial copy
             # is freed by its unit ([Note: shards read in place] in comm/shm/cross_memory.py)
-            part.inflight = collectives.all_gather(
-                local,
-                self.bound,
-                axes,
-                out=out,
-                ledger=self.ledger,
-                tag=unit.name,
-                stable=not partial,
+            part.inflight = _on_side(
+                local.device,
+                "all_gather",
+                functools.partial(
+                    collectives.all_gather,
+                    local,
+                    self.bound,
+                    axes,
+                    out=out,
+                    ledger=self.ledger,
+                    tag=unit.name,
+                    stable=not partial,
+                ),
+                (local,),
             )
         unit.mark_gathering(from_partial=partial)
 
@@ -621,23 +720,33 @@ class ParamGroup:
         """
         if not part.by_leaf:
             algorithm = _ag.leaf_algorithm() if part.layout.flat and unit.leafwise else None
-            pending = collectives.all_gather(
-                local,
-                self.bound,
-                axes,
-                out=part.full,
-                ledger=self.ledger,
-                tag=unit.name,
-                algorithm=algorithm,
-                stable=True,  # the unit's shard, or its cast
+            pending = _on_side(
+                local.device,
+                "all_gather",
+                lambda: collectives.all_gather(
+                    local,
+                    self.bound,
+                    axes,
+                    out=part.full,
+                    ledger=self.ledger,
+                    tag=unit.name,
+                    algorithm=algorithm,
+                    stable=True,  # the unit's shard, or its cast
+                ),
+                (local,),
             )
             return [pending]
         pieces = [
             (slot.offset, view.view(self.group_size, slot.numel))
             for slot, view in zip(part.layout.slots, part.views)
         ]
-        pending = collectives.all_gather_pieces(
-            local, self.bound, self.axes, pieces, ledger=self.ledger, tag=unit.name, stable=True
+        pending = _on_side(
+            local.device,
+            "all_gather",
+            lambda: collectives.all_gather_pieces(
+                local, self.bound, self.axes, pieces, ledger=self.ledger, tag=unit.name, stable=True
+            ),
+            (local,),
         )
         return [pending]
 
@@ -651,12 +760,25 @@ class ParamGroup:
                 continue
             numel = self.columns_of.numels[j]
             device = first.device(part)
+            side = _side(device)
             local = self.pool.take(numel, part.compute_dtype, device)
-            for i, member in enumerate(self.members):
-                a, b = self.columns_of.span(i, j)
-                local[a:b].copy_(member.flats[j].data)  # casts to the compute dtype
+            # on the copy-in stream where there are streams: [Note: streams and buffer
+            # lifetimes] in ``execute/streams.py``
+            if side is not None:
+                side.after_compute(side.copy_in)
+            with _NULL if side is None else side.use(side.copy_in):
+                for i, member in enumerate(self.members):
+                    a, b = self.columns_of.span(i, j)
+                    local[a:b].copy_(member.flats[j].data)  # casts to the compute dtype
             out = self.pool.take(self.group_size * numel, part.compute_dtype, device)
-            pending = collectives.all_gather(local, self.bound, self.axes, out=out, tag=self.name)
+            pending = _on_side(
+                device,
+                "all_gather",
+                functools.partial(
+                    collectives.all_gather, local, self.bound, self.axes, out=out, tag=self.name
+                ),
+                (local,),
+            )
             gathered = pending.result  # (group_size, numel)
             gathering = SharedGathering(pending, (local, out), set(joining))
             self._gathering.append(gathering)
@@ -687,6 +809,9 @@ class ParamGroup:
                 if part.in_place:
                     unit.forget(part)
                 raise
+            for pending in _pendings(inflight):  # the compute stream waits on its event
+                if pending.event is not None:
+                    _wait_on_device(pending)
             if unit.partial.lifetime is not None and not unit.partial.in_flight:
                 # the rows are the part's storage when gathered in place (flat, or one leaf)
                 rows = part.full if part.in_place else gathered
@@ -719,6 +844,62 @@ class ParamGroup:
             if gathering.waited:
                 for t in gathering.staging:
                     self.pool.give(t)
+
+
+_NULL = contextlib.nullcontext()
+
+
+def _side(device: torch.device, /) -> Streams | None:
+    """``device``'s side streams; ``None`` on the CPU, where nothing else is done."""
+    if device.type == "cpu":
+        return None
+    streams = streams_for(device)
+    return streams if streams.active else None
+
+
+def _on_side(
+    device: torch.device,
+    which: str,
+    issue: Callable[[], Pending],
+    inputs: tuple[torch.Tensor, ...],
+    /,
+) -> Pending:
+    """Calls ``issue`` (a collective reading ``inputs``) on ``device``'s side stream ``which``, after the compute stream.
+
+    Records the event its consumer waits on (:func:`_wait_on_device`) and marks
+    ``inputs`` in use on that stream. An all-gather's stream waits for the copy-in
+    stream too. On the CPU: ``issue()``. See [Note: streams and buffer lifetimes]
+    in ``execute/streams.py``.
+    """
+    side = _side(device)
+    if side is None:
+        return issue()
+    stream = getattr(side, which)
+    if which == "all_gather":
+        side.after(stream, side.copy_in)
+    side.after_compute(stream)
+    with side.use(stream):
+        pending = issue()
+    for tensor in inputs:
+        side.keep_for(tensor, stream)
+    side.issued(pending, stream)
+    return pending
+
+
+def _wait_on_device(pending: Pending, /) -> None:
+    """The current (compute) stream waits on ``pending``'s event."""
+    side = _side(pending.result.device)
+    assert side is not None, "an event without streams"
+    side.wait_for(pending)
+
+
+def _pendings(inflight: Pending | Share | LeafGathers) -> list[Pending]:
+    """The collectives behind what a part waits for."""
+    if isinstance(inflight, Share):
+        return [inflight.gathering.pending]
+    if isinstance(inflight, LeafGathers):
+        return inflight.pendings
+    return [inflight]
 
 
 def _unpack_regathered(

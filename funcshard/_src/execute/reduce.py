@@ -197,11 +197,9 @@ class Reducer:
         if flushed is not None:  # a unit reported twice in this round: that round is reducing
             self.pending.append((group, flushed))
         kept = self.gradients.take_kept(layout)
-        dtype = part.grad_dtype
-        leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
-        pack_into(
+        pack_into(  # casts to the reduce dtype: [Note: cast while packing] in ``shard/flat_rows.py``
             layout,
-            leaves,
+            mine,
             columns,
             unit.axes,
             scale=1.0 if kept is not None else 1.0 / self.world_size,
@@ -247,7 +245,6 @@ class Reducer:
         spare = None if defer or unit.two_hop else self.gradients.spare(layout, part.grad_dtype)
         kept = self.gradients.take_kept(layout)  # packed by earlier micro-batches' calls
         dtype = part.grad_dtype
-        leaves = [g if g is None or g.dtype == dtype else g.to(dtype) for g in mine]
         columns = chunk_columns(unit, part, self.chunk_bytes, defer=defer)
         if columns:  # [Note: reductions in chunks]
             while self.pending:  # the ranges reuse the regions these hold
@@ -257,7 +254,7 @@ class Reducer:
                 group,
                 unit,
                 part,
-                leaves,
+                _cast(mine, dtype),
                 kept,
                 pool,
                 out=spare,
@@ -302,9 +299,11 @@ class Reducer:
         # a two-hop unit's rows come last axis major ([Note: two-hop reductions] in ``execute/partial_gradient.py``)
         order = unit.partial.order if unit.two_hop else unit.axes
         scale = 1.0 / self.world_size if direct else 1.0
-        own = pack_rows(
-            unit, layout, leaves, packed, order, scale=scale, shared=direct and shared is not None
-        )
+        own_row = direct and shared is not None
+        # the packing casts ([Note: cast while packing] in ``shard/flat_rows.py``), but the own
+        # row sums from leaves in the reduce dtype
+        leaves = _cast(mine, dtype) if own_row else mine
+        own = pack_rows(unit, layout, leaves, packed, order, scale=scale, shared=own_row)
         if kept is not None:
             packed.add_(kept)
             self.pool.give(kept)
@@ -349,6 +348,13 @@ class Reducer:
 
 
 # -- packing one part's gradients --------------------------------------------------------
+
+
+def _cast(
+    leaves: Sequence[torch.Tensor | None], dtype: torch.dtype, /
+) -> list[torch.Tensor | None]:
+    """``leaves`` in ``dtype``, each cast on its own: where the packing cannot cast them."""
+    return [g if g is None or g.dtype == dtype else g.to(dtype) for g in leaves]
 
 
 def pack_rows(
@@ -465,7 +471,7 @@ def reduce_in_chunks(
         if kept is not None:
             rows.add_(kept[:, start : start + width]).div_(world_size)
         into = result[start : start + width]
-        group.reduce_columns(unit, rows, into, first=start == 0, own=own).wait()
+        group.wait_columns(group.reduce_columns(unit, rows, into, first=start == 0, own=own))
         if staged is not None:
             pool.give(staged)
     return result

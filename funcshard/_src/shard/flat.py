@@ -30,7 +30,7 @@ from typing import cast
 
 import torch
 
-from funcshard._src.shard.flat_rows import pack_flat_rows, row_order, write_scaled
+from funcshard._src.shard.flat_rows import pack_flat_rows, row_order, scale_cast, write_scaled
 from funcshard._src.shard.layout import FlatLayout as FlatLayout
 from funcshard._src.shard.layout import Slot as Slot
 from funcshard._src.shard.layout import layouts as layouts
@@ -221,8 +221,8 @@ def pack_into(
         and sum(widths) == layout.numel
         and (scale == 1.0 or out.numel() * out.element_size() <= FUSED_SCALE_BYTES)
         and all(leaf is not None for leaf in leaves)
-        and _fusable(out, cast("Sequence[torch.Tensor]", leaves))
-    ):  # See [Note: leaves as columns]
+        and _fusable(out, cast("Sequence[torch.Tensor]", leaves), cast_ok=True)
+    ):  # See [Note: leaves as columns]; the cat casts: [Note: cast while packing] in ``shard/flat_rows.py``
         rows = out.shape[0]
         torch.cat([leaf.view(rows, -1) for leaf in leaves if leaf is not None], dim=1, out=out)
         if scale != 1.0:
@@ -249,6 +249,8 @@ def pack_into(
             source = padded.view(geo.split)
         if scale == 1.0:
             target.copy_(source.expand(target.shape))
+        elif source.dtype != target.dtype:  # [Note: cast while packing] in ``shard/flat_rows.py``
+            scale_cast(target, source.expand(target.shape), scale)
         else:
             torch.mul(source.expand(target.shape), scale, out=target)
 
@@ -376,15 +378,20 @@ def column_widths(
     return _column_widths(layout, tuple(layout.mesh.axis_names if axes is None else axes))
 
 
-def _fusable(block: torch.Tensor, leaves: Sequence[torch.Tensor]) -> bool:
-    """Whether ``leaves`` can each be viewed as ``block``'s rows, in its dtype and on its device.
+def _fusable(block: torch.Tensor, leaves: Sequence[torch.Tensor], *, cast_ok: bool = False) -> bool:
+    """Whether ``leaves`` can each be viewed as ``block``'s rows, in its dtype (or, ``cast_ok``, any float) and on its device.
 
     Not where autograd would record the copies (a fused copy's ``out=`` refuses it).
     """
     if torch.is_grad_enabled() and (block.requires_grad or any(x.requires_grad for x in leaves)):
         return False
     return all(
-        leaf.is_contiguous() and leaf.dtype == block.dtype and leaf.device == block.device
+        leaf.is_contiguous()
+        and (
+            leaf.dtype == block.dtype
+            or (cast_ok and leaf.dtype.is_floating_point and block.dtype.is_floating_point)
+        )
+        and leaf.device == block.device
         for leaf in leaves
     )
 

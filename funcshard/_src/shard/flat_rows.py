@@ -74,13 +74,41 @@ def pack_flat_rows(
 
 
 def write_scaled(target: torch.Tensor, leaf: torch.Tensor | None, scale: float) -> None:
-    """``leaf * scale`` into the contiguous range ``target`` (zeros for ``None``); mutates ``target``."""
+    """``leaf * scale`` into the contiguous range ``target`` (zeros for ``None``); mutates ``target``.
+
+    A leaf of another dtype is cast while it is written; see [Note: cast while packing].
+    """
     if leaf is None:
         target.zero_()
     elif scale == 1.0:
         target.view_as(leaf).copy_(leaf)
+    elif leaf.dtype != target.dtype:
+        scale_cast(target.view_as(leaf), leaf, scale)
     else:
         torch.mul(leaf, scale, out=target.view_as(leaf))
+
+
+def scale_cast(target: torch.Tensor, source: torch.Tensor, scale: float) -> None:
+    """``source`` cast to ``target``'s dtype, times ``scale``, into ``target``; mutates ``target``.
+
+    [Note: cast while packing]
+    A part's gradients are packed into its reduce-scatter input in the reduce dtype
+    straight from the leaves in the compute dtype: the copy into the packed buffer
+    casts, so a unit's gradients are never all cast beside the buffer (the peak is
+    the buffer, once, not twice). The copy casts as ``Tensor.to`` does and the scale
+    is applied after it, in the reduce dtype: the same bits as casting each leaf first.
+    ``torch.mul(source, scale, out=target)`` would not be: it multiplies in the
+    source's dtype and casts the rounded product.
+
+    Example:
+        >>> g = torch.tensor([1.0, 3.0], dtype=torch.bfloat16)
+        >>> t = torch.empty(2)
+        >>> scale_cast(t, g, 1 / 3)
+        >>> torch.equal(t, g.float() * (1 / 3))
+        True
+    """
+    target.copy_(source)
+    target.mul_(scale)
 
 
 def pack_flat_columns(
