@@ -547,3 +547,28 @@ def max_group_bytes(groups: Any, cost: dict[str, int]) -> int:
         for g in groups
         if not any(u.unit.is_root for u in g.members)
     )
+
+
+def test_the_step_run_is_found_from_a_thread_outside_its_context():
+    """[Note: the current run] in ``execute/run.py``: autograd runs a CUDA backward on its
+    device threads, which do not see the caller's context variables; a checkpoint's
+    recompute there must still find the step it belongs to (a thread stands in for them)."""
+    import threading
+
+    from funcshard._src.execute.run import step_run
+
+    params = {"blocks": [{"w": torch.randn(3, 3)} for _ in range(2)]}
+    plan = fs.plan(params, fs.Mesh({"fsdp": 1}), units=["blocks/*"])
+    seen: list[bool] = []
+
+    def loss(p, x):
+        for blk in p["blocks"]:
+            x = fs.call(lambda b, x: x @ b["w"], blk, x)
+        thread = threading.Thread(target=lambda: seen.append(step_run() is not None))
+        thread.start()
+        thread.join()
+        return x.sum()
+
+    fs.value_and_grad(loss, plan)(fs.shard(params, plan), torch.ones(2, 3))
+    assert seen == [True]
+    assert step_run() is None  # and nobody finds it once the step is over

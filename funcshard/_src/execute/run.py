@@ -91,8 +91,12 @@ class Stage(enum.Enum):
 # One context variable holds the run from its begin to its end (finish, close_evaluation or
 # abort); its stage says whether its forward is running. Backward on the CPU runs on the
 # thread that called it, in the same context, so autograd's hooks and a checkpoint's
-# recompute in backward find the run here too.
+# recompute in backward find the run there. On a CUDA device autograd runs backward on its
+# own device threads, which do not see the caller's context variables, so the run is also
+# kept in one process-wide slot for the same span, which step_run falls back to: a process
+# runs one step at a time (Step refuses a step inside another's loss_fn).
 _RUN: ContextVar[Run | None] = ContextVar("funcshard_run", default=None)
+_STEP: list[Run | None] = [None]  # the same run, for threads outside its context
 
 
 def current_run() -> Run | None:
@@ -102,8 +106,9 @@ def current_run() -> Run | None:
 
 
 def step_run() -> Run | None:
-    """The run of the step in progress in this context (forward or backward), if any."""
-    return _RUN.get()
+    """The run of the step in progress (forward or backward), if any, from any thread."""
+    run = _RUN.get()
+    return _STEP[0] if run is None else run
 
 
 class Run:
@@ -193,6 +198,7 @@ class Run:
             self._root_guard = watch(root_unit.name, root_unit.slots, outs)
         self._prefetch_forward(0)
         self._token = _RUN.set(self)  # see [Note: the current run]
+        _STEP[0] = self
         leaves, treedef = tree.flatten(sparams)
         if root_leaves:  # one pass in a comprehension: this runs every step over every leaf
             leaves = [
@@ -417,6 +423,8 @@ class Run:
         if self._token is not None:
             _RUN.reset(self._token)
             self._token = None
+        if _STEP[0] is self:
+            _STEP[0] = None
 
     def _prefetch_forward(self, start: int) -> None:
         for name in self.order_hint[start : start + self.prefetch]:
