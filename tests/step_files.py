@@ -26,7 +26,15 @@ PACKAGE = str(Path(fs.__file__).resolve().parent)
 
 
 def step_files(mesh: dict[str, int] | None = None) -> list[str]:
-    """The funcshard files entered by one steady-state full_shard step, sorted; run on every rank."""
+    """The funcshard files entered by one steady-state full_shard step, sorted; run on every rank.
+
+    The shared-memory transport is loaded first, as it is in any process that ever used it:
+    a step then settles through it (``transport.settle``) even at W=1, so the count does not
+    depend on what ran earlier in the process.
+    """
+    from funcshard._src.comm import transport
+
+    transport.shared_memory()
     model = Model(kind="transformer", vocab=64, width=16, hidden=32, layers=2, embed_unit=True)
     params = model.init(0)
     plan = fs.plan(
