@@ -19,7 +19,7 @@ pytest.importorskip(
 
 
 def test_interop_doc_blocks_run(tmp_path):
-    assert run_blocks("docs/interop.md", str(tmp_path)) == 5
+    assert run_blocks("docs/interop.md", str(tmp_path)) == 6
 
 
 def test_large_models_doc_blocks_run(tmp_path):
