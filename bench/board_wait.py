@@ -18,6 +18,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 from funcshard._src.comm.shm import board
 from funcshard._src.comm.shm.board import PAGE_BYTES, Board
@@ -56,7 +57,7 @@ def _rank(me: int, pages: list[mmap.mmap], rounds: int, policy: str, out: mp.Que
     out.put((me, statistics.median(times), sum(times)))
 
 
-def _busy(stop: mp.Event) -> None:
+def _busy(stop: Any) -> None:  # a multiprocessing Event
     while not stop.is_set():
         pass
 
@@ -88,7 +89,7 @@ def run(rounds: int, policy: str, busy: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20000)
     parser.add_argument("--busy", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)

@@ -35,7 +35,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,9 @@ OUT = Path(__file__).parent / "results" / "fake_pg"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.fake_pg", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.fake_pg", description=(__doc__ or "").splitlines()[0]
+    )
     p.add_argument("--layers", type=int, default=64, help="blocks: units besides the root")
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--seq", type=int, default=16)
@@ -71,7 +73,9 @@ def _timed(step: Callable[[int], Any], steps: int) -> list[float]:
     return times
 
 
-def _funcshard(cfg: gpt.Config, params: Any, layout: str = "leaf") -> Callable[[int], Any]:
+def _funcshard(
+    cfg: gpt.Config, params: Any, layout: Literal["leaf", "flat"] = "leaf"
+) -> Callable[[int], Any]:
     import funcshard as fs
 
     mesh = fs.Mesh({"fsdp": WORLD})

@@ -64,7 +64,9 @@ OUT = Path(__file__).parent / "results" / "gpu"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.gpu", description=(__doc__ or "").splitlines()[0]
+    )
     p.add_argument("--out", type=Path, default=None, help="write gpu.txt and gpu.json here")
     p.add_argument("--steps", type=int, default=None, help="timed steps a run (GPU 10, CPU 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (GPU 3, CPU 1)")

@@ -50,6 +50,8 @@ def config(shape: str, scale: float = 1.0) -> Any:
 
     n_embd, n_layer, vocab, tie, _ = SHAPES[shape]
     width = max(64, int(n_embd * scale) // 64 * 64)
+    # the last three go to PretrainedConfig through **kwargs, which pyright does not see
+    rest: dict[str, Any] = {"attn_implementation": "eager", "bos_token_id": 0, "eos_token_id": 0}
     return transformers.GPT2Config(
         n_embd=width,
         n_layer=n_layer,
@@ -57,9 +59,7 @@ def config(shape: str, scale: float = 1.0) -> Any:
         vocab_size=vocab,
         n_positions=64,
         tie_word_embeddings=tie,
-        attn_implementation="eager",
-        bos_token_id=0,
-        eos_token_id=0,
+        **rest,
     )
 
 

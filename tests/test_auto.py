@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -128,7 +128,9 @@ def test_where_gathers_across_nodes_are_exposed_auto_keeps_partial_copies():
         )
         fixed = {
             s: estimate(fs.plan(params, mesh, units=[preset.unit_pattern], strategy=s), cost)
-            for s in ("full_shard", expected, "hybrid_shard", "shard_grad_op")
+            for s in cast(
+                tuple[Any, ...], ("full_shard", expected, "hybrid_shard", "shard_grad_op")
+            )
         }
         need = fixed[expected].memory.total
         assert need < min(fixed[s].memory.total for s in ("hybrid_shard", "shard_grad_op"))

@@ -41,7 +41,7 @@ def _grads(
         reduce.reduce_in_chunks = WHOLE
 
 
-def _step(mesh: dict[str, int], strategy: str, micro: int, mode: Any) -> dict[str, Any]:
+def _step(mesh: dict[str, int], strategy: Any, micro: int, mode: Any) -> dict[str, Any]:
     model = Model(kind="transformer", vocab=64, width=16, hidden=32, layers=2, embed_unit=True)
     params = model.init(0)
     plan = fs.plan(params, fs.Mesh(mesh), units=model.units, strategy=strategy, layout="flat")

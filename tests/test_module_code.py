@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -133,7 +134,7 @@ def test_bound_serves_state_dict_get_parameter_save_dcp_and_save_pretrained(tmp_
         (grad,) = torch.autograd.grad(module(x).sum(), [trainable[0]["weight"]])
     assert grad.shape == (4, 3)
     assert bool(grad.abs().sum() > 0)
-    for got in (from_apply, from_module, load_file(hf_dir / "model.safetensors")):
+    for got in (from_apply, from_module, load_file(Path(hf_dir) / "model.safetensors")):
         assert sorted(got) == sorted(expected)
         assert all(torch.equal(got[k], v) for k, v in expected.items())
     back = {k: torch.zeros_like(v) for k, v in expected.items()}

@@ -114,8 +114,8 @@ def test_units_must_be_patterns():
         fs.value_and_grad(
             lambda p: p["w"].sum(),
             fs.plan({"w": torch.ones(2)}, fs.Mesh({"fsdp": 1})),
-            quantize="int8",
-        )  # pyright: ignore[reportArgumentType]
+            quantize="int8",  # pyright: ignore[reportArgumentType]
+        )
     with pytest.raises(TypeError, match="Quantized"):
         CostModel(quantize="int8")  # pyright: ignore[reportArgumentType]
 
@@ -168,7 +168,8 @@ def test_the_quantized_collectives_stay_within_the_bound_and_send_their_bytes(
     block = 64
     results = pools.run(world_size, _collectives, mesh, block)
     axes = tuple(mesh)
-    for format, values in (("int8", 1), ("fp8", 1), ("int4", 0.5)):
+    formats: tuple[tuple[Any, float], ...] = (("int8", 1), ("fp8", 1), ("int4", 0.5))
+    for format, values in formats:
         sent = (world_size - 1) * quantized_bytes(1024, block, format)
         assert sent / ((world_size - 1) * 4 * 1024) == (values + 4 / block) / 4
         for r in results:

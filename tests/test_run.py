@@ -213,7 +213,8 @@ def _partial_gradients(mesh: dict[str, int], layout: Any) -> list[tuple[Any, int
     )
     sparams = fs.shard(params, plan)
     out = []
-    for micro, mode in ((1, "sharded"), (3, "sharded"), (3, "unsharded")):
+    modes: tuple[tuple[int, Any], ...] = ((1, "sharded"), (3, "sharded"), (3, "unsharded"))
+    for micro, mode in modes:
         batches = [model.batch_for(10 * fs.rank() + m) for m in range(micro)]
         step = fs.value_and_grad(model.loss_fn, plan)
         step.accumulate(sparams, batches, mode=mode)

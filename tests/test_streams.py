@@ -135,7 +135,7 @@ class RecordingCollectives:
         return self._pending("all_reduce", kw.get("tag", ""), buf)
 
 
-def _units(mesh: dict[str, int], strategy: str, mp: MixedPrecision) -> list[UnitRuntime]:
+def _units(mesh: dict[str, int], strategy: Any, mp: MixedPrecision) -> list[UnitRuntime]:
     plan = fs.plan(PARAMS, fs.Mesh(mesh), units=["a", "c"], strategy=strategy)
     flats = list({id(f): f for f in flats_of(shard_for_rank(PARAMS, plan, 0))}.values())
     bound = BoundMesh(plan.mesh, 0, False)

@@ -46,6 +46,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -53,7 +54,7 @@ from funcshard._src.comm import all_gather as _ag
 from funcshard._src.comm import collectives, quantized
 from funcshard._src.comm.pending import Pending
 from funcshard._src.execute.streams import Streams, streams_for
-from funcshard._src.execute.unit_state import LeafGathers, Part, UnitRuntime, UnitState
+from funcshard._src.execute.unit_state import InFlight, LeafGathers, Part, UnitRuntime, UnitState
 from funcshard._src.shard.flat import FlatLayout, unpack_into
 from funcshard._src.shard.own_row import OwnRow
 
@@ -893,13 +894,13 @@ def _wait_on_device(pending: Pending, /) -> None:
     side.wait_for(pending)
 
 
-def _pendings(inflight: Pending | Share | LeafGathers) -> list[Pending]:
+def _pendings(inflight: InFlight) -> list[Pending]:
     """The collectives behind what a part waits for."""
     if isinstance(inflight, Share):
         return [inflight.gathering.pending]
     if isinstance(inflight, LeafGathers):
         return inflight.pendings
-    return [inflight]
+    return [cast(Pending, inflight)]
 
 
 def _unpack_regathered(
