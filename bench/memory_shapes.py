@@ -123,18 +123,16 @@ def _funcshard(
         "partial": peaks["partial"] / mib,
         "regions": _resident_mib().get("shmem", 0.0),
     }
-    growth = steady - baseline
-    breakdown["rest"] = growth - sum(breakdown.values())
-    return {
-        "rank": rank,
-        "baseline": baseline,
-        "first_step": first - baseline,
-        "steady": growth,
-        "seconds": seconds,
-        "breakdown": breakdown,
-        "estimate_gathered": memory.gathered / mib,
-        "parameters": sum(p.numel() for p in model.parameters()),
-    }
+    return _result(
+        rank,
+        baseline,
+        first,
+        steady,
+        seconds,
+        breakdown,
+        estimate_gathered=memory.gathered / mib,
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
 
 
 def _fsdp2(shape: str, scale: float, rank: int, world: int, tmp: str, steps: int) -> dict[str, Any]:
@@ -168,16 +166,30 @@ def _fsdp2(shape: str, scale: float, rank: int, world: int, tmp: str, steps: int
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())  # type: ignore[attr-defined]
     mib = 2**20
     breakdown = {"shards": local / mib, "optimizer": 2 * local / mib, "gradients": local / mib}
-    growth = steady - baseline
-    breakdown["rest"] = growth - sum(breakdown.values())
     dist.destroy_process_group()
+    return _result(rank, baseline, first, steady, seconds, breakdown)
+
+
+def _result(
+    rank: int,
+    baseline: float,
+    first: float,
+    steady: float,
+    seconds: float,
+    breakdown: dict[str, float],
+    **extra: Any,
+) -> dict[str, Any]:
+    """One rank's figures: peaks as growth over ``baseline``, the breakdown completed by its rest."""
+    growth = steady - baseline
+    rest = growth - sum(breakdown.values())
     return {
         "rank": rank,
         "baseline": baseline,
         "first_step": first - baseline,
         "steady": growth,
         "seconds": seconds,
-        "breakdown": breakdown,
+        "breakdown": {**breakdown, "rest": rest},
+        **extra,
     }
 
 

@@ -119,13 +119,9 @@ def adamw(
         count = counts.made(torch.zeros((), dtype=torch.int64, device=device_of(sparams)))
         return AdamWState(count, zeros_like_tree(sparams), zeros_like_tree(sparams))
 
-    def update_(grads: Any, state: AdamWState, sparams: Any, /) -> tuple[Any, AdamWState]:
-        skip = skip_flag() if on_device else None
-        if skip is not None:  # See [Note: skipping on the device] (base.py)
-            return _skippable_update(grads, state, sparams, skip)
-        count = counts.read(state.count)
-        step_lr = rate_at(lr, count)
-        params, g, mu, nu = floating_flats(
+    def _flats(grads: Any, state: AdamWState, sparams: Any) -> list[list[torch.Tensor]]:
+        """The floating flat buffers the update reads and writes: params, grads, mu, nu."""
+        return floating_flats(
             sparams,
             grads,
             state.mu,
@@ -133,6 +129,14 @@ def adamw(
             names=["params", "grads", "state.mu", "state.nu"],
             split_by=1,
         )
+
+    def update_(grads: Any, state: AdamWState, sparams: Any, /) -> tuple[Any, AdamWState]:
+        skip = skip_flag() if on_device else None
+        if skip is not None:  # See [Note: skipping on the device] (base.py)
+            return _skippable_update(grads, state, sparams, skip)
+        count = counts.read(state.count)
+        step_lr = rate_at(lr, count)
+        params, g, mu, nu = _flats(grads, state, sparams)
         if not params:  # a mask that leaves no leaf here
             counts.advance_(state.count, count)
             return sparams, state
@@ -167,14 +171,7 @@ def adamw(
         grads: Any, state: AdamWState, sparams: Any, skip: torch.Tensor
     ) -> tuple[Any, AdamWState]:
         """The fused update with a constant rate, left undone where ``skip`` is 1: no host read."""
-        params, g, mu, nu = floating_flats(
-            sparams,
-            grads,
-            state.mu,
-            state.nu,
-            names=["params", "grads", "state.mu", "state.nu"],
-            split_by=1,
-        )
+        params, g, mu, nu = _flats(grads, state, sparams)
         state.count.add_((1 - skip).to(state.count.device, state.count.dtype))
         counts.forget()  # advanced by a value the host does not know
         if params:
