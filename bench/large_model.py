@@ -295,26 +295,34 @@ def _checkpoint(size: dict[str, int], path: str) -> int:
     return int(Path(path, "parameters").read_text())
 
 
-def run(
-    source: str, size: dict[str, int], world: int, tmp: str, timeout: float, steps: int
-) -> list[dict[str, Any]]:
+def spawn_ranks(target: Any, args_of: Any, world: int, timeout: float, what: str) -> None:
+    """Runs ``target(*args_of(rank, port))`` in ``world`` fresh processes, one a rank; waits.
+
+    Ranks still running after ``timeout`` seconds are killed; any rank that did not exit
+    cleanly ends the benchmark, naming ``what`` and every such rank's exit code.
+    """
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [
-        ctx.Process(target=worker, args=(source, size, r, world, port, tmp, steps))
-        for r in range(world)
-    ]
+    procs = [ctx.Process(target=target, args=args_of(r, port)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
-    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     for p in procs:
         if p.is_alive():
             p.kill()
+    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if failed:
-        raise SystemExit(f"{source}: ranks failed (rank, exit code): {failed}")
+        raise SystemExit(f"{what}: ranks failed (rank, exit code): {failed}")
+
+
+def run(
+    source: str, size: dict[str, int], world: int, tmp: str, timeout: float, steps: int
+) -> list[dict[str, Any]]:
+    spawn_ranks(
+        worker, lambda r, port: (source, size, r, world, port, tmp, steps), world, timeout, source
+    )
     return [json.loads(Path(tmp, f"{source}-rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -31,7 +31,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.large_model import _free_port, _peak_rss_mib, _reset_peak, _resident_mib, _rss_mib
+from bench.large_model import (
+    _peak_rss_mib,
+    _reset_peak,
+    _resident_mib,
+    _rss_mib,
+    spawn_ranks,
+)
 
 # name: (n_embd, n_layer, vocab, tie, tokens per rank)
 SHAPES: dict[str, tuple[int, int, int, bool, int]] = {
@@ -214,25 +220,13 @@ def worker(
 def run(
     source: str, shape: str, scale: float, world: int, tmp: str, steps: int, timeout: float
 ) -> list[dict[str, Any]]:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=worker, args=(source, shape, scale, r, world, port, tmp, steps))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-    if failed:
-        raise SystemExit(f"{source} on {shape}: ranks failed (rank, exit code): {failed}")
+    spawn_ranks(
+        worker,
+        lambda r, port: (source, shape, scale, r, world, port, tmp, steps),
+        world,
+        timeout,
+        f"{source} on {shape}",
+    )
     return [
         json.loads(Path(tmp, f"{source}-{shape}-rank{r}.json").read_text()) for r in range(world)
     ]
