@@ -10,10 +10,11 @@ wait on ``torch.distributed`` work with or without a timeout.
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from funcshard._src.comm import runtime
 
 Timeout = datetime.timedelta | None
 
@@ -49,7 +50,7 @@ def from_env(env: str, known: Sequence[str], what: str, /) -> str:
         >>> from_env("FUNCSHARD_NOT_SET_ANYWHERE", ("auto", "ring"), "all-gather")
         'auto'
     """
-    value = os.environ.get(env, "auto")
+    value = runtime.setting(env, "auto")  # [Note: settings held through a step] in comm/runtime.py
     if value not in known:
         article = "an" if what[0] in "aeiou" else "a"
         raise ValueError(

@@ -86,7 +86,9 @@ class Channel:
     world_size: int
     seq: int = 0  # agreements so far: equal on every rank that is in step
     issued: int = 0  # data collectives issued so far
-    trace: Any = field(default_factory=hashlib.sha256)
+    trace: Any = field(default_factory=hashlib.sha256)  # of the collectives before ``recent``
+    # collectives issued since the trace was last brought up to date (record_issued)
+    recent: list[tuple[str, str, int, torch.dtype]] = field(default_factory=list)
     out_of_step: str | None = None  # why this process cannot take part in collectives any more
     peer_aborted: bool = False  # a peer's ABORT was already received: no need to post one
     abandoned: list[Any] = field(default_factory=list)  # works never waited for, kept alive
@@ -102,6 +104,24 @@ class Channel:
                 "initialize again"
             )
         return group
+
+    def record_issued(self, op: str, tag: str, numel: int, dtype: torch.dtype, /) -> None:
+        """Counts one data collective and adds it to the trace the agreements compare; mutates.
+
+        Hashed when the trace is next read (:meth:`digest`), a step's collectives at
+        once: a collective costs a list append, not a hash update.
+        """
+        self.issued += 1
+        self.recent.append((op, tag, numel, dtype))
+        if len(self.recent) >= 4096:
+            self.digest()
+
+    def digest(self) -> bytes:
+        """The digest of every data collective issued so far (16 bytes); mutates the trace."""
+        if self.recent:
+            self.trace.update("".join(f"{o}|{t}|{n}|{d};" for o, t, n, d in self.recent).encode())
+            self.recent.clear()
+        return self.trace.copy().digest()[:16]
 
 
 _CHANNELS: dict[int, tuple[weakref.ref[dist.ProcessGroup], Channel]] = {}
@@ -168,18 +188,10 @@ def mark_out_of_step(reason: str, /) -> None:
         ch.out_of_step = reason
 
 
-def record_issued(op: str, tag: str, numel: int, dtype: torch.dtype, /) -> None:
-    """Counts one data collective and adds it to the trace the agreements compare; mutates."""
-    ch = existing_channel()
-    if ch is not None:
-        ch.issued += 1
-        ch.trace.update(f"{op}|{tag}|{numel}|{dtype};".encode())
-
-
 def trace_digest() -> bytes:
     """The digest of every data collective this process issued so far (16 bytes)."""
     ch = existing_channel()
-    return b"\0" * 16 if ch is None else ch.trace.copy().digest()[:16]
+    return b"\0" * 16 if ch is None else ch.digest()
 
 
 @dataclass(eq=False)

@@ -26,7 +26,7 @@ from funcshard._src.comm import channel, transport
 from funcshard._src.comm import reduce_scatter as _rs
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.comm.pending import Each, Pending, issue
+from funcshard._src.comm.pending import Each, Pending, backend_of, issue
 from funcshard._src.comm.reduce_scatter import Algorithm
 from funcshard._src.comm.torch_transport import TORCH
 
@@ -87,12 +87,12 @@ def all_gather(
         out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
     target = out
     nbytes = out.numel() * out.element_size()
-    backend = dist.get_backend(group)
+    backend = backend_of(group)
     requested = _ag.default_algorithm() if algorithm is None else algorithm
     chosen = _ag.resolve(requested, backend, size, nbytes)
     gloo = backend == "gloo"
 
-    def call() -> Any:  # nccl: the backend's own, exactly as before
+    def call() -> Any:  # anything but gloo: the backend's own
         if gloo:
             return _ag.start(
                 chosen,
@@ -144,7 +144,7 @@ def all_gather_pieces(
     requested = _ag.leaf_algorithm()
     itemsize = flat.element_size()
     nbytes = sum(rows.numel() for _, rows in pieces) * itemsize
-    backend = dist.get_backend(group)
+    backend = backend_of(group)
     gloo = backend == "gloo"
     chosen = _ag.resolve(requested, backend, size, nbytes)
 
@@ -190,7 +190,7 @@ def input_rows(
     the group.
     """
     group = bound.group(axes)
-    if group is None or dist.get_backend(group) != "gloo":
+    if group is None or backend_of(group) != "gloo":
         return None
     plugin = transport.shared_memory()
     if plugin is None:
@@ -268,7 +268,7 @@ def reduce_scatter(
         out = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
     target = out
     nbytes = rows.numel() * rows.element_size()
-    backend = dist.get_backend(group)
+    backend = backend_of(group)
     requested = _rs.default_algorithm() if algorithm is None else algorithm
     chosen = _rs.resolve(requested, backend, size, nbytes)
     gloo = backend == "gloo"
@@ -280,7 +280,7 @@ def reduce_scatter(
                 "collectives.input_rows, sent through shared memory"
             )
 
-    def call() -> Any:  # nccl: the backend's own, exactly as before
+    def call() -> Any:  # anything but gloo: the backend's own
         if gloo:
             return _rs.start(
                 chosen,
@@ -324,7 +324,7 @@ def all_reduce(
     nbytes = buf.numel() * buf.element_size()
     plugin = (
         transport.shared_memory()
-        if dist.get_backend(group) == "gloo" and transport.uses_shared_memory(nbytes)
+        if backend_of(group) == "gloo" and transport.uses_shared_memory(nbytes)
         else None
     )
 

@@ -22,6 +22,7 @@ anyway, the collective timeout bounds it and its error names the collective.
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +45,9 @@ class Pending:
 
     result: torch.Tensor
     work: Any = None  # a torch.distributed Work handle, or None when already done
-    what: str = ""  # "all_gather of unit 'blocks/0' over ('fsdp',) on rank 1", for errors
+    # "all_gather of unit 'blocks/0' over ('fsdp',) on rank 1", for errors: a str, or an
+    # object that formats as one when shown (issue)
+    what: object = ""
     then: Callable[[], None] | None = None  # runs once the work is done (e.g. copy a chunk out)
     holds_copy: bool = False  # holds a copy of its input until done (shared memory: comm/shm/)
     backend: str | None = None  # the backend of its group: what its wait may pass (wait_for)
@@ -123,20 +126,51 @@ def issue(
     tensor: torch.Tensor,
     call: Callable[[], Any],
 ) -> Pending:
-    what = (
-        f"{op}{f' of unit {tag!r}' if tag else ''} over mesh axes {list(axes)} on rank {bound.rank}"
-    )
-    channel.ensure_in_step(what)
+    def what() -> str:  # for errors alone: formatted only when one is raised
+        return f"{op}{f' of unit {tag!r}' if tag else ''} over mesh axes {list(axes)} on rank {bound.rank}"
+
+    ch = channel.existing_channel()
+    if ch is not None:
+        if ch.out_of_step is not None:
+            channel.ensure_in_step(what())
+        ch.record_issued(op, tag, tensor.numel(), tensor.dtype)
     preflight.check(
-        op, tag, group, tensor, what
-    )  # see [Note: transport settings] in ``comm/preflight.py``
-    channel.record_issued(op, tag, tensor.numel(), tensor.dtype)
+        ch, op, tag, group, tensor, what
+    )  # [Note: transport settings] in comm/preflight.py
     try:
         work = call()
     except Exception as e:
-        channel.mark_out_of_step(f"{what} failed")
-        raise failure(what, e, None) from e
-    return Pending(tensor, work, what, backend=str(dist.get_backend(group)))
+        channel.mark_out_of_step(f"{what()} failed")
+        raise failure(what(), e, None) from e
+    return Pending(tensor, work, _What(what), backend=backend_of(group))
+
+
+class _What:
+    """A collective's description for errors, formatted when first shown."""
+
+    __slots__ = ("_format", "_text")
+
+    def __init__(self, format: Callable[[], str]) -> None:
+        self._format, self._text = format, None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            self._text = self._format()
+        return self._text
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+_BACKENDS: weakref.WeakKeyDictionary[dist.ProcessGroup, str] = weakref.WeakKeyDictionary()
+
+
+def backend_of(group: dist.ProcessGroup, /) -> str:
+    """``group``'s backend (``"gloo"``, ``"nccl"``, ``"fake"``), looked up once per group."""
+    backend = _BACKENDS.get(group)
+    if backend is None:
+        backend = _BACKENDS[group] = str(dist.get_backend(group))
+    return backend
 
 
 def failure(what: str, error: Exception, timeout: float | None) -> CollectiveError:

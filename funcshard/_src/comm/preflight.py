@@ -21,7 +21,7 @@ collective then refuses it with the same error on every rank.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,32 +41,51 @@ _HINT = (
 def settings() -> dict[str, str]:
     """The transport settings as this rank reads them, by variable; see [Note: transport settings].
 
+    Inside a step, the settings it holds, read once ([Note: settings held through a step]
+    in ``comm/runtime.py``).
+
     Example:
         >>> sorted(settings())
         ['FUNCSHARD_ALL_GATHER', 'FUNCSHARD_DEBUG', 'FUNCSHARD_REDUCE_SCATTER', 'FUNCSHARD_SHM']
     """
-    return {
+    global _read
+    held = runtime.held()
+    if held is not None and _read is not None and _read[0] is held:
+        return _read[1]
+    mine = {
         transport.SHM_ENV: "on" if transport.shm_enabled() else "off",
-        _ag.ALGORITHM_ENV: os.environ.get(_ag.ALGORITHM_ENV, "auto"),
-        _rs.ALGORITHM_ENV: os.environ.get(_rs.ALGORITHM_ENV, "auto"),
+        _ag.ALGORITHM_ENV: runtime.setting(_ag.ALGORITHM_ENV, "auto"),
+        _rs.ALGORITHM_ENV: runtime.setting(_rs.ALGORITHM_ENV, "auto"),
         runtime.DEBUG_ENV: "on" if runtime.debug_collectives() else "off",
     }
+    _read = None if held is None else (held, mine)
+    return mine
 
 
-def check(op: str, tag: str, group: dist.ProcessGroup, tensor: torch.Tensor, what: str, /) -> None:
-    """Agrees before the data collective ``what``: the settings if they changed, under FUNCSHARD_DEBUG the collective; collective.
+_read: tuple[dict[str, str], dict[str, str]] | None = None  # a step's snapshot, and its settings
+
+
+def check(
+    ch: channel.Channel | None,
+    op: str,
+    tag: str,
+    group: dist.ProcessGroup,
+    tensor: torch.Tensor,
+    what: Callable[[], str],
+    /,
+) -> None:
+    """Agrees before the data collective ``what()``: the settings if they changed, under FUNCSHARD_DEBUG the collective; collective.
 
     Raises:
         DesyncError: the ranks' transport settings differ, or (FUNCSHARD_DEBUG)
             they issue different collectives here.
     """
-    ch = channel.existing_channel()
     mine = settings()
     if ch is not None and ch.agreed_settings != mine:
-        agree.agree_on(Kind.SETTINGS, f"the transport settings before {what}", mine, hint=_HINT)
+        agree.agree_on(Kind.SETTINGS, f"the transport settings before {what()}", mine, hint=_HINT)
         ch.agreed_settings = mine
-    if runtime.debug_collectives():
-        _check_same_collective(op, tag, group, tensor, what)
+    if mine[runtime.DEBUG_ENV] == "on":
+        _check_same_collective(op, tag, group, tensor, what())
 
 
 def _check_same_collective(

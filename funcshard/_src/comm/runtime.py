@@ -1,9 +1,23 @@
-"""The distributed runtime: who we are, and how long a collective may wait."""
+"""The distributed runtime: who we are, how long a collective may wait, and the settings a step holds.
+
+[Note: settings held through a step]
+funcshard's environment variables (``FUNCSHARD_*``: the transport, the
+algorithms, the debug check, the collective timeout) are read through
+:func:`setting`. A step or evaluation reads them once, when it starts
+(:func:`held_settings`), and every collective inside it sees that snapshot:
+a step issues a few collectives per unit, and reading the environment at each
+cost more host time than issuing them (``python -m bench.fake_pg``). Outside a
+step every read is fresh. So a variable set between two steps (as a test that
+sets one for one call does) takes effect at the next step, on every rank
+alike, and one changed inside a step (from a hook) only at the next.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -12,7 +26,11 @@ DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "FUNCSHARD_COLLECTIVE_TIMEOUT_S"
 DEBUG_ENV = "FUNCSHARD_DEBUG"
 
+PREFIX = "FUNCSHARD_"
+
 _UNSET: Any = object()
+_held: dict[str, str] | None = None  # the snapshot of a running step: held_settings
+_held_depth = 0
 _explicit_timeout_s: float | None = _UNSET  # set_collective_timeout; wins over everything
 _init_timeout_s: float | None = None  # fs.init(timeout_s=...)
 
@@ -23,6 +41,54 @@ class CollectiveError(RuntimeError):
 
 class DesyncError(RuntimeError):
     """Ranks disagree about what they run: another plan, tree, or sequence of collectives."""
+
+
+def setting(name: str, default: str = "", /) -> str:
+    """The environment variable ``name`` (a ``FUNCSHARD_*``), as held by the running step if one is.
+
+    See [Note: settings held through a step].
+
+    Example:
+        >>> setting("FUNCSHARD_NOT_SET_ANYWHERE", "auto")
+        'auto'
+    """
+    held = _held
+    if held is not None:
+        return held.get(name, default)
+    return os.environ.get(name, default)
+
+
+@contextlib.contextmanager
+def held_settings() -> Iterator[None]:
+    """Holds the ``FUNCSHARD_*`` environment as it is now until the block ends; mutates process-wide state.
+
+    Nested blocks keep the outermost snapshot. See [Note: settings held through a step].
+
+    Example:
+        >>> import os
+        >>> with held_settings():
+        ...     os.environ["FUNCSHARD_EXAMPLE"] = "1"
+        ...     print(repr(setting("FUNCSHARD_EXAMPLE")))
+        ''
+        >>> setting("FUNCSHARD_EXAMPLE")
+        '1'
+        >>> del os.environ["FUNCSHARD_EXAMPLE"]
+    """
+    global _held, _held_depth
+    if _held_depth == 0:
+        _held = {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
+    _held_depth += 1
+    try:
+        yield
+    finally:
+        _held_depth -= 1
+        if _held_depth == 0:
+            _held = None
+
+
+def held() -> dict[str, str] | None:
+    """The running step's snapshot of the ``FUNCSHARD_*`` environment; ``None`` outside a step."""
+    return _held
 
 
 def collective_timeout() -> float | None:
@@ -36,7 +102,7 @@ def collective_timeout() -> float | None:
     """
     if _explicit_timeout_s is not _UNSET:
         return _explicit_timeout_s
-    env = os.environ.get(TIMEOUT_ENV, "").strip()
+    env = setting(TIMEOUT_ENV).strip()
     if env:
         try:
             return check_timeout(float(env), what=TIMEOUT_ENV)
@@ -114,7 +180,7 @@ def check_timeout(seconds: object, /, *, what: str) -> float:
 
 def debug_collectives() -> bool:
     """Whether ``FUNCSHARD_DEBUG=1``: every collective first checks that all ranks issue the same one."""
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    return setting(DEBUG_ENV) not in ("", "0")
 
 
 def is_distributed() -> bool:

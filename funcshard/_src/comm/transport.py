@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
+from funcshard._src.comm import runtime
 from funcshard._src.plan.strategy import Capabilities, declare_transport
 
 SHM_ENV = "FUNCSHARD_SHM"
@@ -131,7 +132,8 @@ def shm_enabled() -> bool:
         >>> isinstance(shm_enabled(), bool)
         True
     """
-    return hasattr(os, "memfd_create") and os.environ.get(SHM_ENV, "1").strip() != "0"
+    # [Note: settings held through a step] in comm/runtime.py
+    return hasattr(os, "memfd_create") and runtime.setting(SHM_ENV, "1").strip() != "0"
 
 
 @functools.cache

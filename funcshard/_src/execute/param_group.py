@@ -826,7 +826,8 @@ class ParamGroup:
             full = unit.materialize(part)
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
                 if not unit.partial.in_flight:
-                    unpack_into(part.layout, gathered, part.views, self.axes)
+                    assert part.unpack is not None  # made with the views (materialize)
+                    part.unpack(gathered)
                 else:  # [Note: a partial copy on the executor] in ``execute/unit_state.py``
                     _unpack_regathered(unit, part, full, gathered)
             self.memory.sub(gathered.numel() * gathered.element_size())

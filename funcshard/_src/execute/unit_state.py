@@ -64,8 +64,9 @@ leaf by leaf, so the rows of the first gather are always there to copy from.
 from __future__ import annotations
 
 import enum
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -94,6 +95,7 @@ from funcshard._src.shard.flat import (
     Slot,
     gathers_in_place,
     leaves_gather_in_place,
+    unpacker,
 )
 from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.spec.flat_sharding import FlatSharding
@@ -176,13 +178,16 @@ class Part:
     # the partial copy, (copy rows * numel,) in the compute dtype: [Note: a partial copy on the executor] in
     # unit_state.py; kept across frees like ``full``, its storage resized to zero
     partial: torch.Tensor | None = None
+    # fills ``views`` from a gathered (group_size, numel) buffer: shard/flat.py's unpacker,
+    # made with the views
+    unpack: Callable[[torch.Tensor], None] | None = None
 
     @property
     def by_leaf(self) -> bool:
         """Whether the part is gathered in place with one collective per leaf (``Capabilities.gathers_leaf_by_leaf``)."""
         return self.in_place and len(self.layout.slots) > 1 and not self.layout.flat
 
-    @property
+    @functools.cached_property
     def full_numel(self) -> int:
         """Elements of all full leaves of this part (a flat part's: its gathered concatenation)."""
         sharding = self.layout.slots[0].sharding if self.layout.slots else None
@@ -209,7 +214,7 @@ class Part:
                 f"w.tolist()) before numpy uses it"
             ) from None
 
-    @property
+    @functools.cached_property
     def full_bytes(self) -> int:
         """Bytes of this part's gathered storage (none of its own when aliased)."""
         return 0 if self.aliased else self.full_numel * self.compute_dtype.itemsize
@@ -529,6 +534,7 @@ class UnitRuntime:
                 n = math.prod(slot.shape)
                 part.views.append(part.full[offset : offset + n].view(slot.shape))
                 offset += n
+            part.unpack = unpacker(part.layout, part.views, self.axes)
             huge_pages.advise(part.full)
         elif part.full.untyped_storage().size() == 0:
             part.full.untyped_storage().resize_(part.full_bytes)
@@ -540,7 +546,7 @@ class UnitRuntime:
 
     def forget(self, part: Part, /) -> None:
         """Drops an in-place part's storage without freeing it: a collective may still write into it."""
-        part.full, part.views, part.version = None, [], None
+        part.full, part.views, part.version, part.unpack = None, [], None, None
         self.memory.sub(part.full_bytes)
 
     def full_leaves(self) -> list[torch.Tensor]:

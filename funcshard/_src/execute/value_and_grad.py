@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from funcshard._src import tree
-from funcshard._src.comm import devices, groups
+from funcshard._src.comm import devices, groups, runtime
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute.desync import (
     check_end,
@@ -239,6 +239,15 @@ class Step:
         return self._units
 
     def _run(
+        self,
+        sparams: Any,
+        batches: list[tuple[tuple[Any, ...], dict[str, Any]]],
+        mode: Accumulation,
+    ) -> tuple[tuple[list[torch.Tensor], list[Any]], Any]:
+        with runtime.held_settings():  # [Note: settings held through a step] in comm/runtime.py
+            return self._run_held(sparams, batches, mode)
+
+    def _run_held(
         self,
         sparams: Any,
         batches: list[tuple[tuple[Any, ...], dict[str, Any]]],

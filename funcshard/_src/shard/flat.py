@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -111,6 +111,57 @@ def unpack_into(
             out.view(geo.split).copy_(grid)
         else:
             out.copy_(grid.reshape(geo.padded)[geo.unpad])
+
+
+def unpacker(
+    layout: FlatLayout,
+    outs: Sequence[torch.Tensor],
+    /,
+    axes: Sequence[str] | None = None,
+) -> Callable[[torch.Tensor], None]:
+    """A function that writes ``outs`` as ``unpack_into(layout, gathered, outs, axes)`` does, decided once; it mutates ``outs``.
+
+    For storage that stays where it is (a unit's gathered leaves, [Note: persistent
+    gathered storage] in ``execute/unit_state.py``): which copies unpacking takes
+    is found out here, not again at every gather. Call the function without
+    autograd recording (``torch.no_grad``).
+
+    Example:
+        >>> from funcshard._src.plan.planner import plan as make_plan
+        >>> from funcshard._src.spec.mesh import Mesh
+        >>> p = make_plan({"a": torch.zeros(8, 2), "b": torch.zeros(4)}, Mesh({"fsdp": 4}))
+        >>> layout = layouts(p)[0]
+        >>> outs = [torch.empty(8, 2), torch.empty(4)]
+        >>> gathered = pack_all(layout, [torch.arange(16.0).view(8, 2), torch.arange(4.0)])
+        >>> unpacker(layout, outs)(gathered)
+        >>> bool(outs[0].equal(torch.arange(16.0).view(8, 2))), bool(outs[1].equal(torch.arange(4.0)))
+        (True, True)
+    """
+    widths = None if layout.flat else column_widths(layout, axes)
+    if widths is None or not all(out.is_contiguous() for out in outs):
+        return functools.partial(_unpack_into_outs, layout, outs, axes)
+    names = tuple(layout.mesh.axis_names if axes is None else axes)
+    rows = math.prod(layout.mesh.axis_size(a) for a in names)
+    columns = sum(widths)
+    sizes, views = list(widths), [out.view(rows, -1) for out in outs]
+
+    def unpack(gathered: torch.Tensor, /) -> None:  # See [Note: leaves as columns]
+        if gathered.dtype != views[0].dtype or gathered.device != views[0].device:
+            _unpack_into_outs(layout, outs, axes, gathered)
+            return
+        torch.split_with_sizes_copy(gathered[:, :columns], sizes, dim=1, out=views)
+
+    return unpack
+
+
+def _unpack_into_outs(
+    layout: FlatLayout,
+    outs: Sequence[torch.Tensor],
+    axes: Sequence[str] | None,
+    gathered: torch.Tensor,
+    /,
+) -> None:
+    unpack_into(layout, gathered, outs, axes)
 
 
 def gathers_in_place(layout: FlatLayout, /, axes: Sequence[str] | None = None) -> bool:
