@@ -107,3 +107,13 @@ def test_init_under_nccl_binds_the_local_gpu_and_gives_the_group_its_timeout(mon
             {"timeout": datetime.timedelta(seconds=30), "device_id": torch.device("cuda", 1)},
         ),
     ]
+
+
+def test_interop_puts_shards_and_buffers_where_the_backend_carries_them(nccl):
+    from funcshard._src.interop import safetensors_io, weights
+
+    # apply.materialize / materialize_state / load_pretrained and load_safetensors default
+    # to fs.device(), as fs.shard does; an explicit device is kept
+    assert weights._device(None) == torch.device("cuda", 3)
+    assert safetensors_io._target(None) == torch.device("cuda", 3)
+    assert weights._device("cpu") == safetensors_io._target("cpu") == torch.device("cpu")

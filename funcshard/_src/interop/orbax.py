@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
+from funcshard._src.comm import devices
 from funcshard._src.interop.host import tensor_from_numpy, torch_dtype
 from funcshard._src.shard.flat import pieces
 from funcshard._src.shard.sharded import ShardedTensor, map_flats
@@ -45,7 +46,7 @@ def load_orbax(directory: str | os.PathLike[str], /, like: Any = None, *, prefix
         like: ``None`` for the whole checkpoint as nested dicts and lists of tensors
             (scalars as Python numbers); or a pytree whose leaf paths name checkpoint
             leaves (under ``prefix``) with the same shapes and dtypes. Its tensor leaves
-            (``meta`` ones too) give full tensors on their device (``meta``: the CPU);
+            (``meta`` ones too) give full tensors on their device (``meta``: ``fs.device()``);
             its :class:`funcshard.ShardedTensor` leaves give new sharded leaves, each
             rank reading only its own slices. Nothing of ``like`` is modified.
         prefix: the path in the checkpoint of the subtree to load, or of ``like``'s
@@ -94,7 +95,8 @@ def load_orbax(directory: str | os.PathLike[str], /, like: Any = None, *, prefix
                 view.copy_(tensor_from_numpy(store[index].read().result()))
             out.append(target)
         else:
-            device = leaf.device if leaf.device.type != "meta" else torch.device("cpu")
+            # a meta leaf: where shards go, [Note: devices and backends] in comm/devices.py
+            device = leaf.device if leaf.device.type != "meta" else devices.default_device()
             out.append(tensor_from_numpy(store.read().result()).to(device))
     return tree.unflatten(treedef, out)
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from funcshard._src import tree
-from funcshard._src.comm import runtime
+from funcshard._src.comm import devices, runtime
 from funcshard._src.interop.safetensors_format import Entry, Files, checkpoint_tensors
 from funcshard._src.interop.safetensors_names import (
     Pattern,
@@ -64,7 +64,7 @@ def load_safetensors(
             for ``/``.
         ignore_unexpected: globs over dotted names (``fnmatch``, ``*`` crosses dots)
             or ``re.Pattern`` s (searched) of tensors in the files to skip.
-        device: where the shards go (default: the CPU).
+        device: where the shards go (default: ``fs.device()``, the GPU of this rank under NCCL, else the CPU).
 
     Returns:
         A pytree of :class:`funcshard.ShardedTensor` with the plan's structure.
@@ -164,7 +164,7 @@ def load_pretrained(
         leaves: every leaf's path and dotted names.
         state: the buffers by dotted name (``apply.state``'s tensors), written in place.
         ignore_unexpected: as for :func:`load_safetensors`.
-        device: where the shards go (default: the CPU).
+        device: where the shards go (default: ``fs.device()``, the GPU of this rank under NCCL, else the CPU).
 
     Returns:
         This rank's sharded params, as :func:`load_safetensors` returns them.
@@ -310,6 +310,7 @@ def _rank_of(plan: Plan) -> int:
 
 def _target(device: torch.device | str | None) -> torch.device:
     try:
-        return torch.device("cpu" if device is None else device)
+        # by default where shards go: [Note: devices and backends] in comm/devices.py
+        return devices.default_device() if device is None else torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device={device!r} is not a device ({e})") from None

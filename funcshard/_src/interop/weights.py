@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from funcshard._src import tree
+from funcshard._src.comm import devices
 from funcshard._src.interop.binding import swapped
 from funcshard._src.interop.leaf_check import Leaf
 from funcshard._src.interop.module_init import materialize_buffers, materialize_module
@@ -181,7 +182,7 @@ class Weights:
         Args:
             plan: the plan of the params :func:`functionalize` returned.
             seed: the seed every rank uses.
-            device: where the shards and buffers go (default: CPU).
+            device: where the shards and buffers go (default: ``fs.device()``, the GPU of this rank under NCCL, else the CPU).
 
         Returns:
             Sharded params, as ``fs.shard`` of the initialized params would return.
@@ -206,7 +207,7 @@ class Weights:
             {leaf.path: leaf.names for leaf in self._leaves},
             [leaf.names for leaf in self._state.leaves],
             seed=seed,
-            device=torch.device("cpu" if device is None else device),
+            device=_device(device),
         )
         self._state.replace(buffers)
         return sparams
@@ -217,6 +218,11 @@ class Weights:
         For params made without :meth:`materialize` (``fs.materialize``) on a meta
         module. Buffers that have values keep them; every rank builds them alike.
         """
-        target = torch.device("cpu" if device is None else device)
+        target = _device(device)
         names = [leaf.names for leaf in self._state.leaves]
         self._state.replace(materialize_buffers(self._module, names, device=target))
+
+
+def _device(device: torch.device | str | None, /) -> torch.device:
+    """``device``, or by default where shards go: ``fs.device()`` ([Note: devices and backends] in ``comm/devices.py``)."""
+    return devices.default_device() if device is None else torch.device(device)
