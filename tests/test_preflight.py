@@ -35,6 +35,28 @@ CASES = [
 ]
 
 
+def test_a_step_holds_the_settings_it_started_with(monkeypatch):
+    # [Note: settings held through a step] in comm/runtime.py: a variable set inside a step
+    # (from loss_fn or a hook) takes effect at the next step, never between its collectives
+    from funcshard._src.comm import runtime
+
+    monkeypatch.setenv("FUNCSHARD_ALL_GATHER", "auto")
+    plan = fs.plan(MODEL.init(0), fs.Mesh({"fsdp": 1}), units=MODEL.units)
+    seen = []
+
+    def loss_fn(params, *batch):
+        os.environ["FUNCSHARD_ALL_GATHER"] = "native"
+        seen.append(
+            (preflight.settings()["FUNCSHARD_ALL_GATHER"], runtime.setting("FUNCSHARD_ALL_GATHER"))
+        )
+        return MODEL.loss_fn(params, *batch)
+
+    step = fs.value_and_grad(loss_fn, plan)
+    step(fs.shard(MODEL.init(0), plan), *MODEL.batch_for(0))
+    assert seen == [("auto", "auto")]
+    assert preflight.settings()["FUNCSHARD_ALL_GATHER"] == "native"  # read afresh after it
+
+
 def test_settings_read_the_environment_with_its_defaults(monkeypatch):
     for name in ("FUNCSHARD_SHM", "FUNCSHARD_ALL_GATHER", "FUNCSHARD_REDUCE_SCATTER"):
         monkeypatch.delenv(name, raising=False)

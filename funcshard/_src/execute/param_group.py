@@ -79,10 +79,18 @@ from funcshard._src.shard.own_row import OwnRow
 # before them finished, see ``MAX_PENDING`` in ``reduce.py``), so a step keeps
 # two pools, one of that depth for all-gather outputs and one of depth one for
 # reduce-scatter inputs, and they serve every unit of a stack of identical blocks
-# with no allocation after the first step. What the pools keep between calls
-# (:attr:`BufferPool.held_bytes`) is ``Step.stats.staging_bytes``, and the cost
-# model counts it as the staging buffers. After an error, buffers of collectives
-# in flight are dropped, never given back (the collective may still write).
+# with one allocation of each kind per step. Once the step's last call but the
+# root's is reduced (on the last micro-batch), ``Run`` drains both pools
+# (:meth:`BufferPool.drain`): nothing gathers again in that step, and the peak of a
+# step with tied or large embeddings is at its very end, while autograd sums the
+# root's gradients, where a kept block's all-gather output and packed gradients
+# would add to it (``bench/results/memory_shapes/``); between steps they would add
+# to the optimizer's peak. The next step refills them (:meth:`BufferPool.refill`).
+# What the pools keep between calls (:attr:`BufferPool.held_bytes`, nothing after a
+# training step, up to the depths after an evaluation) is
+# ``Step.stats.staging_bytes``, and the cost model counts a step's staging at its
+# peak. After an error, buffers of collectives in flight are dropped, never given
+# back (the collective may still write).
 
 
 _Key = tuple[int, torch.dtype, torch.device]
@@ -101,6 +109,7 @@ class BufferPool:
         self.depth = depth
         self.allocations = 0  # buffers made because none of the kind was free
         self._free: dict[_Key, list[torch.Tensor]] = {}
+        self._draining = False  # drain(): keep nothing given back until refill()
 
     @property
     def held_bytes(self) -> int:
@@ -129,6 +138,8 @@ class BufferPool:
         Only whole buffers from :meth:`take` (or views of all of one) are kept;
         beyond ``depth`` of a kind, the buffer is dropped.
         """
+        if self._draining:
+            return
         base = buffer if buffer._base is None else buffer._base
         if base.dim() != 1 or base.numel() != buffer.numel():
             return
@@ -137,8 +148,33 @@ class BufferPool:
             free.append(base)
 
     def clear(self) -> None:
-        """Drops every free buffer."""
+        """Drops every free buffer; mutates."""
         self._free.clear()
+
+    def drain(self) -> None:
+        """Drops every free buffer and keeps none given back until :meth:`refill`; mutates.
+
+        See [Note: staging lifetimes]: a step drains its pools once its last unit
+        but the root is reduced.
+
+        Example:
+            >>> pool = BufferPool()
+            >>> a = pool.take(4, torch.float32, torch.device("cpu"))
+            >>> pool.drain()
+            >>> pool.give(a)
+            >>> pool.held_bytes
+            0
+            >>> pool.refill()
+            >>> pool.give(a)
+            >>> pool.held_bytes
+            16
+        """
+        self._free.clear()
+        self._draining = True
+
+    def refill(self) -> None:
+        """Keeps buffers given back again, up to ``depth`` of a kind (after :meth:`drain`); mutates."""
+        self._draining = False
 
 
 # -- a bucket's bookkeeping: members side by side ---------------------------------------

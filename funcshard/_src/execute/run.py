@@ -145,6 +145,7 @@ class Run:
         self.root_leaf_ids: set[int] = set()
         self.flat_owner: dict[int, UnitRuntime] = {}
         self._next_backward = -1  # set by end_forward: the call whose backward should come next
+        self._drains_after: int | None = None  # set by end_forward
         self._in_backward: set[int] = set()  # calls whose backward began and has not reduced
         self.forward_check: Agreement | None = None  # finished before backward's first collective
         self._token: Any = None
@@ -177,6 +178,11 @@ class Run:
 
     def begin(self, sparams: Any, by_unit: dict[str, list[Any]]) -> Any:
         """Binds this step's shards, gathers the root unit, returns the params view for ``loss_fn``."""
+        for group in (
+            self.groups
+        ):  # drained by the last step: [Note: staging lifetimes] in execute/param_group.py
+            group.pool.refill()
+            group.reduce_pool.refill()
         for name, flats in by_unit.items():
             unit = self.units[name]
             unit.bind(flats)
@@ -291,6 +297,9 @@ class Run:
         for unit in self.units.values():
             self.group_of[unit.name].drop_unused(unit)
         self._next_backward = len(self.calls) - 1
+        # the last call to be reduced: its reduction drains the pools
+        # ([Note: staging lifetimes] in execute/param_group.py)
+        self._drains_after = next((c.index for c in self.calls if c.expects_backward), None)
         self.stage = Stage.BACKWARD
         return [c.unit.name for c in self.calls]
 
@@ -368,6 +377,10 @@ class Run:
         )
         self.reducer.reduce(self.group_of[unit.name], unit, grads, defer=defer, final=final)
         record.phase = CallPhase.DONE
+        if self.last and record.index == self._drains_after and record is not self.root:
+            for group in self.groups:  # see [Note: staging lifetimes] in execute/param_group.py
+                group.pool.drain()
+                group.reduce_pool.drain()
 
     def finish(self) -> None:
         """After backward: reduce calls whose backward never ran, wait for every reduction, free all."""

@@ -46,7 +46,7 @@ class StepStats:
 
     peak_gathered_bytes: int  # gathered parameters (and all-gather buffers) alive at once, at most
     unit_gathered_bytes: dict[str, int]  # per unit, bytes of its full leaves when gathered
-    staging_bytes: int = 0  # staging buffers kept for the next call; see [Note: staging lifetimes] in ``execute/param_group.py``
+    staging_bytes: int = 0  # staging buffers kept for the next call (none after a training step); see [Note: staging lifetimes] in ``execute/param_group.py``
     # two-hop reductions' partial gradients alive at once, at most ([Note: two-hop reductions] in ``execute/partial_gradient.py``)
     peak_partial_grad_bytes: int = 0
 
@@ -151,9 +151,10 @@ class Step:
     def release(self) -> None:
         """Frees what the step keeps between calls (its staging buffers); mutates. Local: no collective.
 
-        Between calls a step keeps only its staging pools (``stats.staging_bytes``,
-        a few units' collective buffers, see [Note: staging lifetimes] in ``execute/param_group.py``); gathered
-        parameters and gradients are never kept. The next call allocates them
+        Between calls a step keeps at most its staging pools (``stats.staging_bytes``,
+        a few units' collective buffers after an evaluation; a training step drains them, see
+        [Note: staging lifetimes] in ``execute/param_group.py``); gathered parameters and
+        gradients are never kept. The next call allocates them
         again. Dropping the step frees the same.
 
         Example:
