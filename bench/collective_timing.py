@@ -29,8 +29,9 @@ def _calls(
     """``call(kib, algorithm, group)`` starting one ``collective`` of ``kib`` KiB; inputs made here."""
     import torch
 
-    from funcshard._src.comm import all_gather as ag
-    from funcshard._src.comm import reduce_scatter as rs
+    from funcshard._src.comm import torch_transport
+
+    ag, rs = torch_transport.ALL_GATHER, torch_transport.REDUCE_SCATTER
 
     gen = torch.Generator().manual_seed(rank)
     if collective == "reduce_scatter":  # sizes: the whole input, (W, n)

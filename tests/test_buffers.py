@@ -5,6 +5,7 @@ Reference: [Note: staging lifetimes] in ``funcshard/_src/execute/param_group.py`
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -84,7 +85,7 @@ def test_a_step_in_steady_state_allocates_its_staging_once_and_keeps_none(
         assert ok
         # the first step knows no call order, so it prefetches nothing; from the second on,
         # every step allocates the same few buffers, once each, not one per unit or collective
-        per_step = [b - a for a, b in zip(counts, counts[1:])]
+        per_step = [b - a for a, b in itertools.pairwise(counts)]
         assert per_step[1] == per_step[2], counts
         assert 0 < per_step[2] <= 2 * (prefetch + 1), counts
         # what is kept while the units are reduced: at most `prefetch` all-gather outputs and

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from funcshard._src.comm import runtime
-from funcshard._src.comm.pending import Each, Pending, wait_for
+from funcshard._src.comm.pending import Pending, wait_for
+from funcshard._src.comm.torch_transport import Each
 from funcshard._src.comm.runtime import CollectiveError
 
 

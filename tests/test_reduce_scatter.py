@@ -18,12 +18,13 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard._src.comm import collectives, groups
-from funcshard._src.comm import reduce_scatter as rs
+from funcshard._src.comm import collectives, groups, torch_transport
 from funcshard._src.comm.ledger import Ledger
 from tests.ring_timeout import check_a_ring_that_a_peer_never_joins
 
-ALGORITHMS: list[rs.Algorithm] = [a for a in rs.ALGORITHMS if a != "auto"]
+rs = torch_transport.REDUCE_SCATTER  # the reduce-scatter's algorithms on gloo
+
+ALGORITHMS: list[str] = [a for a in rs.ALGORITHMS if a != "auto"]
 SIZES = [1, 7, 1001]  # numel per row: odd, and one row of a single element
 DTYPES = ["float32", "bfloat16"]
 # each of the W - 1 additions rounds once, by up to half an ulp of a partial sum of randn

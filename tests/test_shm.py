@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
-from funcshard._src.comm import all_gather as ag
-from funcshard._src.comm import collectives, groups, shm
-from funcshard._src.comm import reduce_scatter as rs
+from funcshard._src.comm import collectives, groups, shm, torch_transport
 from funcshard._src.comm.runtime import CollectiveError
 from funcshard._src.comm.shm import regions
+
+ag = torch_transport.ALL_GATHER  # the all-gather's algorithms on gloo
+rs = torch_transport.REDUCE_SCATTER  # the reduce-scatter's algorithms on gloo
 
 MESHES = {
     "world2": ({"fsdp": 2}, ("fsdp",)),

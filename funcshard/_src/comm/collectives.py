@@ -21,14 +21,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from funcshard._src.comm import all_gather as _ag
 from funcshard._src.comm import channel, transport
-from funcshard._src.comm import reduce_scatter as _rs
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.comm.pending import Each, Pending, backend_of, issue
-from funcshard._src.comm.reduce_scatter import Algorithm
-from funcshard._src.comm.torch_transport import TORCH
+from funcshard._src.comm.pending import Pending, backend_of, issue
+from funcshard._src.comm.torch_transport import (
+    ALL_GATHER,
+    REDUCE_SCATTER,
+    TORCH,
+    AllGatherAlgorithm,
+    Each,
+    ReduceScatterAlgorithm,
+)
 
 _all_gather_single = channel.all_gather_single
 _reduce_scatter_single = channel.reduce_scatter_single
@@ -51,7 +55,7 @@ def all_gather(
     out: torch.Tensor | None = None,
     ledger: Ledger | None = None,
     tag: str = "",
-    algorithm: _ag.Algorithm | None = None,
+    algorithm: AllGatherAlgorithm | None = None,
     stable: bool = False,
 ) -> Pending:
     """Gathers every group member's ``flat`` into ``(group_size, numel)``, row = group rank.
@@ -67,7 +71,7 @@ def all_gather(
             it must not overlap ``flat``.
         ledger: counts ``(group_size - 1) / group_size`` of the bytes gathered.
         tag: the unit, for errors.
-        algorithm: see ``all_gather.py``; ``None`` is ``FUNCSHARD_ALL_GATHER``, else
+        algorithm: see ``torch_transport.py``; ``None`` is ``FUNCSHARD_ALL_GATHER``, else
             ``"auto"``. Every rank must use the same. Anything but gloo always runs
             ``"native"``.
         stable: the caller promises that nothing frees or writes ``flat`` until its
@@ -88,18 +92,18 @@ def all_gather(
     target = out
     nbytes = out.numel() * out.element_size()
     backend = backend_of(group)
-    requested = _ag.default_algorithm() if algorithm is None else algorithm
-    chosen = _ag.resolve(requested, backend, size, nbytes)
+    requested = ALL_GATHER.default_algorithm() if algorithm is None else algorithm
+    chosen = ALL_GATHER.resolve(requested, backend, size, nbytes)
     gloo = backend == "gloo"
 
     def call() -> Any:  # anything but gloo: the backend's own
         if gloo:
-            return _ag.start(
+            return ALL_GATHER.start(
                 chosen,
                 flat,
                 target.view(size, -1),
                 group,
-                fallback_to=_ag.fallback(requested, size, nbytes),
+                fallback_to=ALL_GATHER.fallback(requested, size, nbytes),
                 stable=stable,
             )
         return _all_gather_single(target.view(-1), flat, group=group, async_op=True)
@@ -129,7 +133,7 @@ def all_gather_pieces(
     rank ``j``'s ``flat[offset : offset + n]`` in row ``j``: a unit's leaves, each
     into its full storage. Through shared memory (the plug-in of
     ``transport.py``) it is one collective for all of them; elsewhere one all-gather per piece, with
-    ``all_gather.leaf_algorithm()`` on gloo. The ledger counts every piece as
+    ``ALL_GATHER.leaf_algorithm()`` on gloo. The ledger counts every piece as
     an all-gather of its rows. ``stable``: as for :func:`all_gather`.
 
     Raises:
@@ -141,24 +145,24 @@ def all_gather_pieces(
         for lo, rows in pieces:
             rows.view(-1).copy_(flat[lo : lo + rows.numel()])
         return Pending(flat)
-    requested = _ag.leaf_algorithm()
+    requested = ALL_GATHER.leaf_algorithm()
     itemsize = flat.element_size()
     nbytes = sum(rows.numel() for _, rows in pieces) * itemsize
     backend = backend_of(group)
     gloo = backend == "gloo"
-    chosen = _ag.resolve(requested, backend, size, nbytes)
+    chosen = ALL_GATHER.resolve(requested, backend, size, nbytes)
 
     def call() -> Any:
         plugin = transport.shared_memory() if gloo and chosen == "shm" else None
         work = None if plugin is None else plugin.all_gather(group, flat, pieces, stable=stable)
         if work is not None:
             return work
-        algorithm = chosen if chosen != "shm" else _ag.fallback(requested, size, nbytes)
+        algorithm = chosen if chosen != "shm" else ALL_GATHER.fallback(requested, size, nbytes)
         each = []
         for lo, rows in pieces:
             piece = flat[lo : lo + rows.shape[1]]
             if gloo:
-                each.append(_ag.start(algorithm, piece, rows, group))
+                each.append(ALL_GATHER.start(algorithm, piece, rows, group))
             else:
                 each.append(_all_gather_single(rows.view(-1), piece, group=group, async_op=True))
         return Each(each)
@@ -200,7 +204,7 @@ def input_rows(
     if all_reduce:
         if nbytes < transport.SHM_MIN_BYTES:  # the test all_reduce makes
             return None
-    elif _rs.resolve(_rs.default_algorithm(), "gloo", rows, nbytes) != "shm":
+    elif REDUCE_SCATTER.resolve(REDUCE_SCATTER.default_algorithm(), "gloo", rows, nbytes) != "shm":
         return None
     held = plugin.input_rows(group, rows, numel, dtype)
     return held.view(-1) if held is not None and all_reduce else held
@@ -231,7 +235,7 @@ def reduce_scatter(
     out: torch.Tensor | None = None,
     ledger: Ledger | None = None,
     tag: str = "",
-    algorithm: Algorithm | None = None,
+    algorithm: ReduceScatterAlgorithm | None = None,
     own: transport.OwnTerm | None = None,
 ) -> Pending:
     """Sums ``rows`` ``(group_size, numel)`` over the group; group rank ``i`` gets row ``i``'s sum.
@@ -246,7 +250,7 @@ def reduce_scatter(
         out: ``(numel,)``, filled with the result when given.
         ledger: counts ``(group_size - 1) / group_size`` of the bytes of ``rows``.
         tag: the unit, for errors.
-        algorithm: see ``reduce_scatter.py``; ``None`` is ``FUNCSHARD_REDUCE_SCATTER``, else ``"auto"``.
+        algorithm: see ``torch_transport.py``; ``None`` is ``FUNCSHARD_REDUCE_SCATTER``, else ``"auto"``.
             Every rank must use the same. Anything but gloo always runs ``"native"``.
         own: makes this rank's row when summed, which ``rows`` then need not hold:
             ``rows`` from ``collectives.input_rows`` only ([Note: the own row
@@ -269,8 +273,8 @@ def reduce_scatter(
     target = out
     nbytes = rows.numel() * rows.element_size()
     backend = backend_of(group)
-    requested = _rs.default_algorithm() if algorithm is None else algorithm
-    chosen = _rs.resolve(requested, backend, size, nbytes)
+    requested = REDUCE_SCATTER.default_algorithm() if algorithm is None else algorithm
+    chosen = REDUCE_SCATTER.resolve(requested, backend, size, nbytes)
     gloo = backend == "gloo"
     if own is not None:
         plugin = transport.shared_memory() if gloo and chosen == "shm" else None
@@ -282,12 +286,12 @@ def reduce_scatter(
 
     def call() -> Any:  # anything but gloo: the backend's own
         if gloo:
-            return _rs.start(
+            return REDUCE_SCATTER.start(
                 chosen,
                 rows,
                 target,
                 group,
-                fallback_to=_rs.fallback(requested, size, nbytes),
+                fallback_to=REDUCE_SCATTER.fallback(requested, size, nbytes),
                 own=own,
             )
         return _reduce_scatter_single(target, rows.view(-1), group=group, async_op=True)

@@ -31,9 +31,8 @@ import torch
 import torch.distributed as dist
 
 from funcshard._src.comm import channel, preflight, runtime
-from funcshard._src.comm.algorithm import wait_work
 from funcshard._src.comm.groups import BoundMesh
-from funcshard._src.comm.runtime import CollectiveError
+from funcshard._src.comm.runtime import CollectiveError, wait_work
 
 _all_gather_single = channel.all_gather_single
 _reduce_scatter_single = channel.reduce_scatter_single
@@ -103,18 +102,6 @@ def wait_for(work: Any, backend: str | None, /) -> None:
         wait_work(work, None if timeout is None else datetime.timedelta(seconds=timeout))
     except Exception as e:
         raise WaitError(e, timeout) from e
-
-
-class Each:
-    """Several collectives waited for as one, in the order they started."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        for work in self.works:
-            wait_work(work, timeout)
-        return True
 
 
 def issue(

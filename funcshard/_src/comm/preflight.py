@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 
 from funcshard._src.comm import agree, channel, runtime, transport
-from funcshard._src.comm import all_gather as _ag
-from funcshard._src.comm import reduce_scatter as _rs
 from funcshard._src.comm.channel import Kind
+from funcshard._src.comm.torch_transport import ALL_GATHER, REDUCE_SCATTER
 
 _HINT = (
     "These variables choose how each collective moves its bytes, so every rank must see the "
@@ -54,8 +53,8 @@ def settings() -> dict[str, str]:
         return _read[1]
     mine = {
         transport.SHM_ENV: "on" if transport.shm_enabled() else "off",
-        _ag.ALGORITHM_ENV: runtime.setting(_ag.ALGORITHM_ENV, "auto"),
-        _rs.ALGORITHM_ENV: runtime.setting(_rs.ALGORITHM_ENV, "auto"),
+        ALL_GATHER.ALGORITHM_ENV: runtime.setting(ALL_GATHER.ALGORITHM_ENV, "auto"),
+        REDUCE_SCATTER.ALGORITHM_ENV: runtime.setting(REDUCE_SCATTER.ALGORITHM_ENV, "auto"),
         runtime.DEBUG_ENV: "on" if runtime.debug_collectives() else "off",
     }
     _read = None if held is None else (held, mine)

@@ -15,6 +15,7 @@ alike, and one changed inside a step (from a hook) only at the next.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import os
 from collections.abc import Iterator
@@ -27,6 +28,8 @@ TIMEOUT_ENV = "FUNCSHARD_COLLECTIVE_TIMEOUT_S"
 DEBUG_ENV = "FUNCSHARD_DEBUG"
 
 PREFIX = "FUNCSHARD_"
+
+Timeout = datetime.timedelta | None
 
 _UNSET: Any = object()
 _held: dict[str, str] | None = None  # the snapshot of a running step: held_settings
@@ -128,6 +131,22 @@ def wait_timeout_s(backend: str | None, /) -> float | None:
         >>> set_collective_timeout(None)
     """
     return collective_timeout() if backend == "gloo" else None
+
+
+def wait_work(work: Any, timeout: Timeout, /) -> None:
+    """Waits for a ``torch.distributed`` work handle, with ``timeout`` when given.
+
+    Example:
+        >>> class Work:
+        ...     def wait(self, **kwargs):
+        ...         print(kwargs)
+        >>> wait_work(Work(), None)
+        {}
+    """
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout=timeout)
 
 
 def wait_limit_s() -> float:

@@ -7,8 +7,7 @@ buffers a collective may send as they are, and the :class:`Capabilities` the
 planner and the executor ask about. Two implement it:
 
 - torch.distributed's collectives (``torch_transport.TORCH``): the backend's own on NCCL,
-  and on gloo the backend's own or the point-to-point rings of ``all_gather.py``
-  and ``reduce_scatter.py``. Always there.
+  and on gloo the backend's own or its point-to-point rings. Always there.
 - the shared-memory transport for gloo ranks on one host (the package
   ``funcshard._src.comm.shm``, [Note: shared-memory collectives] in ``comm/shm/__init__.py`` there): a
   plug-in. Nothing outside that package names its modules or types; it is

@@ -50,9 +50,9 @@ from typing import cast
 
 import torch
 
-from funcshard._src.comm import all_gather as _ag
 from funcshard._src.comm import collectives, quantized
 from funcshard._src.comm.pending import Pending
+from funcshard._src.comm.torch_transport import ALL_GATHER
 from funcshard._src.execute.streams import Streams, streams_for
 from funcshard._src.execute.unit_state import InFlight, LeafGathers, Part, UnitRuntime, UnitState
 from funcshard._src.shard.flat import FlatLayout, unpack_into
@@ -756,7 +756,7 @@ class ParamGroup:
         writes its storage without the staging of gloo's own all-gather.
         """
         if not part.by_leaf:
-            algorithm = _ag.leaf_algorithm() if part.layout.flat and unit.leafwise else None
+            algorithm = ALL_GATHER.leaf_algorithm() if part.layout.flat and unit.leafwise else None
             pending = _on_side(
                 local.device,
                 "all_gather",

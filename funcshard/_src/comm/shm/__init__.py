@@ -89,9 +89,8 @@ import torch
 
 import funcshard._src.comm.shm.cross_memory as cross_memory
 from funcshard._src.comm import runtime
-from funcshard._src.comm.algorithm import Timeout, wait_work
 from funcshard._src.comm.channel import all_gather_single
-from funcshard._src.comm.runtime import CollectiveError
+from funcshard._src.comm.runtime import CollectiveError, Timeout, wait_work
 from funcshard._src.comm.shm.regions import (
     ENV,
     MAGIC,

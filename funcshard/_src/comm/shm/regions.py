@@ -24,9 +24,8 @@ import torch.distributed as dist
 
 import funcshard._src.comm.shm.cross_memory as cross_memory
 from funcshard._src.comm import runtime
-from funcshard._src.comm.algorithm import Timeout, wait_work
 from funcshard._src.comm.channel import all_gather_single
-from funcshard._src.comm.runtime import CollectiveError
+from funcshard._src.comm.runtime import CollectiveError, Timeout, wait_work
 from funcshard._src.comm.shm.board import PAGE_BYTES, Board
 from funcshard._src.comm.transport import LARGE_BYTES, SHM_ENV, SHM_MIN_BYTES, shm_enabled
 
