@@ -84,8 +84,6 @@ ORDER = {
         "shm.regions",
         "shm",
         "torch_transport",
-        "preflight",
-        "pending",
         "collectives",
         "quantized",
     ],

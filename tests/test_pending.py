@@ -1,6 +1,6 @@
 """How a collective in flight is waited for: a timeout on gloo alone, never on NCCL.
 
-See [Note: waits that never block the host] in ``comm/pending.py``. A fake work
+See [Note: waits that never block the host] in ``comm/collectives.py``. A fake work
 object records the arguments of each wait, so the rule is checked on the CPU.
 """
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from funcshard._src.comm import runtime
-from funcshard._src.comm.pending import Pending, wait_for
-from funcshard._src.comm.torch_transport import Each
+from funcshard._src.comm.collectives import Pending, wait_for
 from funcshard._src.comm.runtime import CollectiveError
+from funcshard._src.comm.torch_transport import Each
 
 
 class Work:

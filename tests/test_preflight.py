@@ -1,6 +1,6 @@
 """Ranks whose transport settings differ stop at their first collective with the variable named.
 
-See [Note: transport settings] in ``funcshard/_src/comm/preflight.py``. Without the
+See [Note: transport settings] in ``funcshard/_src/comm/collectives.py``. Without the
 agreement these runs time out or abort with ``gloo::EnforceNotMet`` (a signal).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import funcshard as fs
-from funcshard._src.comm import preflight
+from funcshard._src.comm import collectives
 from tests.models import Model
 
 MODEL = Model(kind="mlp", width=6, layers=3)
@@ -47,28 +47,31 @@ def test_a_step_holds_the_settings_it_started_with(monkeypatch):
     def loss_fn(params, *batch):
         os.environ["FUNCSHARD_ALL_GATHER"] = "native"
         seen.append(
-            (preflight.settings()["FUNCSHARD_ALL_GATHER"], runtime.setting("FUNCSHARD_ALL_GATHER"))
+            (
+                collectives.settings()["FUNCSHARD_ALL_GATHER"],
+                runtime.setting("FUNCSHARD_ALL_GATHER"),
+            )
         )
         return MODEL.loss_fn(params, *batch)
 
     step = fs.value_and_grad(loss_fn, plan)
     step(fs.shard(MODEL.init(0), plan), *MODEL.batch_for(0))
     assert seen == [("auto", "auto")]
-    assert preflight.settings()["FUNCSHARD_ALL_GATHER"] == "native"  # read afresh after it
+    assert collectives.settings()["FUNCSHARD_ALL_GATHER"] == "native"  # read afresh after it
 
 
 def test_settings_read_the_environment_with_its_defaults(monkeypatch):
     for name in ("FUNCSHARD_SHM", "FUNCSHARD_ALL_GATHER", "FUNCSHARD_REDUCE_SCATTER"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FUNCSHARD_DEBUG", "0")
-    unset = preflight.settings()
+    unset = collectives.settings()
     assert unset["FUNCSHARD_ALL_GATHER"] == unset["FUNCSHARD_REDUCE_SCATTER"] == "auto"
     assert unset["FUNCSHARD_DEBUG"] == "off"
     monkeypatch.setenv("FUNCSHARD_SHM", "1")  # the default, written out: the same setting
-    assert preflight.settings() == unset
+    assert collectives.settings() == unset
     monkeypatch.setenv("FUNCSHARD_SHM", "0")
     monkeypatch.setenv("FUNCSHARD_REDUCE_SCATTER", "ring")
-    changed = preflight.settings()
+    changed = collectives.settings()
     assert (changed["FUNCSHARD_SHM"], changed["FUNCSHARD_REDUCE_SCATTER"]) == ("off", "ring")
 
 

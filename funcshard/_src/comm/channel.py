@@ -92,7 +92,7 @@ class Channel:
     out_of_step: str | None = None  # why this process cannot take part in collectives any more
     peer_aborted: bool = False  # a peer's ABORT was already received: no need to post one
     abandoned: list[Any] = field(default_factory=list)  # works never waited for, kept alive
-    agreed_settings: dict[str, str] | None = None  # every rank's transport settings: preflight.py
+    agreed_settings: dict[str, str] | None = None  # every rank's transport settings: collectives.py
     mirrored: bool = False  # torch's fake process group: see [Note: the fake process group]
 
     def group(self, which: str) -> dist.ProcessGroup:

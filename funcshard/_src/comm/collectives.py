@@ -9,22 +9,62 @@ the mesh axes and the rank, and leaves this process out of step (see
 [Note: out of step] in ``comm/settle.py``): no later collective is issued. Every
 collective is counted in the trace that agreements compare. Before the first,
 every rank agrees on the settings that choose how collectives move their bytes
-(``preflight.py``); with ``FUNCSHARD_DEBUG=1`` every collective first agrees on
+([Note: transport settings]); with ``FUNCSHARD_DEBUG=1`` every collective first agrees on
 (op, tag, shape, dtype) with every rank.
+
+:func:`issue` is the one door every collective goes through: it refuses a
+process that is out of step, checks the transport settings every rank agreed on,
+records the collective in the trace that agreements compare, and turns a failure
+into a :class:`CollectiveError` naming the operation, its unit, the mesh axes and
+the rank.
+
+[Note: waits that never block the host]
+On NCCL, ``Work.wait()`` makes the current CUDA stream wait for the collective
+and returns at once; ``Work.wait(timeout=...)`` instead blocks the host thread
+until the collective has finished. A timed wait would stall the host at every
+gather and reduction, so it could never run ahead of the GPU. So no timeout
+reaches a wait anywhere but on gloo, and :func:`runtime.wait_timeout_s` is the
+one place that decides: on NCCL the process group's own timeout (``fs.init``
+passes ``timeout_s`` to ``init_process_group``) and its watchdog end a
+collective that never completes; on gloo, where every wait blocks the host
+anyway, the collective timeout bounds it and its error names the collective.
+:func:`wait_for` is the wait that every :class:`Pending` goes through.
+
+[Note: transport settings]
+Environment variables choose how a collective crosses between ranks:
+``FUNCSHARD_SHM`` (shared memory on one host or gloo's sockets),
+``FUNCSHARD_ALL_GATHER`` and ``FUNCSHARD_REDUCE_SCATTER`` (the algorithm) and
+``FUNCSHARD_DEBUG`` (an agreement before every collective). Each rank reads its
+own environment, and a launcher may hand ranks different ones (a per-node
+script, a variable exported on one host). Ranks that differ issue different
+sequences of collectives for the same call: one rank's 64-byte descriptor
+exchange meets another's all-gather of a unit, which gloo answers with a
+timeout, an abort of the process (``gloo::EnforceNotMet``) or the wrong bytes.
+So before its first data collective every rank agrees on the settings as it
+reads them, and again before the first collective after they change (every rank
+must change them at the same point, between the same two collectives, as a test
+that sets them for one call does), and ranks that differ raise
+:class:`DesyncError` naming each variable and every rank's value. A value that
+names no algorithm is agreed on as written: where every rank has it, the
+collective then refuses it with the same error on every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import datetime
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from funcshard._src.comm import channel, transport
+from funcshard._src.comm import agree, channel, runtime, transport
+from funcshard._src.comm.channel import Kind
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.comm.pending import Pending, backend_of, issue
+from funcshard._src.comm.runtime import CollectiveError, wait_work
 from funcshard._src.comm.torch_transport import (
     ALL_GATHER,
     REDUCE_SCATTER,
@@ -381,3 +421,222 @@ def gather_to_rank0(
             full_bytes=world * flat.numel() * flat.element_size(),
         )
     return None if out is None else out.view(world, -1)
+
+
+# -- a collective in flight, and how it is issued and fails ----------------------
+
+
+@dataclass
+class Pending:
+    """A collective in flight; :meth:`wait` blocks until ``result`` holds the data."""
+
+    result: torch.Tensor
+    work: Any = None  # a torch.distributed Work handle, or None when already done
+    # "all_gather of unit 'blocks/0' over ('fsdp',) on rank 1", for errors: a str, or an
+    # object that formats as one when shown (issue)
+    what: object = ""
+    then: Callable[[], None] | None = None  # runs once the work is done (e.g. copy a chunk out)
+    holds_copy: bool = False  # holds a copy of its input until done (shared memory: comm/shm/)
+    backend: str | None = None  # the backend of its group: what its wait may pass (wait_for)
+    # an event recorded on its side stream after it, for the consumer's stream to wait on
+    # (see [Note: streams and buffer lifetimes] in ``execute/streams.py``); None on the CPU
+    event: Any = None
+
+    def wait(self) -> torch.Tensor:
+        """Returns the result once the collective is done (on NCCL: once the current stream waits for it).
+
+        Raises:
+            CollectiveError: the collective failed or timed out.
+        """
+        if self.work is not None:
+            try:
+                wait_for(self.work, self.backend)
+            except WaitError as e:
+                channel.mark_out_of_step(f"{self.what} failed")
+                raise failure(self.what, e.error, e.timeout) from e.error
+            self.work = None
+            if self.then is not None:
+                self.then()
+                self.then = None
+        return self.result
+
+
+class WaitError(Exception):
+    """A wait of :func:`wait_for` raised ``error`` after waiting with ``timeout`` seconds."""
+
+    def __init__(self, error: Exception, timeout: float | None) -> None:
+        super().__init__(str(error))
+        self.error, self.timeout = error, timeout
+
+
+def wait_for(work: Any, backend: str | None, /) -> None:
+    """Waits for ``work`` of a collective issued on ``backend``: with a timeout on gloo alone.
+
+    See [Note: waits that never block the host]. On NCCL ``work.wait()`` gets no
+    argument, so the host goes on and the current stream waits for the collective.
+
+    Raises:
+        WaitError: the wait raised; it carries the error and the timeout used.
+
+    Example:
+        >>> class Work:
+        ...     def wait(self, **kwargs):
+        ...         print(kwargs)
+        >>> wait_for(Work(), "nccl")
+        {}
+    """
+    timeout = runtime.wait_timeout_s(backend)
+    try:
+        wait_work(work, None if timeout is None else datetime.timedelta(seconds=timeout))
+    except Exception as e:
+        raise WaitError(e, timeout) from e
+
+
+def issue(
+    op: str,
+    tag: str,
+    axes: tuple[str, ...],
+    bound: BoundMesh,
+    group: dist.ProcessGroup,
+    tensor: torch.Tensor,
+    call: Callable[[], Any],
+) -> Pending:
+    """Issues the collective ``call()`` starts (``op`` of unit ``tag`` over ``axes``, reading ``tensor``); may agree first.
+
+    Raises:
+        CollectiveError: this process is out of step, or ``call()`` raised.
+        DesyncError: the ranks' transport settings differ ([Note: transport settings]).
+    """
+
+    def what() -> str:  # for errors alone: formatted only when one is raised
+        return f"{op}{f' of unit {tag!r}' if tag else ''} over mesh axes {list(axes)} on rank {bound.rank}"
+
+    ch = channel.existing_channel()
+    if ch is not None:
+        if ch.out_of_step is not None:
+            channel.ensure_in_step(what())
+        ch.record_issued(op, tag, tensor.numel(), tensor.dtype)
+    check_settings(ch, op, tag, group, tensor, what)  # [Note: transport settings]
+    try:
+        work = call()
+    except Exception as e:
+        channel.mark_out_of_step(f"{what()} failed")
+        raise failure(what(), e, None) from e
+    return Pending(tensor, work, _What(what), backend=backend_of(group))
+
+
+class _What:
+    """A collective's description for errors, formatted when first shown."""
+
+    __slots__ = ("_format", "_text")
+
+    def __init__(self, format: Callable[[], str]) -> None:
+        self._format, self._text = format, None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            self._text = self._format()
+        return self._text
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+_BACKENDS: weakref.WeakKeyDictionary[dist.ProcessGroup, str] = weakref.WeakKeyDictionary()
+
+
+def backend_of(group: dist.ProcessGroup, /) -> str:
+    """``group``'s backend (``"gloo"``, ``"nccl"``, ``"fake"``), looked up once per group."""
+    backend = _BACKENDS.get(group)
+    if backend is None:
+        backend = _BACKENDS[group] = str(dist.get_backend(group))
+    return backend
+
+
+def failure(what: str, error: Exception, timeout: float | None) -> CollectiveError:
+    timed_out = timeout is not None and "timed out" in str(error).lower()
+    detail = f"the other ranks did not join within {timeout:g} s" if timed_out else str(error)
+    return CollectiveError(
+        f"{what} failed: {detail}. A peer rank died or is running other collectives (ranks out "
+        f"of step); check the other ranks' logs, and FUNCSHARD_DEBUG=1 to compare the "
+        f"collectives.{channel.peer_reports()}"
+    )
+
+
+# -- the transport settings every rank agrees on ---------------------------------
+
+
+_HINT = (
+    "These variables choose how each collective moves its bytes, so every rank must see the "
+    "same values: set them (or leave them unset) alike for every rank of the job, in the "
+    "launcher's environment rather than a per-node or per-rank script"
+)
+
+
+def settings() -> dict[str, str]:
+    """The transport settings as this rank reads them, by variable; see [Note: transport settings].
+
+    Inside a step, the settings it holds, read once ([Note: settings held through a step]
+    in ``comm/runtime.py``).
+
+    Example:
+        >>> sorted(settings())
+        ['FUNCSHARD_ALL_GATHER', 'FUNCSHARD_DEBUG', 'FUNCSHARD_REDUCE_SCATTER', 'FUNCSHARD_SHM']
+    """
+    global _read
+    held = runtime.held()
+    if held is not None and _read is not None and _read[0] is held:
+        return _read[1]
+    mine = {
+        transport.SHM_ENV: "on" if transport.shm_enabled() else "off",
+        ALL_GATHER.ALGORITHM_ENV: runtime.setting(ALL_GATHER.ALGORITHM_ENV, "auto"),
+        REDUCE_SCATTER.ALGORITHM_ENV: runtime.setting(REDUCE_SCATTER.ALGORITHM_ENV, "auto"),
+        runtime.DEBUG_ENV: "on" if runtime.debug_collectives() else "off",
+    }
+    _read = None if held is None else (held, mine)
+    return mine
+
+
+_read: tuple[dict[str, str], dict[str, str]] | None = None  # a step's snapshot, and its settings
+
+
+def check_settings(
+    ch: channel.Channel | None,
+    op: str,
+    tag: str,
+    group: dist.ProcessGroup,
+    tensor: torch.Tensor,
+    what: Callable[[], str],
+    /,
+) -> None:
+    """Agrees before the data collective ``what()``: the settings if they changed, under FUNCSHARD_DEBUG the collective; collective.
+
+    Raises:
+        DesyncError: the ranks' transport settings differ, or (FUNCSHARD_DEBUG)
+            they issue different collectives here.
+    """
+    mine = settings()
+    if ch is not None and ch.agreed_settings != mine:
+        agree.agree_on(Kind.SETTINGS, f"the transport settings before {what()}", mine, hint=_HINT)
+        ch.agreed_settings = mine
+    if mine[runtime.DEBUG_ENV] == "on":
+        _check_same_collective(op, tag, group, tensor, what())
+
+
+def _check_same_collective(
+    op: str, tag: str, group: dist.ProcessGroup, tensor: torch.Tensor, what: str
+) -> None:
+    """FUNCSHARD_DEBUG: every rank agrees on (op, tag, shape, dtype) first; see [Note: agreements] in ``comm/channel.py``."""
+    mine = [op, tag, list(tensor.shape), str(tensor.dtype)]
+    members = dist.get_process_group_ranks(group)
+    everyone = agree.all_gather_json(mine, f"the debug check before {what}")
+    if any(everyone[r] != everyone[members[0]] for r in members):
+        listing = "; ".join(
+            f"rank {r}: ({sig[0]!r}, {sig[1]!r}, {tuple(sig[2])}, {sig[3]!r})"
+            for r, sig in enumerate(everyone)
+            if r in members
+        )
+        raise runtime.DesyncError(
+            f"ranks issue different collectives at {what}: {listing}. "
+            f"Every rank must call the same units in the same order"
+        )

@@ -58,7 +58,7 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     # the process group's timeout: on NCCL its watchdog is what ends a collective that never
-    # completes ([Note: waits that never block the host] in pending.py)
+    # completes ([Note: waits that never block the host] in comm/collectives.py)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = _attempt_store(timeout)
     if store is None:

@@ -4,7 +4,7 @@ The format and its error bound are [Note: quantized collectives] in
 ``plan/quantize.py``. A buffer of ``n`` elements travels as
 ``quantized_bytes(n, block, format)`` bytes: the blocks' fp32 scales, then their
 values (int8, two int4 a byte, or float8 e4m3). Both collectives go through
-:func:`~funcshard._src.comm.pending.issue` like every other (errors, agreements,
+:func:`~funcshard._src.comm.collectives.issue` like every other (errors, agreements,
 the trace), and return a :class:`Dequantized` whose ``wait()`` turns the bytes
 received into values.
 """
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from funcshard._src.comm import collectives
+from funcshard._src.comm.collectives import Pending, issue
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.comm.pending import Pending, issue
 from funcshard._src.plan.quantize import Format, quantized_bytes, value_bytes
 
 FP8 = torch.float8_e4m3fn

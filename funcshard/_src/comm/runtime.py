@@ -122,7 +122,7 @@ def wait_timeout_s(backend: str | None, /) -> float | None:
     The one rule every wait on ``torch.distributed`` work follows: gloo's waits get
     :func:`collective_timeout`, so that a peer that never joins raises funcshard's
     error naming the collective; every other backend's get none (see [Note: waits
-    that never block the host] in ``pending.py``).
+    that never block the host] in ``collectives.py``).
 
     Example:
         >>> set_collective_timeout(30.0)

@@ -4,7 +4,7 @@ The default transport, always there ([Note: transports] in ``transport.py``):
 the backend's own collectives on NCCL; on gloo the backend's own or the
 point-to-point algorithms below, chosen by name (:data:`ALL_GATHER`,
 :data:`REDUCE_SCATTER`: ``FUNCSHARD_ALL_GATHER`` and ``FUNCSHARD_REDUCE_SCATTER``,
-which every rank agrees on before its first collective, ``preflight.py``).
+which every rank agrees on before its first collective, ``collectives.py``).
 :class:`Algorithms` is the one rule by which ``"auto"`` and ``"shm"`` become the
 algorithm that runs.
 
@@ -65,7 +65,7 @@ flight on the group (another gather, a ring reduce-scatter) a receive issued
 early would take the next rank's message for another operation. Every rank
 issues the same operations in the same order, so they pair up as collectives
 do; a failed or timed-out wait leaves the process out of step
-(``pending.Pending``).
+(``collectives.Pending``).
 
 [Note: reduce-scatter steps]
 A ring's steps depend on each other (step ``s + 1`` sends the row that step
@@ -75,7 +75,7 @@ adds, and issues the next step's send and receive. At ``W = 2`` there is one
 step, so the whole transfer runs in the background and ``wait()`` only adds.
 Every rank issues the same point-to-point operations in the same order, so
 they pair up by order as collectives do; a failed or timed-out wait leaves
-the process out of step (``pending.Pending``).
+the process out of step (``collectives.Pending``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ A plug-in's methods return ``None`` where they cannot serve a group (its ranks
 cannot share memory); the caller then runs torch's collective, the same on
 every rank. The choice is made the same way on every rank: the settings that
 decide it are agreed on before the first collective ([Note: transport
-settings] in ``preflight.py``).
+settings] in ``collectives.py``).
 """
 
 from __future__ import annotations

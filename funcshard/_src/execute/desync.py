@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from funcshard._src.comm import agree, channel, settle
 from funcshard._src.comm.channel import Kind
-from funcshard._src.comm.pending import Pending
+from funcshard._src.comm.collectives import Pending
 from funcshard._src.plan.precision import MixedPrecision
 
 _SAME_PLAN = (

@@ -51,7 +51,7 @@ from typing import cast
 import torch
 
 from funcshard._src.comm import collectives, quantized
-from funcshard._src.comm.pending import Pending
+from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.torch_transport import ALL_GATHER
 from funcshard._src.execute.streams import Streams, streams_for
 from funcshard._src.execute.unit_state import InFlight, LeafGathers, Part, UnitRuntime, UnitState

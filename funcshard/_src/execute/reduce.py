@@ -48,7 +48,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from funcshard._src.comm import collectives
-from funcshard._src.comm.pending import Pending
+from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.transport import LARGE_BYTES
 from funcshard._src.execute.gradients import Gradients
 from funcshard._src.execute.param_group import BufferPool, ParamGroup, Reduction

@@ -41,7 +41,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from funcshard._src import tree
 from funcshard._src.comm import collectives
 from funcshard._src.comm.agree import Agreement
-from funcshard._src.comm.pending import Pending
+from funcshard._src.comm.collectives import Pending
 from funcshard._src.execute.call_record import CallPhase, CallRecord
 from funcshard._src.execute.desync import (
     check_backward,

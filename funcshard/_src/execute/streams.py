@@ -36,7 +36,7 @@ A tensor made on one stream and used on another stays valid by one of two rules:
 
 On NCCL a collective issued with ``async_op`` runs on NCCL's stream;
 ``Work.wait()`` makes the current stream wait for it and returns at once (see
-[Note: waits that never block the host] in ``comm/pending.py``). So
+[Note: waits that never block the host] in ``comm/collectives.py``). So
 :meth:`Streams.issued` waits on the work while the collective's side stream is
 current and records the event there: the host never waits inside a step. On
 gloo, whose wait blocks the host, the wait is left to the consumer, as on the CPU.
@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from funcshard._src.comm import runtime
-from funcshard._src.comm.pending import Pending
+from funcshard._src.comm.collectives import Pending
 
 
 class Streams:

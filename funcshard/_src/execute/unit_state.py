@@ -74,9 +74,9 @@ import torch
 import torch.distributed as dist
 
 from funcshard._src.comm import collectives
+from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.comm.pending import Pending
 from funcshard._src.execute import huge_pages
 from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.quantize import Format, Quantized
