@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tests.step_files import step_files
 
-BOUND = {1: 25, 2: 35}  # the shared-memory transport loaded, as step_files says
+BOUND = {1: 25, 2: 31}  # the shared-memory transport loaded, as step_files says
 
 
 def test_a_steady_state_step_at_one_rank_stays_within_its_files():
