@@ -345,3 +345,49 @@ def test_a_reduction_with_its_own_row_apart_lets_go_of_every_peer_in_order(me):
     # the first addition is commutative: the same bits as the sum in group-rank order
     assert torch.equal(out, ((values[0] + values[1]) + values[2]) + values[3])
     assert dones == [r for r in range(4) if r != me]
+
+
+def _trimmed_once_every_peer_has_read() -> tuple[list[bool], list[bool]]:
+    """Every region's `trimmed` after reductions, before and after Arena.trim behind a barrier."""
+    real = regions.LARGE_BYTES
+    regions.LARGE_BYTES = 1  # every region counts as large: given back once free
+    try:
+        bound = groups.bind(fs.Mesh({"fsdp": 2}))
+        group = bound.group(("fsdp",))
+        assert group is not None
+        arena = shm.arena(group)
+        assert arena is not None, "ranks of one host share memory"
+        for n in (300, 500, 300):
+            out = torch.empty(n)
+            rs.start("shm", torch.ones(2, n), out, group).wait()
+        before = [g.trimmed for g in arena.regions]
+        dist.barrier(group=group)  # every peer is past its reads, as at a step's start
+        arena.trim()
+        return before, [g.trimmed for g in arena.regions]
+    finally:
+        regions.LARGE_BYTES = real
+
+
+def test_trim_gives_back_every_large_region_the_peers_are_done_with(pools):
+    # a root unit's packed gradients are a large region used once a step; a step gives it
+    # back when it starts, once every rank has agreed to (value_and_grad's collectives.settle)
+    for _, after in pools.run(2, _trimmed_once_every_peer_has_read):
+        assert after, "the reductions made regions"
+        assert all(after), after
+
+
+def test_a_step_settles_the_transport_when_it_starts_and_ends(monkeypatch):
+    from funcshard._src.execute import run, value_and_grad
+
+    events: list[str] = []
+    monkeypatch.setattr(value_and_grad.collectives, "settle", lambda: events.append("settle"))
+    monkeypatch.setattr(run.collectives, "settle", lambda: events.append("settle"))
+    params = {"w": torch.ones(4)}
+    plan = fs.plan(params, fs.Mesh({"fsdp": 1}))
+
+    def loss(p):
+        events.append("loss_fn")
+        return p["w"].sum()
+
+    fs.value_and_grad(loss, plan)(fs.shard(params, plan))
+    assert events == ["settle", "loss_fn", "settle"]

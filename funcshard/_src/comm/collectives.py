@@ -255,7 +255,8 @@ def settle() -> None:
 
     Called when an evaluation ends, before its caller may write the shards it
     gathered ([Note: shards read in place] in ``shm/cross_memory.py``); at once where
-    nothing was.
+    nothing was. The transport also gives back memory it holds for collectives every
+    peer is done with (a step calls it again when it starts, once every rank is there).
 
     Raises:
         CollectiveError: a peer exited, or has not read within the collective timeout.

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from funcshard._src import tree
-from funcshard._src.comm import devices, groups, runtime
+from funcshard._src.comm import collectives, devices, groups, runtime
 from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute.desync import (
     check_end,
@@ -324,6 +324,9 @@ class Step:
                 order=self._order,
             )
         )
+        # every rank is past the last step's collectives: the transport lets go of what it
+        # holds for them that every peer has read (a shared-memory region, comm/shm/regions.py)
+        collectives.settle()
         return self._groups, by_unit
 
     def _take_donated(self) -> dict[FlatLayout, torch.Tensor]:

@@ -140,9 +140,13 @@ class Arena:
         evaluation returns, so that the caller may write its shards. In training the
         peers are done already; otherwise this waits for a slower peer's last gather.
 
+        Gives back the pages of every large region the peers are done with too
+        (:meth:`trim`).
+
         Raises:
             CollectiveError: a peer exited, or has not read within the collective timeout.
         """
+        self.trim()
         if not self.exposed:
             return
         assert self.board is not None  # reading in place needs the live marks of a board
@@ -171,19 +175,36 @@ class Arena:
     def region(self, nbytes: int) -> Region:
         """A region of at least ``nbytes`` that every peer has finished reading; a new one if none is."""
         # free once every peer has read it, and this rank too: an all-reduce reads its own copy
-        self._heard()
-        done = min(self.read_mark(), *(m for r, m in enumerate(self.marks) if r != self.me))
-        free = [g for g in self.regions if g.last_seq < done]
+        free = self._free()
         fits = [g for g in free if g.nbytes >= nbytes]
         chosen = min(fits, key=lambda g: g.nbytes) if fits else _new_region(max(nbytes, 1))
-        for g in free:
-            if g is not chosen and g.nbytes >= LARGE_BYTES and not g.trimmed:
-                _give_back(g.mapping, g.nbytes, _REMOVE)
-                g.trimmed = True
+        self._trim([g for g in free if g is not chosen])
         if not fits:
             self.regions.append(chosen)
         chosen.trimmed = False
         return chosen
+
+    def trim(self) -> None:
+        """Gives back the pages of every large region that every peer has finished reading; mutates.
+
+        A large region (``LARGE_BYTES``: a root unit's packed gradients) is used once a
+        step; kept resident, it would add to every peak until the next step reuses it.
+        ``settle`` calls this at the end of a step and before the next starts.
+        """
+        self._trim(self._free())
+
+    def _free(self) -> list[Region]:
+        """The regions every peer, and this rank, has finished reading."""
+        # free once every peer has read it, and this rank too: an all-reduce reads its own copy
+        self._heard()
+        done = min(self.read_mark(), *(m for r, m in enumerate(self.marks) if r != self.me))
+        return [g for g in self.regions if g.last_seq < done]
+
+    def _trim(self, free: list[Region]) -> None:
+        for g in free:
+            if g.nbytes >= LARGE_BYTES and not g.trimmed:
+                _give_back(g.mapping, g.nbytes, _REMOVE)
+                g.trimmed = True
 
     def reserve(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of a free region, held for the next collective to publish as they are.
