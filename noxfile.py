@@ -33,6 +33,9 @@ TORCH_RANGE_TESTS = [
     "tests/test_bench.py",
     "tests/test_fake_process_group.py",
     "tests/test_pending.py",
+    "tests/test_devices.py",
+    "tests/test_buffers.py",
+    "tests/test_preflight.py",
 ]
 
 
