@@ -69,9 +69,7 @@ from funcshard._src.comm.torch_transport import (
     ALL_GATHER,
     REDUCE_SCATTER,
     TORCH,
-    AllGatherAlgorithm,
     Each,
-    ReduceScatterAlgorithm,
 )
 
 _all_gather_single = channel.all_gather_single
@@ -95,7 +93,7 @@ def all_gather(
     out: torch.Tensor | None = None,
     ledger: Ledger | None = None,
     tag: str = "",
-    algorithm: AllGatherAlgorithm | None = None,
+    algorithm: str | None = None,
     stable: bool = False,
 ) -> Pending:
     """Gathers every group member's ``flat`` into ``(group_size, numel)``, row = group rank.
@@ -276,7 +274,7 @@ def reduce_scatter(
     out: torch.Tensor | None = None,
     ledger: Ledger | None = None,
     tag: str = "",
-    algorithm: ReduceScatterAlgorithm | None = None,
+    algorithm: str | None = None,
     own: transport.OwnTerm | None = None,
 ) -> Pending:
     """Sums ``rows`` ``(group_size, numel)`` over the group; group rank ``i`` gets row ``i``'s sum.
@@ -554,7 +552,7 @@ def backend_of(group: dist.ProcessGroup, /) -> str:
     return backend
 
 
-def failure(what: str, error: Exception, timeout: float | None) -> CollectiveError:
+def failure(what: object, error: Exception, timeout: float | None) -> CollectiveError:
     timed_out = timeout is not None and "timed out" in str(error).lower()
     detail = f"the other ranks did not join within {timeout:g} s" if timed_out else str(error)
     return CollectiveError(

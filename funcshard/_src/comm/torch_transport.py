@@ -82,7 +82,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,11 +91,6 @@ from funcshard._src.comm import runtime, transport
 from funcshard._src.comm.channel import all_gather_single, reduce_scatter_single
 from funcshard._src.comm.runtime import Timeout, wait_work
 from funcshard._src.comm.transport import Capabilities, OwnTerm, Transport, Work, torch_capabilities
-
-AllGatherAlgorithm = Literal["auto", "native", "ring", "ring_overlapped", "shm"]
-ReduceScatterAlgorithm = Literal[
-    "auto", "native", "all_reduce", "all_to_all", "ring", "ring_pipelined", "shm"
-]
 
 
 def check_known(algorithm: str, known: Sequence[str], what: str, /) -> None:
