@@ -81,7 +81,7 @@ descriptors carry are used ([Note: read marks] in ``regions.py``).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,12 +154,9 @@ class Remote:
 class Exchange:
     """One collective in flight: this rank's region written, the descriptors being gathered.
 
-    ``finish(views, layouts, done)`` gets each group rank's published bytes as a
+    ``finish(views, layouts)`` gets each group rank's published bytes as a
     ``dtype`` tensor (``None`` at this rank) and the layout word of its
-    descriptor once every descriptor is in; it calls ``done(r)`` once it has
-    read all of rank ``r``'s bytes, which drops them from this rank's pages at
-    once ([Note: peers' pages] in ``regions.py``): a reader then holds one
-    peer's pages at a time, not every peer's.
+    descriptor once every descriptor is in.
     """
 
     def __init__(
@@ -232,18 +229,11 @@ class Exchange:
                 views.append(Remote(a.pids[r], int(row[3]), int(row[4])))
             else:
                 views.append(a.peer(r, int(row[3]), int(row[4])).view(self.dtype))
-        dropped: set[int] = set()
-
-        def done(r: int) -> None:
-            row = rows[r]
-            if r != a.me and row[6] != READ_IN_PLACE and r not in dropped:
-                a.unmap_read(r, int(row[3]), int(row[4]))
-                dropped.add(r)
-
-        self.finish(views, [int(row[6]) for row in rows], done)
+        self.finish(views, [int(row[6]) for row in rows])
         a.finished(self.seq)
-        for r in range(len(rows)):
-            done(r)
+        for r, row in enumerate(rows):
+            if r != a.me and row[6] != READ_IN_PLACE:
+                a.unmap_read(r, int(row[3]), int(row[4]))
         return True
 
 
@@ -284,14 +274,13 @@ def all_gather_pieces(
     """
     itemsize = flat.element_size()
 
-    def finish(views: list[torch.Tensor | Remote | None], _: list[int], done: Done) -> None:
+    def finish(views: list[torch.Tensor | Remote | None], _: list[int]) -> None:
         for r, v in enumerate(views):
             if isinstance(v, Remote):
                 v.read([(lo * itemsize, rows[r]) for lo, rows in pieces])
             elif v is not None:
                 for lo, rows in pieces:
                     rows[r].copy_(v[lo : lo + rows.shape[1]])
-                done(r)
 
     op = Exchange(a, [flat], finish, "shared-memory all-gather", stable=stable)
     for lo, rows in pieces:
@@ -322,9 +311,7 @@ def reduce_scatter(
         raise ValueError("a reduce-scatter with its own row apart needs rows from input_rows")
     parts = [rows] if whole else [p for p in (rows[:me], rows[me + 1 :]) if p.numel()]
 
-    def finish(
-        published: list[torch.Tensor | Remote | None], layouts: list[int], done: Done
-    ) -> None:
+    def finish(published: list[torch.Tensor | Remote | None], layouts: list[int]) -> None:
         views = _mapped(published)
         terms = [
             None
@@ -333,9 +320,9 @@ def reduce_scatter(
             for r, v in enumerate(views)
         ]
         if own is not None:
-            _sum_with_own(terms, me, own, out, done)
+            _sum_with_own(terms, me, own, out)
             return
-        _sum_in_order([rows[me] if t is None else t for t in terms], out, done)
+        _sum_in_order([rows[me] if t is None else t for t in terms], out)
 
     return Exchange(
         a,
@@ -366,44 +353,31 @@ def _mapped(views: list[torch.Tensor | Remote | None], /) -> list[torch.Tensor |
     return [v if isinstance(v, torch.Tensor) else None for v in views]
 
 
-Done = Callable[[int], None]  # Exchange's done(r): group rank r's bytes are all read
-
-
-def _sum_in_order(terms: Sequence[torch.Tensor], out: torch.Tensor, done: Done, /) -> None:
-    """``out = terms[0] + terms[1] + ...``, left to right: the same bits on every rank; mutates ``out``.
-
-    ``terms[r]`` is group rank ``r``'s; ``done(r)`` follows its last read.
-    """
+def _sum_in_order(terms: Sequence[torch.Tensor], out: torch.Tensor, /) -> None:
+    """``out = terms[0] + terms[1] + ...``, left to right: the same bits on every rank; mutates ``out``."""
     torch.add(terms[0], terms[1], out=out)
-    done(0)
-    done(1)
-    for r, t in enumerate(terms[2:], start=2):
+    for t in terms[2:]:
         out.add_(t)
-        done(r)
 
 
 def _sum_with_own(
-    terms: Sequence[torch.Tensor | None], me: int, own: OwnTerm, out: torch.Tensor, done: Done, /
+    terms: Sequence[torch.Tensor | None], me: int, own: OwnTerm, out: torch.Tensor, /
 ) -> None:
     """:func:`_sum_in_order` where ``own`` makes term ``me``: the same additions, the same bits; mutates ``out``.
 
     The first addition is commutative, so where ``me`` is 0 or 1 ``own`` adds its
     row to the other of the first two terms in one pass.
     """
-    ranks = [r for r, t in enumerate(terms) if t is not None]
     rest = [t for t in terms if t is not None]
     if me <= 1:
         own(out, rest[0])
-        done(ranks[0])
-        for r, t in zip(ranks[1:], rest[1:]):
+        for t in rest[1:]:
             out.add_(t)
-            done(r)
         return
-    _sum_in_order(rest[:me], out, done)  # ranks 0 .. me - 1: their indices are their ranks
+    _sum_in_order(rest[:me], out)
     own(out, out)
-    for r, t in zip(ranks[me:], rest[me:]):
+    for t in rest[me:]:
         out.add_(t)
-        done(r)
 
 
 def all_reduce(a: Arena, buf: torch.Tensor, /, *, out: torch.Tensor | None = None) -> Exchange:
@@ -418,9 +392,9 @@ def all_reduce(a: Arena, buf: torch.Tensor, /, *, out: torch.Tensor | None = Non
     held = out is not None and a.owner(flat) is not None
     holder: list[torch.Tensor] = []
 
-    def finish(published: list[torch.Tensor | Remote | None], _: list[int], done: Done) -> None:
+    def finish(published: list[torch.Tensor | Remote | None], _: list[int]) -> None:
         views = _mapped(published)
-        _sum_in_order([holder[0] if v is None else v for v in views], dest, done)
+        _sum_in_order([holder[0] if v is None else v for v in views], dest)
 
     op = Exchange(a, [flat], finish, "shared-memory all-reduce", in_place=held)
     assert op.region is not None  # an all-reduce is never read in place
