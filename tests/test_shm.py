@@ -349,3 +349,45 @@ def test_a_step_settles_the_transport_when_it_starts_and_ends(monkeypatch):
 
     fs.value_and_grad(loss, plan)(fs.shard(params, plan))
     assert events == ["settle", "loss_fn", "settle"]
+
+
+def test_a_reduction_lets_go_of_each_peers_pages_before_it_reads_the_next():
+    # [Note: peers' pages] in comm/shm/regions.py: a reader drops each peer's view right after
+    # adding it, so at most one peer's pages count in its resident set at a time. Here term r
+    # holds its values only once done(r - 1) was called: a sum that read ahead would be NaN.
+    from funcshard._src.comm.shm import _sum_in_order
+
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(5, generator=gen) for _ in range(4)]
+    terms = [v.clone() if r < 2 else torch.full((5,), float("nan")) for r, v in enumerate(values)]
+    dones: list[int] = []
+
+    def done(r: int) -> None:
+        dones.append(r)
+        if r + 1 < len(terms) and r >= 1:
+            terms[r + 1].copy_(values[r + 1])
+        terms[r].fill_(float("nan"))  # dropped: never read again
+
+    out = torch.empty(5)
+    _sum_in_order(terms, out, done)
+    assert torch.equal(out, ((values[0] + values[1]) + values[2]) + values[3])
+    assert dones == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("me", [0, 1, 2, 3])
+def test_a_reduction_with_its_own_row_apart_lets_go_of_every_peer_in_order(me):
+    from funcshard._src.comm.shm import _sum_with_own
+
+    gen = torch.Generator().manual_seed(me)
+    values = [torch.randn(5, generator=gen) for _ in range(4)]
+    dones: list[int] = []
+
+    def own(out: torch.Tensor, base: torch.Tensor | None) -> None:
+        torch.add(values[me], out if base is None else base, out=out)
+
+    out = torch.empty(5)
+    given = [None if r == me else v for r, v in enumerate(values)]
+    _sum_with_own(given, me, own, out, dones.append)
+    # the first addition is commutative: the same bits as the sum in group-rank order
+    assert torch.equal(out, ((values[0] + values[1]) + values[2]) + values[3])
+    assert dones == [r for r in range(4) if r != me]

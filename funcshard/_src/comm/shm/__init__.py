@@ -81,7 +81,7 @@ descriptors carry are used ([Note: read marks] in ``regions.py``).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,9 +154,12 @@ class Remote:
 class Exchange:
     """One collective in flight: this rank's region written, the descriptors being gathered.
 
-    ``finish(views, layouts)`` gets each group rank's published bytes as a
+    ``finish(views, layouts, done)`` gets each group rank's published bytes as a
     ``dtype`` tensor (``None`` at this rank) and the layout word of its
-    descriptor once every descriptor is in.
+    descriptor once every descriptor is in; it calls ``done(r)`` once it has
+    read all of rank ``r``'s bytes, which drops them from this rank's pages at
+    once ([Note: peers' pages] in ``regions.py``): a reader then holds one
+    peer's pages at a time, not every peer's.
     """
 
     def __init__(
@@ -229,12 +232,26 @@ class Exchange:
                 views.append(Remote(a.pids[r], int(row[3]), int(row[4])))
             else:
                 views.append(a.peer(r, int(row[3]), int(row[4])).view(self.dtype))
-        self.finish(views, [int(row[6]) for row in rows])
-        a.finished(self.seq)
-        for r, row in enumerate(rows):
-            if r != a.me and row[6] != READ_IN_PLACE:
+        dropped: set[int] = set()
+
+        def drop(r: int) -> None:
+            row = rows[r]
+            if r != a.me and row[6] != READ_IN_PLACE and r not in dropped:
                 a.unmap_read(r, int(row[3]), int(row[4]))
+                dropped.add(r)
+
+        # with several peers each goes as soon as it is read (one peer's pages resident at a
+        # time); with one, after the read mark, which its peer reads before it reuses the
+        # region (else it makes another): an early drop would only delay the mark
+        self.finish(views, [int(row[6]) for row in rows], drop if a.w > 2 else _keep)
+        a.finished(self.seq)
+        for r in range(len(rows)):
+            drop(r)
         return True
+
+
+def _keep(r: int, /) -> None:
+    """A finish's ``done`` that drops nothing until the read mark is set (one peer)."""
 
 
 def _seconds(timeout: Timeout, /) -> float:
@@ -274,13 +291,14 @@ def all_gather_pieces(
     """
     itemsize = flat.element_size()
 
-    def finish(views: list[torch.Tensor | Remote | None], _: list[int]) -> None:
+    def finish(views: list[torch.Tensor | Remote | None], _: list[int], done: Done) -> None:
         for r, v in enumerate(views):
             if isinstance(v, Remote):
                 v.read([(lo * itemsize, rows[r]) for lo, rows in pieces])
             elif v is not None:
                 for lo, rows in pieces:
                     rows[r].copy_(v[lo : lo + rows.shape[1]])
+                done(r)
 
     op = Exchange(a, [flat], finish, "shared-memory all-gather", stable=stable)
     for lo, rows in pieces:
@@ -311,7 +329,9 @@ def reduce_scatter(
         raise ValueError("a reduce-scatter with its own row apart needs rows from input_rows")
     parts = [rows] if whole else [p for p in (rows[:me], rows[me + 1 :]) if p.numel()]
 
-    def finish(published: list[torch.Tensor | Remote | None], layouts: list[int]) -> None:
+    def finish(
+        published: list[torch.Tensor | Remote | None], layouts: list[int], done: Done
+    ) -> None:
         views = _mapped(published)
         terms = [
             None
@@ -320,9 +340,9 @@ def reduce_scatter(
             for r, v in enumerate(views)
         ]
         if own is not None:
-            _sum_with_own(terms, me, own, out)
+            _sum_with_own(terms, me, own, out, done)
             return
-        _sum_in_order([rows[me] if t is None else t for t in terms], out)
+        _sum_in_order([rows[me] if t is None else t for t in terms], out, done)
 
     return Exchange(
         a,
@@ -353,31 +373,44 @@ def _mapped(views: list[torch.Tensor | Remote | None], /) -> list[torch.Tensor |
     return [v if isinstance(v, torch.Tensor) else None for v in views]
 
 
-def _sum_in_order(terms: Sequence[torch.Tensor], out: torch.Tensor, /) -> None:
-    """``out = terms[0] + terms[1] + ...``, left to right: the same bits on every rank; mutates ``out``."""
+Done = Callable[[int], None]  # Exchange's done(r): group rank r's bytes are all read
+
+
+def _sum_in_order(terms: Sequence[torch.Tensor], out: torch.Tensor, done: Done, /) -> None:
+    """``out = terms[0] + terms[1] + ...``, left to right: the same bits on every rank; mutates ``out``.
+
+    ``terms[r]`` is group rank ``r``'s; ``done(r)`` follows its last read.
+    """
     torch.add(terms[0], terms[1], out=out)
-    for t in terms[2:]:
+    done(0)
+    done(1)
+    for r, t in enumerate(terms[2:], start=2):
         out.add_(t)
+        done(r)
 
 
 def _sum_with_own(
-    terms: Sequence[torch.Tensor | None], me: int, own: OwnTerm, out: torch.Tensor, /
+    terms: Sequence[torch.Tensor | None], me: int, own: OwnTerm, out: torch.Tensor, done: Done, /
 ) -> None:
     """:func:`_sum_in_order` where ``own`` makes term ``me``: the same additions, the same bits; mutates ``out``.
 
     The first addition is commutative, so where ``me`` is 0 or 1 ``own`` adds its
     row to the other of the first two terms in one pass.
     """
+    ranks = [r for r, t in enumerate(terms) if t is not None]
     rest = [t for t in terms if t is not None]
     if me <= 1:
         own(out, rest[0])
-        for t in rest[1:]:
+        done(ranks[0])
+        for r, t in zip(ranks[1:], rest[1:]):
             out.add_(t)
+            done(r)
         return
-    _sum_in_order(rest[:me], out)
+    _sum_in_order(rest[:me], out, done)  # ranks 0 .. me - 1: their indices are their ranks
     own(out, out)
-    for t in rest[me:]:
+    for r, t in zip(ranks[me:], rest[me:]):
         out.add_(t)
+        done(r)
 
 
 def all_reduce(a: Arena, buf: torch.Tensor, /, *, out: torch.Tensor | None = None) -> Exchange:
@@ -392,9 +425,9 @@ def all_reduce(a: Arena, buf: torch.Tensor, /, *, out: torch.Tensor | None = Non
     held = out is not None and a.owner(flat) is not None
     holder: list[torch.Tensor] = []
 
-    def finish(published: list[torch.Tensor | Remote | None], _: list[int]) -> None:
+    def finish(published: list[torch.Tensor | Remote | None], _: list[int], done: Done) -> None:
         views = _mapped(published)
-        _sum_in_order([holder[0] if v is None else v for v in views], dest)
+        _sum_in_order([holder[0] if v is None else v for v in views], dest, done)
 
     op = Exchange(a, [flat], finish, "shared-memory all-reduce", in_place=held)
     assert op.region is not None  # an all-reduce is never read in place

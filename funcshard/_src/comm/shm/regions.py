@@ -44,7 +44,13 @@ _ALIGN = 4096
 # ever read: W - 1 copies of what each peer holds. At W = 8 on a 0.47B Llama that was
 # 196 MiB a rank between steps and about 200 MiB of each rank's peak
 # (bench/results/large_model_fsdp2). A reader therefore drops its whole view of a region
-# (MADV_DONTNEED) once read, whatever its size: the data stays in the peer's file, and the
+# (MADV_DONTNEED) once read, whatever its size, and, with more than one peer, before it reads
+# the next peer's (the ``done`` of a shared-memory collective's finish, shm/__init__.py): while
+# a reduction adds W - 1 peers' rows, only one peer's pages count in its resident set at a
+# time, not W - 1 (a root unit's at W = 8: 7/8 of its packed gradients; large_vocab in
+# bench/results/memory_shapes: 1.12x FSDP2's peak without it, 0.92x with it). With one peer the
+# view goes after the read mark is set, which the peer reads before it reuses the region
+# (else it makes another). The data stays in the peer's file, and the
 # next read maps it again, a minor fault per 64 KiB (the kernel's fault-around, which also
 # maps written pages beyond those read, hence the whole view), about 0.3 ms on an 8 MiB
 # read on the benchmark machine, where the copy itself takes about 1 ms.
