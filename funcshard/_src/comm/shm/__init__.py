@@ -157,9 +157,9 @@ class Exchange:
     ``finish(views, layouts, done)`` gets each group rank's published bytes as a
     ``dtype`` tensor (``None`` at this rank) and the layout word of its
     descriptor once every descriptor is in; it calls ``done(r)`` once it has
-    read all of rank ``r``'s bytes, which drops them from this rank's pages at
-    once ([Note: peers' pages] in ``regions.py``): a reader then holds one
-    peer's pages at a time, not every peer's.
+    read all of rank ``r``'s bytes, which, where there are several peers, drops
+    them from this rank's pages at once ([Note: peers' pages] in ``regions.py``):
+    a reader then holds one peer's pages at a time, not every peer's.
     """
 
     def __init__(
