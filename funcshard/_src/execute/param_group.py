@@ -169,7 +169,7 @@ class BufferPool:
             >>> pool.held_bytes
             16
         """
-        self._free.clear()
+        self.clear()
         self._draining = True
 
     def refill(self) -> None:

@@ -139,7 +139,7 @@ def unpacker(
     """
     widths = None if layout.flat else column_widths(layout, axes)
     if widths is None or not all(out.is_contiguous() for out in outs):
-        return functools.partial(_unpack_into_outs, layout, outs, axes)
+        return lambda gathered: unpack_into(layout, gathered, outs, axes)
     names = tuple(layout.mesh.axis_names if axes is None else axes)
     rows = math.prod(layout.mesh.axis_size(a) for a in names)
     columns = sum(widths)
@@ -147,21 +147,11 @@ def unpacker(
 
     def unpack(gathered: torch.Tensor, /) -> None:  # See [Note: leaves as columns]
         if gathered.dtype != views[0].dtype or gathered.device != views[0].device:
-            _unpack_into_outs(layout, outs, axes, gathered)
+            unpack_into(layout, gathered, outs, axes)
             return
         torch.split_with_sizes_copy(gathered[:, :columns], sizes, dim=1, out=views)
 
     return unpack
-
-
-def _unpack_into_outs(
-    layout: FlatLayout,
-    outs: Sequence[torch.Tensor],
-    axes: Sequence[str] | None,
-    gathered: torch.Tensor,
-    /,
-) -> None:
-    unpack_into(layout, gathered, outs, axes)
 
 
 def gathers_in_place(layout: FlatLayout, /, axes: Sequence[str] | None = None) -> bool:
