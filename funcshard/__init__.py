@@ -37,8 +37,8 @@ from funcshard._src.comm.runtime import set_collective_timeout as set_collective
 from funcshard._src.comm.runtime import world_size as world_size
 from funcshard._src.data.seed import seed as seed
 from funcshard._src.execute.call import call as call
+from funcshard._src.execute.call_record import ParameterWriteError as ParameterWriteError
 from funcshard._src.execute.forward import forward as forward
-from funcshard._src.execute.guard import ParameterWriteError as ParameterWriteError
 from funcshard._src.execute.value_and_grad import Step as Step
 from funcshard._src.execute.value_and_grad import StepStats as StepStats
 from funcshard._src.execute.value_and_grad import value_and_grad as value_and_grad

@@ -1,4 +1,4 @@
-"""Reductions in chunks ([Note: reductions in chunks] in ``execute/reduce.py``).
+"""Reductions in chunks ([Note: reductions in chunks] in ``execute/param_group.py``).
 
 A flat part whose packed gradients pass ``LARGE_BYTES`` is reduced a range of
 columns at a time. The threshold is lowered inside the workers so that a small
@@ -15,10 +15,10 @@ import torch
 
 import funcshard as fs
 from funcshard._src.comm import transport
-from funcshard._src.execute import reduce
+from funcshard._src.execute import param_group
 from tests.models import Model
 
-WHOLE = reduce.reduce_in_chunks  # put back after each worker body
+WHOLE = param_group.reduce_in_chunks  # put back after each worker body
 
 
 def _grads(
@@ -32,13 +32,13 @@ def _grads(
         return WHOLE(*args, **kwargs)
 
     # the worker outlives this call: put both back after it
-    reduce.LARGE_BYTES = transport.LARGE_BYTES if large is None else large
-    reduce.reduce_in_chunks = counted
+    param_group.LARGE_BYTES = transport.LARGE_BYTES if large is None else large
+    param_group.reduce_in_chunks = counted
     try:
         return _step(mesh, strategy, micro, mode) | {"chunked": count[0]}
     finally:
-        reduce.LARGE_BYTES = transport.LARGE_BYTES
-        reduce.reduce_in_chunks = WHOLE
+        param_group.LARGE_BYTES = transport.LARGE_BYTES
+        param_group.reduce_in_chunks = WHOLE
 
 
 def _step(mesh: dict[str, int], strategy: Any, micro: int, mode: Any) -> dict[str, Any]:

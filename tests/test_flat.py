@@ -174,7 +174,7 @@ def flat_columns(draw):
 
 @given(flat_columns())
 def test_packing_a_range_of_columns_is_that_range_of_the_rows(case):
-    """A reduction in chunks ([Note: reductions in chunks] in ``execute/reduce.py``): columns [start, stop) of every
+    """A reduction in chunks ([Note: reductions in chunks] in ``execute/param_group.py``): columns [start, stop) of every
     flat layout's packed rows, a None leaf as zeros, padding zeros."""
     params, p, a, b = case
     leaves = tree.flatten(params)[0]

@@ -1,6 +1,6 @@
 """Huge pages for large gathered storages: asked for where they can be, never changing a value.
 
-[Note: huge pages for gathered storage] in ``execute/huge_pages.py``.
+[Note: huge pages for gathered storage] in ``execute/unit_state.py``.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import os
 import pytest
 import torch
 
-from funcshard._src.execute import huge_pages
+from funcshard._src.execute import unit_state
 
 
 def test_only_large_cpu_storages_are_advised():
-    assert not huge_pages.advise(torch.empty(1024))
-    assert not huge_pages.advise(torch.empty(0))
+    assert not unit_state.advise(torch.empty(1024))
+    assert not unit_state.advise(torch.empty(0))
 
 
 @pytest.mark.skipif(
@@ -23,7 +23,7 @@ def test_only_large_cpu_storages_are_advised():
     reason="a kernel without transparent huge pages refuses MADV_HUGEPAGE",
 )
 def test_a_large_storage_is_advised_and_keeps_what_is_written():
-    storage = torch.empty(huge_pages.MIN_BYTES // 4 + 12345)
-    assert huge_pages.advise(storage)
+    storage = torch.empty(unit_state.MIN_BYTES // 4 + 12345)
+    assert unit_state.advise(storage)
     storage.copy_(torch.arange(storage.numel(), dtype=torch.float32))
     assert torch.equal(storage, torch.arange(storage.numel(), dtype=torch.float32))

@@ -1,6 +1,6 @@
 """Units on a mesh of one rank: no autograd node of their own, gradients held as autograd's tensors.
 
-See [Note: local-only calls] in ``execute/local_calls.py`` and [Note: gradients held as
+See [Note: local-only calls] in ``execute/call_record.py`` and [Note: gradients held as
 leaves] in ``shard/flat_shard.py``. Every value is compared with the unsharded
 ``torch.func`` reference; the structure (which gradients are held as leaves,
 which graph nodes exist) is checked beside it, so a change that copies again or

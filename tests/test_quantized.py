@@ -222,7 +222,7 @@ def _quantized_step(
         (2, {"fsdp": 2}, "full_shard"),
         (4, {"dp": 2, "fsdp": 2}, "hybrid_shard"),
         (4, {"node": 2, "local": 2}, "partial_reshard"),
-        # two quantized hops ([Note: two-hop reductions] in execute/partial_gradient.py)
+        # two quantized hops ([Note: two-hop reductions] in execute/param_group.py)
         (4, {"node": 2, "local": 2}, "hybrid_shard_optimizer"),
     ],
 )

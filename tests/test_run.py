@@ -190,7 +190,7 @@ def test_partial_copies_keep_backward_inside_the_last_axis(pools):
     one = full // 6  # one gather of every unit, from the shards: 3/4 of the parameters
     assert ledgers["partial_reshard"]["sharded"][local] == 3 * one * 2 // 3
     assert ledgers["hybrid_shard_optimizer"]["sharded"][local] == 5 * one * 2 // 3
-    # gradients ([Note: two-hop reductions] in ``execute/partial_gradient.py``): full_shard and partial_reshard reduce-scatter over
+    # gradients ([Note: two-hop reductions] in ``execute/param_group.py``): full_shard and partial_reshard reduce-scatter over
     # both axes each micro-batch, 3/4 of the unit; hybrid_shard_optimizer over "local" each
     # micro-batch (1/2 of it) and over "node" once per step (1/2 of its partial gradient)
     rs_both = ("reduce_scatter", ("node", "local"))
@@ -227,7 +227,7 @@ def _partial_gradients(mesh: dict[str, int], layout: Any) -> list[tuple[Any, int
 
 @pytest.mark.parametrize("layout", ["leaf", "flat"])
 def test_partial_gradients_alive_equal_the_cost_model(pools, layout):
-    """[Note: two-hop reductions] in ``execute/partial_gradient.py`` on 2x2: every unit's partial gradient between micro-batches,
+    """[Note: two-hop reductions] in ``execute/param_group.py`` on 2x2: every unit's partial gradient between micro-batches,
     one unit's at a time within one micro-batch or with accumulate="unsharded"."""
     for per_rank in pools.run(4, _partial_gradients, {"node": 2, "local": 2}, layout):
         for case, peak, expected in per_rank:

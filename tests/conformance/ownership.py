@@ -5,7 +5,7 @@ than once, an RNN unit and a unit returning a view of its own parameter train
 equal to the reference. Writing a parameter in place during forward, reading one
 through a reference kept outside the module's parameters, and parameters funcshard
 cannot own (tensor hooks, sparse or lazy modules) are refused, each by its error
-(see [Note: what a call may do to its parameters] in ``funcshard/_src/execute/guard.py``
+(see [Note: what a call may do to its parameters] in ``funcshard/_src/execute/call_record.py``
 and ``funcshard/_src/interop/module_checks.py``).
 """
 

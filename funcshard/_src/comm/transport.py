@@ -39,7 +39,7 @@ from funcshard._src.plan.strategy import Capabilities, declare_transport
 SHM_ENV = "FUNCSHARD_SHM"
 SHM_PACKAGE = "funcshard._src.comm.shm"
 # a reduce-scatter input at least this large is reduced a range of columns at a time
-# (execute/reduce.py, [Note: reductions in chunks]); the shared-memory transport gives a
+# (execute/param_group.py, [Note: reductions in chunks]); the shared-memory transport gives a
 # region this large its pages back while it is free
 LARGE_BYTES = 32 << 20
 # collectives of fewer bytes keep gloo's own. 0: every collective of a group that shares

@@ -9,9 +9,8 @@ import torch
 import torch.utils.checkpoint
 
 from funcshard._src import tree
-from funcshard._src.execute.call_record import CallRecord
+from funcshard._src.execute.call_record import CallRecord, owned, watch
 from funcshard._src.execute.compiled import compiled_call
-from funcshard._src.execute.guard import owned, watch
 from funcshard._src.execute.replay import replay
 from funcshard._src.execute.run import Run, current_run, step_run
 from funcshard._src.execute.unit_state import UnitRuntime
@@ -71,7 +70,7 @@ def call(fn: Callable[..., _R], unit: Any, /, *args: Any, remat: bool = False, *
     full_tree = tree.unflatten(
         treedef, [full[runtime.position[leaf.slot.index]] for leaf in leaves]
     )
-    # See [Note: what a call may do to its parameters] in guard.py
+    # See [Note: what a call may do to its parameters] in call_record.py
     guard = watch(runtime.name, runtime.slots, full)
     out = _run_fn(run, record, fn, full_tree, args, kwargs, remat=remat)
     guard.check()

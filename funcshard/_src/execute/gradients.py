@@ -4,7 +4,7 @@
 What happens to gradients on this rank alone, before and after their
 collectives, lives here; the reductions themselves are the parameter group's
 (``param_group.py``) and the order they run in the ``Reducer``'s
-(``reduce.py``). This module imports nothing from ``comm/``.
+(``param_group.py``). This module imports nothing from ``comm/``.
 
 - **Accumulation.** A reduced gradient of a :class:`FlatLayout` becomes its
   buffer as it is (cast to the stored dtype if need be); a later one for the same

@@ -7,7 +7,7 @@ takes the latest call of the unit whose gradients are not reduced yet, holds the
 unit gathered for it (:func:`hold`: a released unit is re-gathered as that call's
 backward would, so the ledger and the peak are those of the step without the
 checkpoint), and hands the function the gathered leaves again through a
-``GatherNode`` of its own (``gather_node.py``). A non-reentrant checkpoint only
+``GatherNode`` of its own (``call_record.py``). A non-reentrant checkpoint only
 reads the tensors the recompute saves, so that node's backward never runs and the
 call's own gather node reduces; a reentrant one differentiates the recomputed
 graph, whose node then reduces the call's gradients (``Run.post_backward``). Every call of one unit in a step holds the
@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from funcshard._src.execute.call_record import CallPhase, CallRecord
-from funcshard._src.execute.gather_node import GatherNode
+from funcshard._src.execute.call_record import CallPhase, CallRecord, GatherNode
 from funcshard._src.execute.run import Run
 from funcshard._src.execute.unit_state import UnitRuntime
 

@@ -26,11 +26,24 @@ has not run; a reduction while a later call's backward has begun and not
 reduced; and, at the end, the calls no gradient reached. So a rank that takes
 another branch stops at an agreement instead of pairing its collectives with
 the wrong ones.
+
+Catching ranks that run different things before their collectives pair wrongly.
+
+A step agrees with every rank (see [Note: agreements] in ``comm/channel.py``)
+at its start, on everything that decides its sequence of collectives: the
+plan, the params' tree structure, mixed precision, prefetch, how many
+micro-batches it accumulates and the order in which the last step called its
+units (which decides the prefetches). It agrees again after forward, on the
+units called and the collectives issued, and after backward, on the
+collectives issued; and before each call that does not follow the last
+step's order. Ranks that differ raise :class:`DesyncError` naming the ranks
+and the fields that differ, instead of deadlocking or trading the wrong bytes.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import Any
@@ -39,23 +52,147 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 
 from funcshard._src import tree
-from funcshard._src.comm import collectives
+from funcshard._src.comm import agree, channel, collectives, settle
 from funcshard._src.comm.agree import Agreement
+from funcshard._src.comm.channel import Kind
 from funcshard._src.comm.collectives import Pending
-from funcshard._src.execute.call_record import CallPhase, CallRecord
-from funcshard._src.execute.desync import (
-    check_backward,
-    check_call,
-    check_reduction,
-    check_unreached,
+from funcshard._src.execute.call_record import (
+    CallPhase,
+    CallRecord,
+    GatherNode,
+    Watch,
+    check_dense,
+    local_leaves,
+    watch,
 )
-from funcshard._src.execute.gather_node import GatherNode
-from funcshard._src.execute.guard import Watch, check_dense, watch
-from funcshard._src.execute.local_calls import local_leaves
-from funcshard._src.execute.param_group import ParamGroup
-from funcshard._src.execute.reduce import Reducer
+from funcshard._src.execute.param_group import ParamGroup, Reducer
 from funcshard._src.execute.unit_state import UnitRuntime, UnitState
+from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.shard.sharded import ShardedTensor
+
+_SAME_PLAN = (
+    "Every rank must build the same plan from the same params tree (same rules, units, "
+    "strategy and mesh) and call the step with the same options"
+)
+_SAME_CALLS = (
+    "Every rank must call the same units in the same order in every step: a branch that "
+    "depends on a rank's data (skipping a unit, stopping early) has to take the same way on "
+    "every rank"
+)
+
+
+def signature(
+    fingerprint: str,
+    /,
+    *,
+    mixed_precision: MixedPrecision,
+    prefetch: int,
+    accumulation: str,
+    order: Sequence[str],
+) -> dict[str, str]:
+    """What must be equal on every rank at the start of a step.
+
+    The params' tree structure is the plan's (the step checked it), which the
+    plan's ``fingerprint`` covers.
+    """
+    return {
+        "plan fingerprint": fingerprint,
+        "mixed precision": repr(mixed_precision),
+        "prefetch": str(prefetch),
+        "accumulation": accumulation,
+        "units called in the last step": _short("|".join(order)),
+    }
+
+
+def check_start(fields: dict[str, str], /) -> None:
+    """Agrees on :func:`signature` with every rank; collective.
+
+    Raises:
+        DesyncError: a rank differs; the message lists each such rank and field.
+    """
+    agree.agree_on(Kind.STEP, "the start of a step", fields, hint=_SAME_PLAN)
+
+
+def check_call(index: int, unit: str, /) -> None:
+    """Agrees that every rank's call ``index`` is of ``unit``, before gathering it; collective."""
+    agree.agree_on(Kind.CALL, f"call #{index} of the step", {"unit called": unit}, hint=_SAME_CALLS)
+
+
+def check_backward(index: int, unit: str, skipped: Sequence[int], /) -> None:
+    """Agrees that every rank's backward reaches call ``index`` passing over the same calls."""
+    agree.agree_on(
+        Kind.BACKWARD,
+        f"the backward of call #{index} (unit {unit!r})",
+        {"calls whose backward has not run": list(skipped)},
+        hint="Every rank's loss must depend on the same unit calls",
+    )
+
+
+def check_reduction(index: int, unit: str, later: Sequence[int], /) -> None:
+    """Agrees before reducing call ``index`` while the backward of ``later`` calls has begun."""
+    agree.agree_on(
+        Kind.BACKWARD,
+        f"the reduction of call #{index} (unit {unit!r})",
+        {"calls whose backward began and has not reduced": list(later)},
+        hint="Every rank's loss must depend on the same parameters of the same unit calls",
+    )
+
+
+def check_unreached(indices: Sequence[int], /) -> None:
+    """Agrees on the calls whose backward never ran (their gradients are zero) before reducing them."""
+    agree.agree_on(
+        Kind.BACKWARD,
+        "the calls no gradient reached",
+        {"calls": list(indices)},
+        hint="Every rank's loss must depend on the same parameters of the same unit calls",
+    )
+
+
+def start_forward_check(calls: Sequence[str], /) -> agree.Agreement:
+    """Starts agreeing on the units called in forward and the collectives issued; collective.
+
+    Backward may compute while it is in flight; :meth:`Agreement.finish` must run
+    before backward's first collective (see [Note: collective order] in ``run.py``).
+    """
+    return agree.start(
+        Kind.FORWARD,
+        "the end of forward",
+        {
+            "units called": f"{len(calls)} calls, digest {_short('|'.join(calls))}",
+            "collectives issued": channel.trace_digest().hex(),
+        },
+        hint=_SAME_CALLS,
+    )
+
+
+def check_end() -> None:
+    """Agrees on the collectives issued by the end of backward; collective."""
+    agree.agree_on(
+        Kind.END,
+        "the end of backward",
+        {"collectives issued": channel.trace_digest().hex()},
+        hint="Every rank's loss must depend on the same unit calls and the same parameters",
+    )
+
+
+def _short(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def settle_after_error(inflight: list[Pending], error: BaseException) -> None:
+    """After ``error`` in a step: drains the collectives in flight if every rank gave up alike.
+
+    See [Note: out of step] in ``comm/settle.py``: otherwise this process is out
+    of step and the collectives in flight are left to the process group.
+    """
+    if not settle.abort_exchange("a step", error):
+        return
+    for pending in inflight:
+        try:
+            pending.wait()
+        except Exception as e:  # pending.wait marked this process out of step
+            error.add_note(f"funcshard: after the error, a collective in flight failed too: {e}")
+            return
 
 
 class RunMode(enum.Enum):
@@ -151,7 +288,7 @@ class Run:
         self._token: Any = None
         self._root_grads: list[torch.Tensor | None] | None = None  # see gathered_grads
         self._root_guard: Watch | None = (
-            None  # See [Note: what a call may do to its parameters] in ``execute/guard.py``
+            None  # See [Note: what a call may do to its parameters] in ``execute/call_record.py``
         )
 
     @property
@@ -219,7 +356,7 @@ class Run:
         """Acquires ``unit`` for a new call (FORWARD); its record and full leaves in the unit's order.
 
         With ``leafwise``, a local-only unit's leaves are autograd leaves; see
-        [Note: local-only calls] in ``local_calls.py``.
+        [Note: local-only calls] in ``call_record.py``.
         """
         record = CallRecord(len(self.calls), unit)
         self.calls.append(record)
@@ -365,7 +502,7 @@ class Run:
         unit = record.unit
         defer = self.defer or keeps_gathered(unit, last=self.last)
         # the unit's last reduction of the step: a two-hop one crosses the other axes as soon
-        # as it is in ([Note: two-hop reductions] in partial_gradient.py)
+        # as it is in ([Note: two-hop reductions] in param_group.py)
         final = (
             unit.two_hop
             and self.last
@@ -390,7 +527,7 @@ class Run:
             self.post_backward(self.root, grads, agreed=True)
         records = [*reversed(self.calls), *([self.root] if self.root else [])]
         for record in records:
-            if record.leaves is not None:  # see [Note: local-only calls] in local_calls.py
+            if record.leaves is not None:  # see [Note: local-only calls] in call_record.py
                 grads = [t.grad for t in record.leaves]
                 record.leaves = None
                 if record.phase is not CallPhase.DONE:  # a replay may have reduced it

@@ -12,22 +12,25 @@ import torch.distributed as dist
 from funcshard._src import tree
 from funcshard._src.comm import collectives, devices, groups, runtime
 from funcshard._src.comm.ledger import Ledger
-from funcshard._src.execute.desync import (
+from funcshard._src.execute.gradients import take_donated
+from funcshard._src.execute.param_group import (
+    BufferPool,
+    ParamGroup,
+    Reducer,
+    chunk_bytes_for,
+    default_bucket_bytes,
+    make_groups,
+)
+from funcshard._src.execute.run import (
+    Run,
+    RunMode,
     check_end,
     check_start,
     settle_after_error,
     signature,
     start_forward_check,
+    step_run,
 )
-from funcshard._src.execute.gradients import take_donated
-from funcshard._src.execute.param_group import (
-    BufferPool,
-    ParamGroup,
-    default_bucket_bytes,
-    make_groups,
-)
-from funcshard._src.execute.reduce import Reducer, chunk_bytes_for
-from funcshard._src.execute.run import Run, RunMode, step_run
 from funcshard._src.execute.unit_state import GatheredMemory, UnitRuntime
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
@@ -47,7 +50,7 @@ class StepStats:
     peak_gathered_bytes: int  # gathered parameters (and all-gather buffers) alive at once, at most
     unit_gathered_bytes: dict[str, int]  # per unit, bytes of its full leaves when gathered
     staging_bytes: int = 0  # staging buffers kept for the next call (none after a training step); see [Note: staging lifetimes] in ``execute/param_group.py``
-    # two-hop reductions' partial gradients alive at once, at most ([Note: two-hop reductions] in ``execute/partial_gradient.py``)
+    # two-hop reductions' partial gradients alive at once, at most ([Note: two-hop reductions] in ``execute/param_group.py``)
     peak_partial_grad_bytes: int = 0
 
 
@@ -93,7 +96,7 @@ class Step:
         self._world_size = plan.mesh.size
         self._units: list[UnitRuntime] | None = None
         self._groups: list[ParamGroup] = []  # every unit's, made with the units
-        self._chunk_bytes = 0  # [Note: reductions in chunks] in reduce.py, made with the units
+        self._chunk_bytes = 0  # [Note: reductions in chunks] in param_group.py, made with the units
         self._last: list[FlatShard] = []  # the gradients last returned, with donate_grads
         # the call order of the last step, which forward prefetches follow; none before the
         # first (the plan's tree order is a guess, wrong for {"embed", "blocks", "head"}

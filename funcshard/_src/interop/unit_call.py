@@ -18,7 +18,7 @@ from torch import nn
 
 from funcshard._src import tree
 from funcshard._src.execute.call import call, running_unit
-from funcshard._src.execute.guard import in_memory_of
+from funcshard._src.execute.call_record import in_memory_of
 from funcshard._src.execute.replay import hold
 from funcshard._src.execute.run import current_run, step_run
 from funcshard._src.interop import hf_checkpointing as hf
@@ -115,7 +115,7 @@ def _copy_kept_views(modules: Sequence[nn.Module], leaves: Sequence[torch.Tensor
     """Copies each tensor a module kept on an attribute in the unit's gathered memory; mutates.
 
     ``self.cache = self.lin.weight.T`` in a unit's forward would read freed memory once
-    the unit is released; see [Note: what a call may do to its parameters] in guard.py.
+    the unit is released; see [Note: what a call may do to its parameters] in call_record.py.
     """
     lies_in = in_memory_of(leaves)
     tensor = torch.Tensor

@@ -29,7 +29,7 @@ NaN, so a step that checks for non-finite gradients still sees it.
   the rows it receives and summing them in fp32 (qgZ's single hop). The error of a
   sum is at most the sum of its terms' bounds. A ``hybrid_shard_optimizer`` unit's
   reduction takes two hops, each quantized (qgZ's hierarchical reduction; [Note:
-  two-hop reductions] in ``execute/partial_gradient.py``). ``hybrid_shard``'s all-reduce across
+  two-hop reductions] in ``execute/param_group.py``). ``hybrid_shard``'s all-reduce across
   replicas stays exact.
 
 Each rank sends ``(g - 1) * quantized_bytes(n, block, format)`` bytes for a buffer

@@ -60,7 +60,7 @@ never cross the other axes (across nodes, when the last axis is a node's ranks).
 ``full_shard``'s. ``hybrid_shard_optimizer``'s take two hops: over the last axis each
 micro-batch, into a *partial gradient* sharded like the partial copy and held
 across micro-batches, and over the other axes once a step ([Note: two-hop
-reductions] in ``execute/partial_gradient.py``), so that gradients too cross the other axes
+reductions] in ``execute/param_group.py``), so that gradients too cross the other axes
 once a step, for 1/L of their bytes. The root unit
 and a unit on a mesh with one axis (the partial copy is the shard) are gathered as
 ``full_shard``'s. The partial copy of every unit is alive at the end of forward:
@@ -207,7 +207,7 @@ def reduces_in_two_hops(strategy: Strategy, mesh: Mesh, /, *, is_root: bool = Fa
     Over the last axis each reduction, then over the others once a step: a unit that
     keeps its partial copy for the step where the copy is neither the shard nor the
     whole unit. The executor and the cost model both ask here; see [Note: two-hop
-    reductions] in ``execute/partial_gradient.py``.
+    reductions] in ``execute/param_group.py``.
 
     Example:
         >>> reduces_in_two_hops("hybrid_shard_optimizer", Mesh({"node": 2, "local": 4}))

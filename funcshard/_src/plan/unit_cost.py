@@ -103,7 +103,7 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     regather = math.prod(mesh.axis_size(a) for a in regather_axes)
     lifetime = partial_copy_lifetime(unit.strategy, mesh, is_root=unit.is_root)
     partial = lifetime is not None
-    # [Note: two-hop reductions] in execute/partial_gradient.py: over the last axis each reduction,
+    # [Note: two-hop reductions] in execute/param_group.py: over the last axis each reduction,
     # into a partial gradient, and over the others once a step
     two_hop = reduces_in_two_hops(unit.strategy, mesh, is_root=unit.is_root)
     from_shards = gathers_from_shards(unit, model) if partial else gathers
@@ -220,7 +220,7 @@ def defers(cost: UnitCost, model: CostModel, /) -> bool:
 
 
 # [Note: staging buffers]
-# What the executor allocates for its collectives (execute/param_group.py, execute/reduce.py):
+# What the executor allocates for its collectives (execute/param_group.py, execute/param_group.py):
 # - ParamGroup.prefetch: per part, an all-gather output of group_size * (shard numel) in the
 #   compute dtype, alive from the gather's start until its leaves are copied out, when the
 #   unit also holds its full leaves: the unit being unpacked holds both. None for a flat
@@ -337,7 +337,7 @@ def memory_of(costs: list[UnitCost], model: CostModel, /) -> Memory:
         (c.unreduced_grads for c in costs), default=0
     )
     # every partial copy is alive at the end of forward ([Note: partial copies] in ``plan/strategy.py``); partial
-    # gradients ([Note: two-hop reductions] in execute/partial_gradient.py): every unit's between
+    # gradients ([Note: two-hop reductions] in execute/param_group.py): every unit's between
     # micro-batches, one unit's at a time within one
     across = model.micro_batches > 1 and model.accumulate == "sharded"
     partial_grads = [c.partial_grads for c in costs]

@@ -2,9 +2,9 @@
 
 The flat layout's rows are its concatenation cut into one equal range per rank,
 in mesh order (``flat.py``). A two-hop reduction packs them with another axis
-major ([Note: two-hop reductions] in ``execute/partial_gradient.py``), and a
+major ([Note: two-hop reductions] in ``execute/param_group.py``), and a
 reduce-scatter too large for one warm shared-memory region packs them a range of
-columns at a time ([Note: reductions in chunks] in ``execute/reduce.py``): both
+columns at a time ([Note: reductions in chunks] in ``execute/param_group.py``): both
 write each leaf's pieces straight where they go, with no buffer in mesh order.
 """
 
