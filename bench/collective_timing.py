@@ -29,9 +29,9 @@ def _calls(
     """``call(kib, algorithm, group)`` starting one ``collective`` of ``kib`` KiB; inputs made here."""
     import torch
 
-    from funcshard._src.comm import torch_transport
+    from funcshard._src.comm import transport
 
-    ag, rs = torch_transport.ALL_GATHER, torch_transport.REDUCE_SCATTER
+    ag, rs = transport.ALL_GATHER, transport.REDUCE_SCATTER
 
     gen = torch.Generator().manual_seed(rank)
     if collective == "reduce_scatter":  # sizes: the whole input, (W, n)

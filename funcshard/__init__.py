@@ -26,12 +26,12 @@ from funcshard import presets as presets
 from funcshard import sharding as sharding
 from funcshard import testing as testing
 from funcshard import tree as tree
-from funcshard._src.comm.devices import device as device
 from funcshard._src.comm.lifecycle import init as init
 from funcshard._src.comm.metrics import MetricLogger as MetricLogger
 from funcshard._src.comm.metrics import mean_over_ranks as mean_over_ranks
 from funcshard._src.comm.runtime import CollectiveError as CollectiveError
 from funcshard._src.comm.runtime import DesyncError as DesyncError
+from funcshard._src.comm.runtime import device as device
 from funcshard._src.comm.runtime import rank as rank
 from funcshard._src.comm.runtime import set_collective_timeout as set_collective_timeout
 from funcshard._src.comm.runtime import world_size as world_size
@@ -47,10 +47,10 @@ from funcshard._src.plan.plan import Plan as Plan
 from funcshard._src.plan.planner import plan as plan
 from funcshard._src.plan.precision import MixedPrecision as MixedPrecision
 from funcshard._src.plan.quantize import Quantized as Quantized
-from funcshard._src.shard.flat_shard import DonatedError as DonatedError
 from funcshard._src.shard.materialize import materialize as materialize
 from funcshard._src.shard.shard import shard as shard
 from funcshard._src.shard.shard import unshard as unshard
+from funcshard._src.shard.sharded import DonatedError as DonatedError
 from funcshard._src.shard.sharded import ShardedTensor as ShardedTensor
 from funcshard._src.spec.mesh import Mesh as Mesh
 from funcshard._src.spec.named_sharding import NamedSharding as NamedSharding

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard._src.comm import collectives, groups, torch_transport
-from funcshard._src.comm.ledger import Ledger
+from funcshard._src.comm import collectives, groups, transport
+from funcshard._src.comm.collectives import Ledger
 from tests.ring_timeout import check_a_ring_that_a_peer_never_joins
 
-ag = torch_transport.ALL_GATHER  # the all-gather's algorithms on gloo
+ag = transport.ALL_GATHER  # the all-gather's algorithms on gloo
 
 ALGORITHMS: list[str] = [a for a in ag.ALGORITHMS if a != "auto"]
 SIZES = [1, 7, 1001]  # numel per rank: odd, and a single element
@@ -97,7 +97,7 @@ def test_every_algorithm_equals_native_and_every_members_input(pools, name, n, d
 
 def _rings_in_flight_together(world: int) -> list[bool]:
     """Two ring gathers of different sizes and a ring reduce-scatter in flight at once, waited
-    out of order: point-to-point messages pair by order (see [Note: all-gather steps] in ``comm/torch_transport.py``)."""
+    out of order: point-to-point messages pair by order (see [Note: all-gather steps] in ``comm/transport.py``)."""
     bound = groups.bind(fs.Mesh({"fsdp": world}))
     a = collectives.all_gather(_flat(bound.rank, 7, "float32"), bound, ("fsdp",), algorithm="ring")
     rows = torch.ones(world, 5) * (bound.rank + 1)

@@ -1,7 +1,7 @@
 """Shards, batches and the backend agree on a device, or the step refuses before any collective.
 
-See [Note: devices and backends] in ``comm/devices.py``. There is no GPU here:
-the backend funcshard reads (``devices.backend``) is faked, and a CUDA device is
+See [Note: devices and backends] in ``comm/runtime.py``. There is no GPU here:
+the backend funcshard reads (``runtime.backend``) is faked, and a CUDA device is
 only named, never allocated on.
 """
 
@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard._src.comm import devices
+from funcshard._src.comm import runtime
 from funcshard._src.execute.value_and_grad import check_devices
 from funcshard._src.shard.shard import shard_for_rank
 
 
 @pytest.fixture
 def nccl(monkeypatch):
-    monkeypatch.setattr(devices, "backend", lambda: "nccl")
+    monkeypatch.setattr(runtime, "backend", lambda: "nccl")
     monkeypatch.setenv("LOCAL_RANK", "3")
 
 
@@ -33,12 +33,12 @@ def _setup():
 
 def test_the_device_follows_the_backend(nccl):
     assert fs.device() == torch.device("cuda", 3)
-    assert devices.default_device("gloo") == torch.device("cpu")
-    assert devices.carries("nccl", torch.device("cuda", 3))
-    assert not devices.carries("nccl", torch.device("cuda", 0))  # another rank's GPU
-    assert not devices.carries("gloo", torch.device("cuda", 0))
-    assert devices.carries("fake", torch.device("cuda", 0))
-    assert devices.carries(None, torch.device("cuda", 0))
+    assert runtime.default_device("gloo") == torch.device("cpu")
+    assert runtime.carries("nccl", torch.device("cuda", 3))
+    assert not runtime.carries("nccl", torch.device("cuda", 0))  # another rank's GPU
+    assert not runtime.carries("gloo", torch.device("cuda", 0))
+    assert runtime.carries("fake", torch.device("cuda", 0))
+    assert runtime.carries(None, torch.device("cuda", 0))
 
 
 def test_shards_on_the_cpu_under_nccl_are_refused(nccl):
@@ -53,13 +53,13 @@ def test_shards_on_the_cpu_under_nccl_are_refused(nccl):
 
 
 def test_cuda_shards_under_gloo_are_refused(monkeypatch):
-    monkeypatch.setattr(devices, "backend", lambda: "gloo")
+    monkeypatch.setattr(runtime, "backend", lambda: "gloo")
     with pytest.raises(
         ValueError,
         match=r"fs.shard: device='cuda:0': cuda:0 cannot take part in gloo collectives; under "
         r"gloo, shards and batches stay on the CPU: .* fs.init\(backend='nccl'\)",
     ):
-        devices.check_device(torch.device("cuda", 0), "fs.shard: device='cuda:0'")
+        runtime.check_device(torch.device("cuda", 0), "fs.shard: device='cuda:0'")
 
 
 def test_a_step_refuses_cpu_shards_under_nccl_before_any_collective(nccl):

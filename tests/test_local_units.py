@@ -1,7 +1,7 @@
 """Units on a mesh of one rank: no autograd node of their own, gradients held as autograd's tensors.
 
 See [Note: local-only calls] in ``execute/call_record.py`` and [Note: gradients held as
-leaves] in ``shard/flat_shard.py``. Every value is compared with the unsharded
+leaves] in ``shard/sharded.py``. Every value is compared with the unsharded
 ``torch.func`` reference; the structure (which gradients are held as leaves,
 which graph nodes exist) is checked beside it, so a change that copies again or
 that brings the node back fails here.
@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard._src.shard.flat_shard import FlatShard, concatenate_leaves
 from funcshard._src.shard.layout import layouts
-from funcshard._src.shard.sharded import flats_of
+from funcshard._src.shard.sharded import FlatShard, concatenate_leaves, flats_of
 from funcshard.testing import assert_trees_close, reference_value_and_grad
 from tests.models import Model
 
@@ -231,7 +230,7 @@ def test_clipping_and_the_finiteness_check_read_held_leaves_without_concatenatin
 
 def test_a_gradient_given_for_two_leaves_is_held_once_per_leaf():
     """Clipping scales held leaves in place: one tensor for two leaves would be scaled twice."""
-    from funcshard._src.shard.flat_shard import held_leaves
+    from funcshard._src.shard.sharded import held_leaves
 
     _, _, sparams = _setup()
     layout = sparams["blocks"][0]["norm"]["bias"].flat.layout

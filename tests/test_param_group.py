@@ -17,9 +17,8 @@ import torch
 
 import funcshard as fs
 from funcshard._src.comm import collectives as real_collectives
-from funcshard._src.comm.collectives import Pending
+from funcshard._src.comm.collectives import Ledger, Pending
 from funcshard._src.comm.groups import BoundMesh
-from funcshard._src.comm.ledger import Ledger
 from funcshard._src.execute import param_group
 from funcshard._src.execute.param_group import BufferPool, ParamGroup, make_groups
 from funcshard._src.execute.unit_state import GatheredMemory, UnitRuntime, UnitState

@@ -15,7 +15,7 @@ import torch
 from funcshard._src.comm import runtime
 from funcshard._src.comm.collectives import Pending, wait_for
 from funcshard._src.comm.runtime import CollectiveError
-from funcshard._src.comm.torch_transport import Each
+from funcshard._src.comm.transport import Each
 
 
 class Work:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import funcshard as fs
 from funcshard._src.comm import collectives, groups, quantized
-from funcshard._src.comm.ledger import Ledger
+from funcshard._src.comm.collectives import Ledger
 from funcshard._src.plan.cost import estimate
 from funcshard._src.plan.cost_model import CostModel
 from funcshard._src.plan.quantize import quantized_bytes

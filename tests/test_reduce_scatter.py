@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard._src.comm import collectives, groups, torch_transport
-from funcshard._src.comm.ledger import Ledger
+from funcshard._src.comm import collectives, groups, transport
+from funcshard._src.comm.collectives import Ledger
 from tests.ring_timeout import check_a_ring_that_a_peer_never_joins
 
-rs = torch_transport.REDUCE_SCATTER  # the reduce-scatter's algorithms on gloo
+rs = transport.REDUCE_SCATTER  # the reduce-scatter's algorithms on gloo
 
 ALGORITHMS: list[str] = [a for a in rs.ALGORITHMS if a != "auto"]
 SIZES = [1, 7, 1001]  # numel per row: odd, and one row of a single element

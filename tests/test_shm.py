@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
-from funcshard._src.comm import collectives, groups, shm, torch_transport
+from funcshard._src.comm import collectives, groups, shm, transport
 from funcshard._src.comm.runtime import CollectiveError
 from funcshard._src.comm.shm import regions
 
-ag = torch_transport.ALL_GATHER  # the all-gather's algorithms on gloo
-rs = torch_transport.REDUCE_SCATTER  # the reduce-scatter's algorithms on gloo
+ag = transport.ALL_GATHER  # the all-gather's algorithms on gloo
+rs = transport.REDUCE_SCATTER  # the reduce-scatter's algorithms on gloo
 
 MESHES = {
     "world2": ({"fsdp": 2}, ("fsdp",)),

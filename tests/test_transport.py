@@ -18,7 +18,7 @@ import torch
 
 import funcshard as fs
 from funcshard._src.comm import transport
-from funcshard._src.comm.torch_transport import TORCH
+from funcshard._src.comm.transport import TORCH
 from funcshard._src.plan.strategy import transport_capabilities
 from funcshard.testing import assert_trees_close, reference_value_and_grad
 from tests.models import Model

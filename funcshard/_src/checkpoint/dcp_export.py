@@ -42,7 +42,7 @@ from funcshard._src.checkpoint import commit
 from funcshard._src.checkpoint.chunks import Chunk, chunk_key, chunks_of, local_pieces
 from funcshard._src.checkpoint.dcp_metadata import METADATA_FILE
 from funcshard._src.checkpoint.errors import CheckpointError
-from funcshard._src.comm import agree, runtime, settle
+from funcshard._src.comm import channel, runtime, settle
 from funcshard._src.comm.runtime import DesyncError
 from funcshard._src.dtypes import dtype_name
 from funcshard._src.shard.sharded import ShardedTensor
@@ -143,11 +143,11 @@ def write_dcp(path: str | os.PathLike[str], entries: Sequence[Entry], /, *, what
     with settle.operation(what):
         mine = {
             "target": str(target),
-            "layout": agree.digest_of({"entries": layout}).hex(),
+            "layout": channel.digest_of({"entries": layout}).hex(),
             "exists": target.exists(),
             "token": uuid.uuid4().hex,
         }
-        everyone = agree.all_gather_json(mine, f"the start of {what}")
+        everyone = channel.all_gather_json(mine, f"the start of {what}")
         differ = [
             f"rank {r}: {k} {theirs[k]!r} (rank 0: {everyone[0][k]!r})"
             for r, theirs in enumerate(everyone)
@@ -166,7 +166,7 @@ def write_dcp(path: str | os.PathLike[str], entries: Sequence[Entry], /, *, what
             )
         staging = commit.staging_dir(target, STAGING_RUN, first["token"])
         report = _write_mine(staging, entries, chunks, rank)
-        reports = agree.all_gather_json(report, f"the writes of {what}")
+        reports = channel.all_gather_json(report, f"the writes of {what}")
         failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
         if failed:
             if rank == 0:
@@ -182,7 +182,7 @@ def write_dcp(path: str | os.PathLike[str], entries: Sequence[Entry], /, *, what
             except Exception as e:  # every rank must learn of it
                 shutil.rmtree(staging, ignore_errors=True)
                 error = f"{type(e).__name__}: {e}"
-        error = agree.broadcast_json(error, f"the commit of {what}")
+        error = channel.broadcast_json(error, f"the commit of {what}")
         if error is not None:
             raise CheckpointError(f"saving {target} failed on rank 0: {error}")
     return target

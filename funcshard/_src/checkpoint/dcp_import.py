@@ -34,7 +34,7 @@ from funcshard._src.checkpoint.errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
 )
-from funcshard._src.comm import agree, settle
+from funcshard._src.comm import channel, settle
 from funcshard._src.dtypes import dtype_name
 from funcshard._src.shard.sharded import ShardedTensor
 from funcshard._src.untrusted_tensor import load_tensor
@@ -165,7 +165,7 @@ def agreed(what: str, directory: Path, body: Callable[[], tuple[str, T]], /) -> 
             "checkpoint": digest,
             "path": str(directory),
         }
-        everyone = agree.all_gather_json(status, what)
+        everyone = channel.all_gather_json(status, what)
         if failure is not None:
             raise failure
         failed = [(r, s) for r, s in enumerate(everyone) if s["error"]]

@@ -33,7 +33,7 @@ from funcshard._src.checkpoint.manifest import (
     read_manifest,
 )
 from funcshard._src.checkpoint.rng import rng_setter
-from funcshard._src.comm import agree, settle
+from funcshard._src.comm import channel, settle
 from funcshard._src.dtypes import dtype_name, dtype_of
 from funcshard._src.shard.sharded import ShardedTensor, map_flats
 
@@ -114,7 +114,7 @@ def load(
             "checkpoint": digest,
             "path": str(directory),
         }
-        everyone = agree.all_gather_json(status, "fs.checkpoint.load")
+        everyone = channel.all_gather_json(status, "fs.checkpoint.load")
         if failure is not None:
             raise failure
         failed = [(r, s) for r, s in enumerate(everyone) if s["error"]]

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from funcshard._src.checkpoint.errors import CorruptCheckpointError
-from funcshard._src.comm import agree, runtime, settle
+from funcshard._src.comm import channel, runtime, settle
 
 _MAGIC = b"FSRNG1\0\0"
 _PY = struct.Struct("<625IBd")
@@ -83,7 +83,7 @@ def gather_rng_states() -> torch.Tensor:
     mine = _pack()
     if not runtime.is_distributed():
         return torch.frombuffer(bytearray(mine), dtype=torch.uint8).unsqueeze(0)
-    rows = agree.all_gather_json(base64.b64encode(mine).decode(), "fs.checkpoint.rng_states")
+    rows = channel.all_gather_json(base64.b64encode(mine).decode(), "fs.checkpoint.rng_states")
     raw = [base64.b64decode(row) for row in rows]
     width = max(len(r) for r in raw)  # CUDA states may differ in count across ranks
     out = torch.zeros(len(raw), width, dtype=torch.uint8)

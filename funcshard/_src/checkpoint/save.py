@@ -32,7 +32,7 @@ from funcshard._src.checkpoint.dcp_io import write_chunks
 from funcshard._src.checkpoint.errors import CheckpointError, CheckpointWarning
 from funcshard._src.checkpoint.manifest import RNG_PATH, leaf_entry, rank_dir, write_manifest
 from funcshard._src.checkpoint.rng import gather_rng_states
-from funcshard._src.comm import agree, runtime, settle
+from funcshard._src.comm import channel, runtime, settle
 from funcshard._src.comm.runtime import DesyncError
 from funcshard._src.shard.digest import tensor_digest
 from funcshard._src.shard.sharded import ShardedTensor
@@ -112,9 +112,9 @@ def save(
         prepared = prepare(path, state, step=step, keep=keep, run=run, rng=rng)
         try:
             report = _write_mine(prepared.staging, prepared.entries, prepared.leaves, prepared.rank)
-            reports = agree.all_gather_json(report, "the writes of fs.checkpoint.save")
+            reports = channel.all_gather_json(report, "the writes of fs.checkpoint.save")
             outcome = finish(prepared, reports) if prepared.rank == 0 else None
-            outcome = agree.broadcast_json(outcome, "the commit of fs.checkpoint.save")
+            outcome = channel.broadcast_json(outcome, "the commit of fs.checkpoint.save")
         finally:
             commit.writing(prepared.token, done=True)
     return conclude(prepared, outcome)
@@ -146,7 +146,7 @@ def prepare(
     structure = tree_json.treedef_to_json(treedef)
     mine = {
         "target": str(target),
-        "layout": agree.digest_of({"leaves": entries, "tree": structure}).hex(),
+        "layout": channel.digest_of({"leaves": entries, "tree": structure}).hex(),
         "step": step,
         "keep": keep,
         "rng": rng,
@@ -154,7 +154,7 @@ def prepare(
         "run": commit.proposed_run(run),
         "token": uuid.uuid4().hex,
     }
-    everyone = agree.all_gather_json(mine, "the start of fs.checkpoint.save")
+    everyone = channel.all_gather_json(mine, "the start of fs.checkpoint.save")
     _agree(everyone)
     first = everyone[0]
     if first["exists"]:

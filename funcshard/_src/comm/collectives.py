@@ -47,30 +47,88 @@ that sets them for one call does), and ranks that differ raise
 :class:`DesyncError` naming each variable and every rank's value. A value that
 names no algorithm is agreed on as written: where every rank has it, the
 collective then refuses it with the same error on every rank.
+
+Ledger: the bytes every collective moves, per rank, by operation and mesh axes.
+
+Counts follow the bandwidth-optimal (ring) algorithms, which is what a step costs
+on a real interconnect whatever the backend does internally: over a group of
+``g`` ranks and a full buffer of ``B`` bytes, an all-gather and a
+reduce-scatter each send ``(g - 1) / g * B`` bytes per rank and an all-reduce
+twice that. A gather to one rank sends ``B / g`` from every other rank.
+
+What "sent" means per algorithm: the rings send exactly these counts; gloo's
+own reduce-scatter (an all-reduce) moves twice its count. Through shared memory
+(``shm/__init__.py``) a rank sends nothing over a link: its peers read what it published,
+``(g - 1) / g * B`` for an all-gather or a reduce-scatter as counted, and for an
+all-reduce ``(g - 1) * B`` (each peer reads the whole buffer), which equals the
+count at ``g = 2``.
 """
 
 from __future__ import annotations
 
 import datetime
 import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from funcshard._src.comm import agree, channel, runtime, transport
+from funcshard._src.comm import channel, runtime, transport
 from funcshard._src.comm.channel import Kind
 from funcshard._src.comm.groups import BoundMesh
-from funcshard._src.comm.ledger import Ledger
 from funcshard._src.comm.runtime import CollectiveError, wait_work
-from funcshard._src.comm.torch_transport import (
+from funcshard._src.comm.transport import (
     ALL_GATHER,
     REDUCE_SCATTER,
     TORCH,
     Each,
 )
+
+
+@dataclass
+class Ledger:
+    """A running count of bytes sent per rank, keyed by ``(op, axes)``.
+
+    Example:
+        >>> ledger = Ledger()
+        >>> ledger.record("all_gather", ("fsdp",), group_size=2, full_bytes=1024)
+        >>> ledger.total()
+        512
+    """
+
+    bytes_by_key: Counter[tuple[str, tuple[str, ...]]] = field(default_factory=Counter)
+
+    def record(self, op: str, axes: tuple[str, ...], *, group_size: int, full_bytes: int) -> None:
+        """Counts one collective of ``op`` over ``axes`` on a full buffer of ``full_bytes``."""
+        self.bytes_by_key[(op, axes)] += sent_bytes(op, group_size, full_bytes)
+
+    def total(self, op: str | None = None) -> int:
+        """Bytes sent, over every op or only ``op``."""
+        return sum(n for (o, _), n in self.bytes_by_key.items() if op is None or o == op)
+
+    def reset(self) -> None:
+        """Forgets everything counted so far; mutates the ledger."""
+        self.bytes_by_key.clear()
+
+
+def sent_bytes(op: str, group_size: int, full_bytes: int) -> int:
+    """Bytes one rank sends for ``op`` over ``group_size`` ranks on ``full_bytes``.
+
+    ``full_bytes`` is the gathered output of an all-gather, the input of a
+    reduce-scatter or all-reduce, and the gathered result of a gather.
+    """
+    g = group_size
+    if op in ("all_gather", "reduce_scatter"):
+        return full_bytes * (g - 1) // g
+    if op == "all_reduce":
+        return 2 * full_bytes * (g - 1) // g
+    if op == "gather":
+        return full_bytes // g
+    raise ValueError(f"unknown collective {op!r}")
+
 
 _all_gather_single = channel.all_gather_single
 _reduce_scatter_single = channel.reduce_scatter_single
@@ -109,7 +167,7 @@ def all_gather(
             it must not overlap ``flat``.
         ledger: counts ``(group_size - 1) / group_size`` of the bytes gathered.
         tag: the unit, for errors.
-        algorithm: see ``torch_transport.py``; ``None`` is ``FUNCSHARD_ALL_GATHER``, else
+        algorithm: see ``transport.py``; ``None`` is ``FUNCSHARD_ALL_GATHER``, else
             ``"auto"``. Every rank must use the same. Anything but gloo always runs
             ``"native"``.
         stable: the caller promises that nothing frees or writes ``flat`` until its
@@ -148,7 +206,7 @@ def all_gather(
 
     pending = issue("all_gather", tag, axes, bound, group, flat, call)
     if ledger is not None:
-        # gloo's native and the rings alike: (W - 1) / W of the gathered bytes, see ledger.py
+        # gloo's native and the rings alike: (W - 1) / W of the gathered bytes, see collectives.py
         ledger.record("all_gather", axes, group_size=size, full_bytes=nbytes)
     pending.result = out.view(size, -1)
     return pending
@@ -289,7 +347,7 @@ def reduce_scatter(
         out: ``(numel,)``, filled with the result when given.
         ledger: counts ``(group_size - 1) / group_size`` of the bytes of ``rows``.
         tag: the unit, for errors.
-        algorithm: see ``torch_transport.py``; ``None`` is ``FUNCSHARD_REDUCE_SCATTER``, else ``"auto"``.
+        algorithm: see ``transport.py``; ``None`` is ``FUNCSHARD_REDUCE_SCATTER``, else ``"auto"``.
             Every rank must use the same. Anything but gloo always runs ``"native"``.
         own: makes this rank's row when summed, which ``rows`` then need not hold:
             ``rows`` from ``collectives.input_rows`` only ([Note: the own row
@@ -338,7 +396,7 @@ def reduce_scatter(
     pending = issue("reduce_scatter", tag, axes, bound, group, rows, call)
     if ledger is not None:
         # every algorithm but gloo's native and all_reduce sends exactly this; those two send
-        # twice as much, which the ledger (like the cost model) does not count: see ledger.py
+        # twice as much, which the ledger (like the cost model) does not count: see collectives.py
         ledger.record("reduce_scatter", axes, group_size=size, full_bytes=nbytes)
     pending.result = out
     return pending
@@ -616,7 +674,7 @@ def check_settings(
     """
     mine = settings()
     if ch is not None and ch.agreed_settings != mine:
-        agree.agree_on(Kind.SETTINGS, f"the transport settings before {what()}", mine, hint=_HINT)
+        channel.agree_on(Kind.SETTINGS, f"the transport settings before {what()}", mine, hint=_HINT)
         ch.agreed_settings = mine
     if mine[runtime.DEBUG_ENV] == "on":
         _check_same_collective(op, tag, group, tensor, what())
@@ -628,7 +686,7 @@ def _check_same_collective(
     """FUNCSHARD_DEBUG: every rank agrees on (op, tag, shape, dtype) first; see [Note: agreements] in ``comm/channel.py``."""
     mine = [op, tag, list(tensor.shape), str(tensor.dtype)]
     members = dist.get_process_group_ranks(group)
-    everyone = agree.all_gather_json(mine, f"the debug check before {what}")
+    everyone = channel.all_gather_json(mine, f"the debug check before {what}")
     if any(everyone[r] != everyone[members[0]] for r in members):
         listing = "; ".join(
             f"rank {r}: ({sig[0]!r}, {sig[1]!r}, {tuple(sig[2])}, {sig[3]!r})"

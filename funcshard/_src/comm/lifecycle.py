@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from funcshard._src.comm import channel, devices, runtime
+from funcshard._src.comm import channel, runtime
 
 
 def init(*, backend: str | None = None, timeout_s: float | None = None) -> None:
@@ -50,8 +50,8 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> None:
     extra: dict[str, Any] = {}
     if backend == "nccl":
         # the rank's own GPU: NCCL binds its communicator to it at once (no guessing at the
-        # first collective), and it is where shards go by default (devices.default_device)
-        device = devices.default_device("nccl")
+        # first collective), and it is where shards go by default (runtime.default_device)
+        device = runtime.default_device("nccl")
         torch.cuda.set_device(device)
         extra["device_id"] = device
     elif "OMP_NUM_THREADS" not in os.environ:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import agree, runtime, settle
+from funcshard._src.comm import channel, runtime, settle
 
 _PER_AGREEMENT = 4  # floats that one agreement carries
 
@@ -57,7 +57,7 @@ def mean_over_ranks(value: Any, /) -> Any:
     totals: list[float] = []
     with settle.operation("mean_over_ranks"):
         for start in range(0, max(1, len(numbers)), _PER_AGREEMENT):
-            totals += agree.sum_over_ranks(numbers[start : start + _PER_AGREEMENT], what)
+            totals += channel.sum_over_ranks(numbers[start : start + _PER_AGREEMENT], what)
     means = [t / world for t in totals]
     return tree.unflatten(treedef, [_like(leaf, m) for leaf, m in zip(leaves, means)])
 

@@ -20,9 +20,8 @@ import torch
 import torch.distributed as dist
 
 from funcshard._src.comm import collectives
-from funcshard._src.comm.collectives import Pending, issue
+from funcshard._src.comm.collectives import Ledger, Pending, issue
 from funcshard._src.comm.groups import BoundMesh
-from funcshard._src.comm.ledger import Ledger
 from funcshard._src.plan.quantize import Format, quantized_bytes, value_bytes
 
 FP8 = torch.float8_e4m3fn

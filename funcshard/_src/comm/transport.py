@@ -6,7 +6,7 @@ Every data collective of funcshard (``collectives.py``) goes through a
 buffers a collective may send as they are, and the :class:`Capabilities` the
 planner and the executor ask about. Two implement it:
 
-- torch.distributed's collectives (``torch_transport.TORCH``): the backend's own on NCCL,
+- torch.distributed's collectives (:data:`TORCH`, below): the backend's own on NCCL,
   and on gloo the backend's own or its point-to-point rings. Always there.
 - the shared-memory transport for gloo ranks on one host (the package
   ``funcshard._src.comm.shm``, [Note: shared-memory collectives] in ``comm/shm/__init__.py`` there): a
@@ -21,6 +21,85 @@ cannot share memory); the caller then runs torch's collective, the same on
 every rank. The choice is made the same way on every rank: the settings that
 decide it are agreed on before the first collective ([Note: transport
 settings] in ``collectives.py``).
+
+torch.distributed's collectives as a :class:`~funcshard._src.comm.transport.Transport`, and the algorithms gloo runs them with.
+
+The default transport, always there ([Note: transports] in ``transport.py``):
+the backend's own collectives on NCCL; on gloo the backend's own or the
+point-to-point algorithms below, chosen by name (:data:`ALL_GATHER`,
+:data:`REDUCE_SCATTER`: ``FUNCSHARD_ALL_GATHER`` and ``FUNCSHARD_REDUCE_SCATTER``,
+which every rank agrees on before its first collective, ``collectives.py``).
+:class:`Algorithms` is the one rule by which ``"auto"`` and ``"shm"`` become the
+algorithm that runs.
+
+All-gather. gloo's own ``all_gather_into_tensor`` stages the input and the output through
+buffers of its own and copies the result out, on top of the transfer. The
+algorithms here, over a group of ``W`` ranks, gather ``flat`` ``(n,)`` into
+``rows`` ``(W, n)``, row ``j`` from group rank ``j``:
+
+- ``"native"``: the backend's ``all_gather_into_tensor``; always on nccl.
+- ``"ring"``: copy ``flat`` into this rank's row, then ``W - 1`` steps; in
+  each, send the row received in the step before (``flat`` in the first) to
+  the next rank and receive the previous rank's into its own row of ``rows``:
+  no buffer of its own, no copy but this rank's row. At ``W = 2`` this is the
+  pairwise exchange: send ``flat``, receive the other rank's row.
+- ``"ring_overlapped"``: the ring, with the copy of this rank's row made after
+  the first step is issued, while it runs.
+- ``"shm"``: ranks on one host read each other's shards from shared memory
+  (the plug-in of ``transport.py``, [Note: transports]); where the group's ranks
+  cannot share memory it runs :meth:`Algorithms.fallback`'s choice.
+
+Both rings send exactly ``(W - 1) / W`` of the gathered bytes per rank, the
+count the ledger records (see ``collectives.py``) and the cost model assumes.
+
+Reduce-scatter. gloo's own reduce-scatter all-reduces the whole input and keeps one chunk,
+sending about ``2 (W - 1) / W`` of the input per rank where a bandwidth-optimal
+one sends ``(W - 1) / W``, and its ``Work.wait`` ignores the timeout. The
+algorithms here, over a group of ``W`` ranks and ``rows`` of shape
+``(W, n)``:
+
+- ``"native"``: the backend's ``reduce_scatter_tensor``; always on nccl.
+- ``"all_reduce"``: all-reduce ``rows`` in place, then copy this rank's row
+  (what gloo's reduce-scatter does, with a timeout that works).
+- ``"all_to_all"``: ``all_to_all_single`` sends row ``j`` to group rank ``j``;
+  ``wait`` sums the ``W`` rows received.
+- ``"ring"``: ``W - 1`` steps; in each, send one row to the next rank, receive
+  one from the previous and add it in. At ``W = 2`` this is the pairwise
+  exchange: send the other rank's row, receive this rank's row from it, add.
+- ``"ring_pipelined"``: the ring with each row in pieces, so that adding
+  piece ``i`` overlaps the transfer of the pieces after it.
+- ``"shm"``: ranks on one host add from each other's rows in shared memory
+  (the plug-in of ``transport.py``, [Note: transports]); where the group's ranks
+  cannot share memory it runs :meth:`Algorithms.fallback`'s choice.
+
+``all_to_all`` and both rings send exactly ``(W - 1) / W`` of the input per
+rank, the count the ledger records (see ``collectives.py``) and the cost model
+assumes. ``all_reduce`` and gloo's ``native`` move twice that while the ledger
+counts the bandwidth-optimal bytes, as for any backend's internals.
+
+[Note: all-gather steps]
+A ring's steps depend on each other (step ``s + 1`` forwards the row that
+step ``s`` received), so only the first step, which sends ``flat``, is issued
+when the gather starts; ``wait()`` drives the rest: it waits for each receive
+and issues the next step's send and receive. At ``W = 2`` there is one step,
+so the whole transfer runs in the background. A step's send and receive are
+issued together, never a receive ahead of its send: point-to-point messages
+between two ranks pair up by order, so with other point-to-point operations in
+flight on the group (another gather, a ring reduce-scatter) a receive issued
+early would take the next rank's message for another operation. Every rank
+issues the same operations in the same order, so they pair up as collectives
+do; a failed or timed-out wait leaves the process out of step
+(``collectives.Pending``).
+
+[Note: reduce-scatter steps]
+A ring's steps depend on each other (step ``s + 1`` sends the row that step
+``s`` received and added to), so only the first step is issued when the
+reduce-scatter starts; ``wait()`` drives the rest: it waits for each receive,
+adds, and issues the next step's send and receive. At ``W = 2`` there is one
+step, so the whole transfer runs in the background and ``wait()`` only adds.
+Every rank issues the same point-to-point operations in the same order, so
+they pair up by order as collectives do; a failed or timed-out wait leaves
+the process out of step (``collectives.Pending``).
 """
 
 from __future__ import annotations
@@ -29,11 +108,15 @@ import functools
 import importlib
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from funcshard._src.comm import runtime
+from funcshard._src.comm.channel import all_gather_single, reduce_scatter_single
+from funcshard._src.comm.runtime import Timeout, wait_work
 from funcshard._src.plan.strategy import Capabilities, declare_transport
 
 SHM_ENV = "FUNCSHARD_SHM"
@@ -167,7 +250,7 @@ def uses_shared_memory(nbytes: int, /) -> bool:
 
 
 def torch_capabilities(backend: str, group_size: int, /) -> Capabilities:
-    """What torch.distributed's collectives do for a group (``torch_transport.py``).
+    """What torch.distributed's collectives do for a group (``transport.py``).
 
     Example:
         >>> torch_capabilities("gloo", 2).gathers_leaf_by_leaf, torch_capabilities("nccl", 2).gathers_leaf_by_leaf
@@ -219,3 +302,515 @@ def settle() -> None:
         plugin = _plugin()
         if plugin is not None:
             plugin.settle()
+
+
+def check_known(algorithm: str, known: Sequence[str], what: str, /) -> None:
+    """Refuses an ``algorithm`` that is not in ``known`` (``what``: "all-gather", ...).
+
+    Example:
+        >>> check_known("tree", ("auto", "ring"), "all-gather")
+        Traceback (most recent call last):
+        ...
+        ValueError: all-gather algorithm 'tree' is unknown; use one of ['auto', 'ring']
+    """
+    if algorithm not in known:
+        raise ValueError(f"{what} algorithm {algorithm!r} is unknown; use one of {list(known)}")
+
+
+@dataclass(frozen=True)
+class Algorithms:
+    """One collective's algorithms on gloo: their names, the default's variable, and how one is chosen.
+
+    Attributes:
+        what: the collective, for messages (``"all-gather"``).
+        ALGORITHMS: every algorithm name, ``"auto"``, ``"native"`` and ``"shm"`` among them.
+        ALGORITHM_ENV: the environment variable that names the default.
+        ring: the pairwise exchange, chosen for two ranks and at least ``RING_MIN_BYTES``.
+        socket: the socket algorithm chosen otherwise.
+        RING_MIN_BYTES: bytes of the whole collective from which ``ring`` is chosen.
+        shm_fallback: what ``"shm"`` runs where the ranks cannot share memory (``None``:
+            what ``"auto"`` would).
+    """
+
+    what: str
+    ALGORITHMS: tuple[str, ...]
+    ALGORITHM_ENV: str
+    ring: str
+    socket: str
+    RING_MIN_BYTES: int
+    shm_fallback: str | None = None
+
+    def resolve(self, algorithm: str, backend: str, world_size: int, nbytes: int, /) -> str:
+        """The algorithm that runs for ``algorithm`` on ``backend`` over ``world_size`` ranks (never ``"auto"``).
+
+        Anything but gloo runs ``"native"`` (the others are for gloo on CPU). On gloo,
+        ``"auto"`` runs ``"shm"`` where the shared-memory transport is there
+        (``shared_memory()``; whether the ranks share memory is found out when
+        it starts), else :meth:`fallback`'s choice; a named algorithm runs as itself.
+
+        Args:
+            algorithm: one of :attr:`ALGORITHMS`.
+            backend: the process group's backend, ``"gloo"`` or ``"nccl"``.
+            world_size: ranks in the group.
+            nbytes: bytes of the whole collective (the gathered output, the reduced input).
+
+        Raises:
+            ValueError: ``algorithm`` is not one of :attr:`ALGORITHMS`.
+
+        Example:
+            >>> ALL_GATHER.resolve("auto", "nccl", 8, 1 << 30)
+            'native'
+            >>> shared = shared_memory() is not None
+            >>> ALL_GATHER.resolve("auto", "gloo", 2, 64 << 20) == ("shm" if shared else "ring_overlapped")
+            True
+            >>> REDUCE_SCATTER.resolve("auto", "gloo", 2, 64 << 20) == ("shm" if shared else "ring")
+            True
+        """
+        check_known(algorithm, self.ALGORITHMS, self.what)
+        if backend != "gloo":
+            return "native"
+        if algorithm != "auto":
+            return algorithm
+        if uses_shared_memory(nbytes):
+            return "shm"
+        return self.fallback("auto", world_size, nbytes)
+
+    def fallback(self, algorithm: str, world_size: int, nbytes: int, /) -> str:
+        """The socket algorithm that runs on gloo for ``algorithm`` where the ranks cannot share memory.
+
+        ``"auto"`` (and ``"shm"`` without a ``shm_fallback`` of its own) runs ``ring``
+        for two ranks and at least ``RING_MIN_BYTES``, ``socket`` otherwise; any other
+        algorithm runs as itself.
+
+        Example:
+            >>> ALL_GATHER.fallback("auto", 2, 64 << 20), ALL_GATHER.fallback("auto", 2, 1024)
+            ('ring_overlapped', 'native')
+            >>> ALL_GATHER.fallback("shm", 2, 1024), REDUCE_SCATTER.fallback("shm", 2, 64 << 20)
+            ('ring_overlapped', 'ring')
+            >>> REDUCE_SCATTER.fallback("auto", 2, 1024), REDUCE_SCATTER.fallback("all_to_all", 4, 8)
+            ('all_reduce', 'all_to_all')
+        """
+        if algorithm == "shm" and self.shm_fallback is not None:
+            return self.shm_fallback
+        if algorithm not in ("auto", "shm"):
+            return algorithm
+        return self.ring if world_size == 2 and nbytes >= self.RING_MIN_BYTES else self.socket
+
+    def default_algorithm(self) -> str:
+        """The algorithm when none is given: :attr:`ALGORITHM_ENV`, else ``"auto"``.
+
+        Read as the running step holds it ([Note: settings held through a step] in
+        ``comm/runtime.py``).
+
+        Raises:
+            ValueError: the environment variable names no algorithm.
+
+        Example:
+            >>> ALL_GATHER.default_algorithm(), REDUCE_SCATTER.default_algorithm()
+            ('auto', 'auto')
+        """
+        value = runtime.setting(self.ALGORITHM_ENV, "auto")
+        if value not in self.ALGORITHMS:
+            article = "an" if self.what[0] in "aeiou" else "a"
+            raise ValueError(
+                f"{self.ALGORITHM_ENV}={value!r} is not {article} {self.what} algorithm; "
+                f"use one of {list(self.ALGORITHMS)}"
+            )
+        return value
+
+
+class _AllGatherAlgorithms(Algorithms):
+    """The all-gather's algorithms (:data:`ALL_GATHER`): see the module's docstring."""
+
+    def leaf_algorithm(self) -> str:
+        """The algorithm for one leaf gathered into its own storage: ``FUNCSHARD_ALL_GATHER``, else shared memory or the overlapped ring.
+
+        Both write the leaf in place. A group whose ranks cannot share memory runs
+        the overlapped ring for ``"shm"`` too (:meth:`start`).
+
+        Example:
+            >>> ALL_GATHER.leaf_algorithm() == ("shm" if shared_memory() else "ring_overlapped")
+            True
+        """
+        chosen = self.default_algorithm()
+        if chosen != "auto":
+            return chosen
+        return "shm" if shared_memory() is not None else "ring_overlapped"
+
+    def start(
+        self,
+        algorithm: str,
+        flat: torch.Tensor,
+        rows: torch.Tensor,
+        group: dist.ProcessGroup,
+        /,
+        *,
+        fallback_to: str = "ring_overlapped",
+        stable: bool = False,
+    ) -> Any:
+        """Starts gathering every group rank's ``flat`` ``(n,)`` into ``rows`` ``(W, n)``; writes ``rows``.
+
+        Returns a handle whose ``wait(timeout=...)`` finishes it (``rows[j]`` then
+        holds group rank ``j``'s ``flat``), as a ``torch.distributed`` ``Work`` does.
+
+        ``"shm"`` is collective the first time it runs on ``group`` (the probe);
+        where the group's ranks cannot share memory it runs ``fallback_to``
+        (:meth:`fallback`), the same on every rank. ``stable``: see
+        ``collectives.all_gather``.
+
+        Raises:
+            ValueError: ``algorithm`` is not resolved, or a ring's ``rows`` overlaps
+                ``flat`` other than as exactly this rank's row (a receive would
+                overwrite ``flat`` before it is sent).
+        """
+        if algorithm == "shm":
+            plugin = shared_memory()
+            work = (
+                None
+                if plugin is None
+                else plugin.all_gather(group, flat.view(-1), [(0, rows)], stable=stable)
+            )
+            if work is not None:
+                return work
+            algorithm = fallback_to
+        if algorithm == "native":
+            return all_gather_single(rows.view(-1), flat, group=group, async_op=True)
+        if algorithm in ("ring", "ring_overlapped"):
+            me = dist.get_group_rank(group, dist.get_rank())
+            return _GatherRing(
+                flat.view(-1), rows, group, me, overlap=algorithm == "ring_overlapped"
+            )
+        raise ValueError(f"all-gather algorithm {algorithm!r} cannot start; resolve() it first")
+
+
+class _ReduceScatterAlgorithms(Algorithms):
+    """The reduce-scatter's algorithms (:data:`REDUCE_SCATTER`): see the module's docstring."""
+
+    def start(
+        self,
+        algorithm: str,
+        rows: torch.Tensor,
+        out: torch.Tensor,
+        group: dist.ProcessGroup,
+        /,
+        *,
+        pieces: int | None = None,
+        fallback_to: str = "all_reduce",
+        own: OwnTerm | None = None,
+    ) -> Any:
+        """Starts a reduce-scatter of ``rows`` ``(W, n)`` into ``out`` ``(n,)``; may overwrite ``rows``.
+
+        ``out`` must not overlap ``rows``.
+        Returns a handle whose ``wait(timeout=...)`` finishes it (``out`` then holds
+        the sum of every rank's row at this rank's group rank), as a
+        ``torch.distributed`` ``Work`` does. ``pieces`` overrides how many pieces
+        ``"ring_pipelined"`` cuts a row into. ``"shm"`` is collective the first time
+        it runs on ``group`` (the probe); where the group's ranks cannot share
+        memory it runs ``fallback_to`` (:meth:`fallback`), the same on every rank.
+        ``own`` makes this rank's own row when summed: shared memory only, with
+        ``rows`` from ``collectives.input_rows``.
+
+        Raises:
+            ValueError: ``own`` is given and the collective does not go through shared memory.
+        """
+        me = dist.get_group_rank(group, dist.get_rank())
+        if algorithm == "shm":
+            plugin = shared_memory()
+            work = None if plugin is None else plugin.reduce_scatter(group, rows, out, own=own)
+            if work is not None:
+                return work
+            algorithm = fallback_to
+        if own is not None:
+            raise ValueError(
+                f"a reduce-scatter with its own row apart runs through shared memory, not {algorithm!r}"
+            )
+        if algorithm == "native":
+            return _Native(reduce_scatter_single(out, rows.view(-1), group=group, async_op=True))
+        if algorithm == "all_reduce":
+            work = dist.all_reduce(rows.view(-1), group=group, async_op=True)
+            return _Then(work, lambda: out.copy_(rows[me]))
+        if algorithm == "all_to_all":
+            received = torch.empty_like(rows)  # (W, n): row j from group rank j
+            work = dist.all_to_all_single(received, rows, group=group, async_op=True)
+            return _Then(work, lambda: torch.sum(received, dim=0, out=out))
+        if algorithm == "ring":
+            return _ReduceRing(rows, out, group, me, pieces=1)
+        if algorithm == "ring_pipelined":
+            n = rows.shape[1]
+            k = pieces or max(1, min(n, n * rows.element_size() // PIECE_BYTES))
+            return _ReduceRing(rows, out, group, me, pieces=k)
+        raise ValueError(f"reduce-scatter algorithm {algorithm!r} cannot start; resolve() it first")
+
+
+# "auto" on gloo (python -m bench.all_gather on a loaded 2-core machine, 6-9 runs of the median of 9-11
+# rounds): at W = 2 ring_overlapped took 0.68-0.82x gloo's native time from 8 MiB per rank (a
+# 16 MiB output) in every run (0.25-0.29x at 48 MiB), but 0.68-1.16x at 4 MiB, up to 1.25x at
+# 2 MiB and 1.4-1.9x at 256 KiB (latency); the plain ring took 0.70-1.01x at 8 MiB. At W = 4
+# (4 ranks on 2 cores, three runs of 5 rounds) both rings took 0.64-0.79x at 4 MiB and
+# 0.29-0.48x at 12 MiB, too few runs on an oversubscribed machine to rely on: auto keeps native.
+ALL_GATHER = _AllGatherAlgorithms(
+    "all-gather",
+    ("auto", "native", "ring", "ring_overlapped", "shm"),
+    "FUNCSHARD_ALL_GATHER",
+    ring="ring_overlapped",
+    socket="native",
+    RING_MIN_BYTES=16 << 20,  # of the whole output
+    shm_fallback="ring_overlapped",  # writes its output in place, as "shm" does
+)
+# "auto" on gloo (python -m bench.reduce_scatter on a loaded 2-core machine, median of 9 rounds): at
+# W = 2 the ring took 0.4-0.7x the time of all_reduce from 4 MiB to 64 MiB in every run, 1.0x
+# at 1 MiB and 2-5x as long at 64 KiB and below (one more round trip). At W = 4 (4 ranks on 2
+# cores) runs disagreed (0.6-1.1x), so auto keeps all_reduce there.
+REDUCE_SCATTER = _ReduceScatterAlgorithms(
+    "reduce-scatter",
+    ("auto", "native", "all_reduce", "all_to_all", "ring", "ring_pipelined", "shm"),
+    "FUNCSHARD_REDUCE_SCATTER",
+    ring="ring",
+    socket="all_reduce",
+    RING_MIN_BYTES=4 << 20,
+)
+PIECE_BYTES = 1 << 20  # ring_pipelined: the size of one piece of a row
+
+# gathering one leaf straight into its own storage (execute/unit_state.py, [Note: persistent
+# gathered storage]): gloo's native all-gather would stage the leaf through buffers of its own
+# and copy it out, which is the copy gathering in place saves; the ring writes into the leaf.
+# bench/all_gather.py-style timing on this 2-core machine (the 9 leaves of a width-512 block,
+# W = 2, fresh storage): 20.7 ms per block one ring per leaf, 25.0 ms native per leaf, 26.6 ms
+# one native all-gather of the whole unit plus its unpacking copy.
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``t`` covers (contiguous ``t``)."""
+    lo = t.data_ptr()
+    return lo, lo + t.numel() * t.element_size()
+
+
+class _GatherRing:
+    """A ring all-gather; see [Note: all-gather steps].
+
+    At step ``s`` group rank ``r`` sends row ``(r - s) % W`` (its own, ``flat``,
+    at ``s = 0``) to rank ``r + 1`` and receives row ``(r - s - 1) % W`` from
+    rank ``r - 1`` into that row of ``rows``.
+    """
+
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        rows: torch.Tensor,
+        group: dist.ProcessGroup,
+        me: int,
+        *,
+        overlap: bool,
+    ) -> None:
+        w = rows.shape[0]
+        self.rows, self.group, self.me, self.w = rows, group, me, w
+        self.next, self.prev = (me + 1) % w, (me - 1) % w
+        own = rows[me]
+        in_place = flat.data_ptr() == own.data_ptr() and flat.numel() == own.numel()
+        (f_lo, f_hi), (r_lo, r_hi) = _span(flat), _span(rows)
+        if not in_place and f_lo < r_hi and r_lo < f_hi:
+            raise ValueError(
+                "a ring all-gather's output overlaps its input other than as this rank's row; "
+                "pass an out= buffer of its own"
+            )
+        if not (overlap or in_place):
+            own.copy_(flat)
+        self.sends: list[Any] = []
+        self.recv = self._step(0, flat)
+        if overlap and not in_place:
+            own.copy_(flat)  # while the first step runs
+
+    def _step(self, s: int, send: torch.Tensor) -> Any:
+        """Issues step ``s``: sends ``send``, receives row ``(me - s - 1) % W``; returns the receive."""
+        self.sends.append(dist.isend(send, group=self.group, group_dst=self.next))
+        into = self.rows[(self.me - s - 1) % self.w]
+        return dist.irecv(into, group=self.group, group_src=self.prev)
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        for s in range(self.w - 1):
+            wait_work(self.recv, timeout)
+            if s < self.w - 2:  # forward what just arrived
+                self.recv = self._step(s + 1, self.rows[(self.me - s - 1) % self.w])
+        for work in self.sends:
+            wait_work(work, timeout)
+        self.sends = []
+        return True
+
+
+class _Native:
+    """The backend's own reduce-scatter; a separate class only to hold the work."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        wait_work(self.work, timeout)
+        return True
+
+
+class _Then:
+    """One collective, then a local step once it is done (copy a row out, sum the rows)."""
+
+    def __init__(self, work: Any, then: Any) -> None:
+        self.work, self.then = work, then
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        wait_work(self.work, timeout)
+        self.then()
+        return True
+
+
+class _ReduceRing:
+    """A ring reduce-scatter in ``pieces`` pieces per row; see [Note: reduce-scatter steps].
+
+    At step ``s`` group rank ``r`` sends row ``(r - s - 1) % W`` to rank ``r + 1``
+    and adds the same piece of row ``(r - s - 2) % W`` received from rank
+    ``r - 1``; after ``W - 1`` steps row ``r`` holds every rank's sum. Every
+    step receives into ``out`` (no other buffer); the last adds this rank's own row there.
+    """
+
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        out: torch.Tensor,
+        group: dist.ProcessGroup,
+        me: int,
+        *,
+        pieces: int,
+    ) -> None:
+        w = rows.shape[0]
+        self.rows, self.out, self.group, self.me, self.w = rows, out, group, me, w
+        self.next, self.prev = (me + 1) % w, (me - 1) % w
+        n = rows.shape[1]
+        pieces = max(1, min(pieces, n))
+        self.bounds = [(i * n // pieces, (i + 1) * n // pieces) for i in range(pieces)]
+        self.sends: list[Any] = []
+        self.recvs: list[Any] = [self._step(0, i) for i in range(pieces)]
+
+    def _step(self, s: int, i: int) -> Any:
+        """Issues piece ``i`` of step ``s``: its send and its receive; returns the receive."""
+        lo, hi = self.bounds[i]
+        send_row = (self.me - s - 1) % self.w
+        # every step receives into out: no buffer of its own (the last step's sum stays there)
+        into = self.out[lo:hi]
+        self.sends.append(
+            dist.isend(self.rows[send_row, lo:hi], group=self.group, group_dst=self.next)
+        )
+        return dist.irecv(into, group=self.group, group_src=self.prev)
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        for s in range(self.w - 1):
+            add_row = (self.me - s - 2) % self.w
+            last = s == self.w - 2
+            for i, (lo, hi) in enumerate(self.bounds):
+                wait_work(self.recvs[i], timeout)
+                if last:  # add_row is this rank's row: the sum goes to out
+                    self.out[lo:hi].add_(self.rows[add_row, lo:hi])
+                else:
+                    self.rows[add_row, lo:hi].add_(self.out[lo:hi])
+                    self.recvs[i] = self._step(s + 1, i)
+        for work in self.sends:
+            wait_work(work, timeout)
+        self.sends = []
+        return True
+
+
+class Each:
+    """Several collectives waited for as one, in the order they started."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        for work in self.works:
+            wait_work(work, timeout)
+        return True
+
+
+class _Torch:
+    """torch.distributed's collectives: gloo (its own or the rings) and NCCL; see [Note: transports] in ``comm/py``.
+
+    The algorithm for gloo is chosen by :data:`ALL_GATHER` and :data:`REDUCE_SCATTER`;
+    this class is the interface's view of them.
+    """
+
+    def all_gather(
+        self,
+        group: Any,
+        flat: torch.Tensor,
+        pieces: Sequence[tuple[int, torch.Tensor]],
+        /,
+        *,
+        stable: bool = False,
+    ) -> Work | None:
+        size = dist.get_world_size(group)
+        gloo = dist.get_backend(group) == "gloo"
+        each = []
+        for lo, rows in pieces:
+            nbytes = rows.numel() * rows.element_size()
+            chosen = (
+                ALL_GATHER.fallback(ALL_GATHER.default_algorithm(), size, nbytes)
+                if gloo
+                else "native"
+            )
+            each.append(ALL_GATHER.start(chosen, flat[lo : lo + rows.shape[1]], rows, group))
+        return Each(each)
+
+    def reduce_scatter(
+        self,
+        group: Any,
+        rows: torch.Tensor,
+        out: torch.Tensor,
+        /,
+        *,
+        own: OwnTerm | None = None,
+    ) -> Work | None:
+        if own is not None:
+            return None
+        size = dist.get_world_size(group)
+        nbytes = rows.numel() * rows.element_size()
+        gloo = dist.get_backend(group) == "gloo"
+        chosen = (
+            REDUCE_SCATTER.fallback(REDUCE_SCATTER.default_algorithm(), size, nbytes)
+            if gloo
+            else "native"
+        )
+        return REDUCE_SCATTER.start(chosen, rows, out, group)
+
+    def all_reduce(
+        self, group: Any, buf: torch.Tensor, /, *, out: torch.Tensor | None = None
+    ) -> Work | None:
+        work = dist.all_reduce(buf, group=group, async_op=True)  # in place
+        return work if out is None else _CopiedOut(work, buf, out)
+
+    def input_rows(
+        self, group: Any, rows: int, numel: int, dtype: torch.dtype, /
+    ) -> torch.Tensor | None:
+        return None
+
+    def holds_copy(self, work: Work, /) -> bool:
+        return False
+
+    def owns(self, group: Any, rows: torch.Tensor, /) -> bool:
+        return False
+
+    def settle(self) -> None:
+        return None
+
+    def capabilities(self, backend: str, group_size: int, /) -> Capabilities:
+        return torch_capabilities(backend, group_size)
+
+
+class _CopiedOut:
+    """An all-reduce in place whose sum is then copied into ``out``."""
+
+    def __init__(self, work: Any, buf: torch.Tensor, out: torch.Tensor) -> None:
+        self.work, self.buf, self.out = work, buf, out
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        wait_work(self.work, timeout)
+        self.out.copy_(self.buf)
+        return True
+
+
+TORCH: Transport = _Torch()

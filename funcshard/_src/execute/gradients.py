@@ -15,14 +15,14 @@ collectives, lives here; the reductions themselves are the parameter group's
   them once (:meth:`Gradients.take_kept`).
 - **Held leaves.** A part that needs no communication, in a call of one
   micro-batch, keeps autograd's own gradient tensors (:meth:`Gradients.keep_as_leaves`;
-  [Note: gradients held as leaves] in ``shard/flat_shard.py``).
+  [Note: gradients held as leaves] in ``shard/sharded.py``).
 - **The tree.** :meth:`Gradients.tree` wraps the buffers as the sharded
   gradients of ``sparams``, the mean over the micro-batches, ``None`` at frozen
   leaves.
 - **Donation.** :func:`take_donated` takes the buffers of the tree a call
   returned last (the tree is then dead), and :meth:`Gradients.spare` hands one to
   the reduction of its layout, which writes into it instead of fresh memory
-  ([Note: donation] in ``shard/flat_shard.py``).
+  ([Note: donation] in ``shard/sharded.py``).
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ import torch
 
 from funcshard._src import tree
 from funcshard._src.shard.flat import FlatLayout
-from funcshard._src.shard.flat_shard import FlatShard, concatenate_leaves, held_leaves
-from funcshard._src.shard.sharded import ShardedTensor
+from funcshard._src.shard.sharded import FlatShard, ShardedTensor, concatenate_leaves, held_leaves
 
 
 class Gradients:
@@ -45,7 +44,7 @@ class Gradients:
         self, *, spares: dict[FlatLayout, torch.Tensor], hold_leaves: bool = False
     ) -> None:
         # one micro-batch: a part that needs no communication keeps its gradients as
-        # autograd made them, see [Note: gradients held as leaves] in shard/flat_shard.py
+        # autograd made them, see [Note: gradients held as leaves] in shard/sharded.py
         self.hold_leaves = hold_leaves
         self.held: dict[FlatLayout, tuple[torch.Tensor, ...]] = {}  # the result of those parts
         self.spares = spares  # donated buffers of the last call, by layout
@@ -140,7 +139,7 @@ class Gradients:
 
 
 def take_donated(last: Sequence[FlatShard], /) -> dict[FlatLayout, torch.Tensor]:
-    """The buffers of the gradients a call returned last, for this call's; see [Note: donation] in ``shard/flat_shard.py``.
+    """The buffers of the gradients a call returned last, for this call's; see [Note: donation] in ``shard/sharded.py``.
 
     Mutates ``last``'s shards: the tree is donated, and reading it raises.
     """

@@ -72,7 +72,7 @@ all-reduce across replicas for ``hybrid_shard``; an all-reduce alone for
 to add them to a later micro-batch's (gradient accumulation without
 communication, like FSDP's ``no_sync``). The reduced gradients are keyed by
 the :class:`FlatLayout` of the flat buffer they belong to. Buffers donated by
-the last call (see [Note: donation] in ``shard/flat_shard.py``) receive this
+the last call (see [Note: donation] in ``shard/sharded.py``) receive this
 call's results instead of fresh memory.
 
 A part's gradients are packed (:func:`pack_rows`) into every row, or every row
@@ -117,8 +117,7 @@ import torch
 
 from funcshard._src.comm import collectives, quantized
 from funcshard._src.comm.collectives import Pending
-from funcshard._src.comm.torch_transport import ALL_GATHER
-from funcshard._src.comm.transport import LARGE_BYTES
+from funcshard._src.comm.transport import ALL_GATHER, LARGE_BYTES
 from funcshard._src.execute.gradients import Gradients
 from funcshard._src.execute.streams import Streams, streams_for
 from funcshard._src.execute.unit_state import InFlight, LeafGathers, Part, UnitRuntime, UnitState

@@ -52,9 +52,8 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 
 from funcshard._src import tree
-from funcshard._src.comm import agree, channel, collectives, settle
-from funcshard._src.comm.agree import Agreement
-from funcshard._src.comm.channel import Kind
+from funcshard._src.comm import channel, collectives, settle
+from funcshard._src.comm.channel import Agreement, Kind
 from funcshard._src.comm.collectives import Pending
 from funcshard._src.execute.call_record import (
     CallPhase,
@@ -110,17 +109,19 @@ def check_start(fields: dict[str, str], /) -> None:
     Raises:
         DesyncError: a rank differs; the message lists each such rank and field.
     """
-    agree.agree_on(Kind.STEP, "the start of a step", fields, hint=_SAME_PLAN)
+    channel.agree_on(Kind.STEP, "the start of a step", fields, hint=_SAME_PLAN)
 
 
 def check_call(index: int, unit: str, /) -> None:
     """Agrees that every rank's call ``index`` is of ``unit``, before gathering it; collective."""
-    agree.agree_on(Kind.CALL, f"call #{index} of the step", {"unit called": unit}, hint=_SAME_CALLS)
+    channel.agree_on(
+        Kind.CALL, f"call #{index} of the step", {"unit called": unit}, hint=_SAME_CALLS
+    )
 
 
 def check_backward(index: int, unit: str, skipped: Sequence[int], /) -> None:
     """Agrees that every rank's backward reaches call ``index`` passing over the same calls."""
-    agree.agree_on(
+    channel.agree_on(
         Kind.BACKWARD,
         f"the backward of call #{index} (unit {unit!r})",
         {"calls whose backward has not run": list(skipped)},
@@ -130,7 +131,7 @@ def check_backward(index: int, unit: str, skipped: Sequence[int], /) -> None:
 
 def check_reduction(index: int, unit: str, later: Sequence[int], /) -> None:
     """Agrees before reducing call ``index`` while the backward of ``later`` calls has begun."""
-    agree.agree_on(
+    channel.agree_on(
         Kind.BACKWARD,
         f"the reduction of call #{index} (unit {unit!r})",
         {"calls whose backward began and has not reduced": list(later)},
@@ -140,7 +141,7 @@ def check_reduction(index: int, unit: str, later: Sequence[int], /) -> None:
 
 def check_unreached(indices: Sequence[int], /) -> None:
     """Agrees on the calls whose backward never ran (their gradients are zero) before reducing them."""
-    agree.agree_on(
+    channel.agree_on(
         Kind.BACKWARD,
         "the calls no gradient reached",
         {"calls": list(indices)},
@@ -148,13 +149,13 @@ def check_unreached(indices: Sequence[int], /) -> None:
     )
 
 
-def start_forward_check(calls: Sequence[str], /) -> agree.Agreement:
+def start_forward_check(calls: Sequence[str], /) -> channel.Agreement:
     """Starts agreeing on the units called in forward and the collectives issued; collective.
 
     Backward may compute while it is in flight; :meth:`Agreement.finish` must run
     before backward's first collective (see [Note: collective order] in ``run.py``).
     """
-    return agree.start(
+    return channel.start(
         Kind.FORWARD,
         "the end of forward",
         {
@@ -167,7 +168,7 @@ def start_forward_check(calls: Sequence[str], /) -> agree.Agreement:
 
 def check_end() -> None:
     """Agrees on the collectives issued by the end of backward; collective."""
-    agree.agree_on(
+    channel.agree_on(
         Kind.END,
         "the end of backward",
         {"collectives issued": channel.trace_digest().hex()},

@@ -92,9 +92,8 @@ import torch
 import torch.distributed as dist
 
 from funcshard._src.comm import collectives
-from funcshard._src.comm.collectives import Pending
+from funcshard._src.comm.collectives import Ledger, Pending
 from funcshard._src.comm.groups import BoundMesh
-from funcshard._src.comm.ledger import Ledger
 from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.quantize import Format, Quantized
 from funcshard._src.plan.strategy import (
@@ -114,7 +113,7 @@ from funcshard._src.shard.flat import (
     leaves_gather_in_place,
     unpacker,
 )
-from funcshard._src.shard.flat_shard import FlatShard
+from funcshard._src.shard.sharded import FlatShard
 from funcshard._src.spec.flat_sharding import FlatSharding
 
 MIN_BYTES = 8 << 20

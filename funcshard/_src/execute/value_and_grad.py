@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from funcshard._src import tree
-from funcshard._src.comm import collectives, devices, groups, runtime
-from funcshard._src.comm.ledger import Ledger
+from funcshard._src.comm import collectives, groups, runtime
+from funcshard._src.comm.collectives import Ledger
 from funcshard._src.execute.gradients import take_donated
 from funcshard._src.execute.param_group import (
     BufferPool,
@@ -36,9 +36,8 @@ from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
 from funcshard._src.plan.quantize import Quantized, quantize_for
 from funcshard._src.shard.flat import FlatLayout
-from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.shard.shard import plan_layouts
-from funcshard._src.shard.sharded import ShardedTensor, flats_of
+from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of
 
 Accumulation = Literal["sharded", "unsharded"]
 
@@ -333,7 +332,7 @@ class Step:
         return self._groups, by_unit
 
     def _take_donated(self) -> dict[FlatLayout, torch.Tensor]:
-        """With ``donate_grads``: the last call's gradient buffers, for this call's; see [Note: donation] in ``shard/flat_shard.py``.
+        """With ``donate_grads``: the last call's gradient buffers, for this call's; see [Note: donation] in ``shard/sharded.py``.
 
         Mutates the last returned gradient tree (it is donated: reading it raises).
         """
@@ -484,15 +483,15 @@ def check_devices(
     ``batches``: each call's ``(args, kwargs)`` after the params; argument paths
     count from 0 after the params (``loss_fn's argument 0`` is the first).
 
-    See [Note: devices and backends] in ``comm/devices.py``; nothing to check
+    See [Note: devices and backends] in ``comm/runtime.py``; nothing to check
     outside a distributed run or under the fake process group.
 
     Raises:
         ValueError: names the unit or the batch leaf, its device, the backend and the fix.
     """
-    if devices.backend() in (None, "fake"):
+    if runtime.backend() in (None, "fake"):
         return
-    devices.check_tensors(
+    runtime.check_tensors(
         (
             (f"{flat.layout.slots[0].path} (unit {unit!r})", flat.data)
             for unit, flats in by_unit.items()
@@ -505,7 +504,7 @@ def check_devices(
         where = f"micro-batch {i}" if len(batches) > 1 else "the batch"
         for kind, part in (("argument", args), ("keyword argument", kwargs)):
             paths, leaves, _ = tree.flatten_with_paths(part)
-            devices.check_tensors(
+            runtime.check_tensors(
                 (
                     (f"loss_fn's {kind} {p}", x)
                     for p, x in zip(paths, leaves)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from funcshard._src import tree
-from funcshard._src.comm import agree, collectives, groups, runtime, settle
+from funcshard._src.comm import channel, collectives, groups, runtime, settle
 from funcshard._src.comm.channel import Kind
 from funcshard._src.dtypes import dtype_name
 from funcshard._src.interop.hf_files import PlannedTensor, Writer, staging_dir
@@ -37,8 +37,7 @@ from funcshard._src.interop.safetensors_format import (
 from funcshard._src.interop.safetensors_io import LeafNames
 from funcshard._src.interop.state_hooks import named_tensors, probe
 from funcshard._src.shard.flat import unpack_gathered, whole_chunk
-from funcshard._src.shard.flat_shard import FlatShard
-from funcshard._src.shard.sharded import ShardedTensor, flats_of
+from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of
 
 
 @dataclass(frozen=True)
@@ -125,12 +124,12 @@ def save_pretrained(
     target = Path(path)
     writer: Writer | None = None
     with settle.operation("save_pretrained"):
-        agree.agree_on(
+        channel.agree_on(
             Kind.UNSHARD,
             "save_pretrained",
             {
                 "buffers": [f"{f.layout.unit}:{f.layout.dtype}:{f.layout.numel}" for f in flats],
-                "tensors": agree.digest_of({"t": [[t.key, str(t.shape)] for t in planned]}).hex(),
+                "tensors": channel.digest_of({"t": [[t.key, str(t.shape)] for t in planned]}).hex(),
                 "max_shard_size": limit,
             },
             hint="Every rank must save the same params with the same options",
@@ -141,14 +140,14 @@ def save_pretrained(
                 writer = Writer(staging_dir(target), files)
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
-        error = agree.broadcast_json(error, "save_pretrained: rank 0's staging directory")
+        error = channel.broadcast_json(error, "save_pretrained: rank 0's staging directory")
         if error is None:
             error = _write_steps(steps, bound, writer)
             if writer is not None:
                 error = error or _attempt(writer.finish, parameters, module, dtype, target)
                 if error is not None:
                     writer.discard()
-            error = agree.broadcast_json(error, "save_pretrained: whether rank 0 wrote it")
+            error = channel.broadcast_json(error, "save_pretrained: whether rank 0 wrote it")
     if error is not None:
         raise OSError(f"save_pretrained to {target} failed on rank 0: {error}")
     return target

@@ -32,9 +32,8 @@ from funcshard._src.comm import groups
 from funcshard._src.interop.placeholders import origin
 from funcshard._src.plan.plan import Plan
 from funcshard._src.shard.flat import pieces
-from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.shard.shard import plan_layouts
-from funcshard._src.shard.sharded import ShardedTensor
+from funcshard._src.shard.sharded import FlatShard, ShardedTensor
 
 Init = Callable[[nn.Module], None]
 

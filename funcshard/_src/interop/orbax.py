@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import devices
+from funcshard._src.comm import runtime
 from funcshard._src.interop.host import tensor_from_numpy, torch_dtype
 from funcshard._src.shard.flat import pieces
 from funcshard._src.shard.sharded import ShardedTensor, map_flats
@@ -95,8 +95,8 @@ def load_orbax(directory: str | os.PathLike[str], /, like: Any = None, *, prefix
                 view.copy_(tensor_from_numpy(store[index].read().result()))
             out.append(target)
         else:
-            # a meta leaf: where shards go, [Note: devices and backends] in comm/devices.py
-            device = leaf.device if leaf.device.type != "meta" else devices.default_device()
+            # a meta leaf: where shards go, [Note: devices and backends] in comm/runtime.py
+            device = leaf.device if leaf.device.type != "meta" else runtime.default_device()
             out.append(tensor_from_numpy(store.read().result()).to(device))
     return tree.unflatten(treedef, out)
 

@@ -37,7 +37,7 @@ import optree
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import agree, runtime, settle
+from funcshard._src.comm import channel, runtime, settle
 from funcshard._src.comm.channel import Kind
 from funcshard._src.interop.orbax import tensorstore
 from funcshard._src.shard.flat import piece_indices, pieces
@@ -101,25 +101,25 @@ def save_orbax(directory: str | os.PathLike[str], tree_: Any, /) -> Path:
     ts = tensorstore("save_orbax writes Orbax checkpoints")
     rank = runtime.rank()
     with settle.operation("save_orbax"):
-        agree.agree_on(
+        channel.agree_on(
             Kind.CHECKPOINT,
             "save_orbax",
             {
                 "directory": str(root),
-                "leaves": agree.digest_of(
+                "leaves": channel.digest_of(
                     {"l": [[x.name, str(_shape_dtype(x.value))] for x in leaves]}
                 ).hex(),
             },
             hint="Every rank must save the same tree to the same directory",
         )
         taken = _attempt(_check_empty, root) if rank == 0 else None
-        taken = agree.broadcast_json(taken, "save_orbax: whether the directory is free")
+        taken = channel.broadcast_json(taken, "save_orbax: whether the directory is free")
         error = None
         if taken is None:
             error = _gathered(_attempt(_write_own, ts, root, leaves, rank), "writing shards")
         if error is None:
             error = _attempt(_finish, ts, root, leaves) if rank == 0 else None
-            error = agree.broadcast_json(error, "save_orbax: whether rank 0 finished it")
+            error = channel.broadcast_json(error, "save_orbax: whether rank 0 finished it")
     if taken is not None:
         raise ValueError(taken)
     if error is not None:
@@ -346,5 +346,5 @@ def _attempt(fn: Any, *args: Any) -> str | None:
 
 def _gathered(error: str | None, what: str) -> str | None:
     """The first rank's error of every rank's; collective (a barrier)."""
-    errors = agree.all_gather_json(error, f"save_orbax: {what}")
+    errors = channel.all_gather_json(error, f"save_orbax: {what}")
     return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from funcshard._src.comm import agree, runtime, settle
+from funcshard._src.comm import channel, runtime, settle
 from funcshard._src.interop.binding import swapped
 from funcshard._src.interop.leaf_check import Leaf
 from funcshard._src.interop.state_hooks import StateLayout
@@ -74,7 +74,7 @@ def save_adapters(
                     module.save_pretrained(str(target), state_dict=state, safe_serialization=True)  # pyright: ignore[reportCallIssue]
             except Exception as e:  # every rank must learn of it
                 error = f"{type(e).__name__}: {e}"
-        error = agree.broadcast_json(error, "save_pretrained: whether rank 0 wrote the adapters")
+        error = channel.broadcast_json(error, "save_pretrained: whether rank 0 wrote the adapters")
     if error is not None:
         raise OSError(f"save_pretrained of the peft adapters to {target} failed on rank 0: {error}")
     return target

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from funcshard._src import tree
-from funcshard._src.comm import devices, runtime
+from funcshard._src.comm import runtime
 from funcshard._src.interop.safetensors_format import Entry, Files, checkpoint_tensors
 from funcshard._src.interop.safetensors_names import (
     Pattern,
@@ -25,9 +25,8 @@ from funcshard._src.interop.safetensors_names import (
 from funcshard._src.interop.state_hooks import named_tensors, probe
 from funcshard._src.plan.plan import Plan
 from funcshard._src.shard.flat import pieces
-from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.shard.shard import plan_layouts
-from funcshard._src.shard.sharded import ShardedTensor
+from funcshard._src.shard.sharded import FlatShard, ShardedTensor
 
 
 class LeafNames(Protocol):
@@ -310,7 +309,7 @@ def _rank_of(plan: Plan) -> int:
 
 def _target(device: torch.device | str | None) -> torch.device:
     try:
-        # by default where shards go: [Note: devices and backends] in comm/devices.py
-        return devices.default_device() if device is None else torch.device(device)
+        # by default where shards go: [Note: devices and backends] in comm/runtime.py
+        return runtime.default_device() if device is None else torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device={device!r} is not a device ({e})") from None

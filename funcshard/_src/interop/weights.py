@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from funcshard._src import tree
-from funcshard._src.comm import devices
+from funcshard._src.comm import runtime
 from funcshard._src.interop.binding import swapped
 from funcshard._src.interop.leaf_check import Leaf
 from funcshard._src.interop.module_init import materialize_buffers, materialize_module
@@ -224,5 +224,5 @@ class Weights:
 
 
 def _device(device: torch.device | str | None, /) -> torch.device:
-    """``device``, or by default where shards go: ``fs.device()`` ([Note: devices and backends] in ``comm/devices.py``)."""
-    return devices.default_device() if device is None else torch.device(device)
+    """``device``, or by default where shards go: ``fs.device()`` ([Note: devices and backends] in ``comm/runtime.py``)."""
+    return runtime.default_device() if device is None else torch.device(device)

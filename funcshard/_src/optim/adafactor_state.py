@@ -17,8 +17,7 @@ import torch
 
 from funcshard._src import tree
 from funcshard._src.shard.flat import FlatLayout, Slot
-from funcshard._src.shard.flat_shard import FlatShard
-from funcshard._src.shard.sharded import ShardedTensor, flats_of, trainable
+from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of, trainable
 from funcshard._src.spec.named_sharding import Index, NamedSharding
 
 

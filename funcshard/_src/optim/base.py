@@ -23,8 +23,7 @@ from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import torch
 
-from funcshard._src.shard.flat_shard import FlatShard
-from funcshard._src.shard.sharded import flats_of, map_flats, trainable
+from funcshard._src.shard.sharded import FlatShard, flats_of, map_flats, trainable
 
 Params: TypeAlias = Any  # a sharded pytree (leaves: ShardedTensor)
 Updates: TypeAlias = Any  # gradients, sharded like the params
@@ -72,7 +71,7 @@ class Transform(Optimizer):
     for the elements after it in a :func:`funcshard.optim.chain`. The chain hands
     it a copy of the caller's gradients, made once per update before the first
     transform, so the tree the caller passed is never written (see
-    [Note: donation] in ``shard/flat_shard.py``). A transform whose name ends in
+    [Note: donation] in ``shard/sharded.py``). A transform whose name ends in
     ``_`` (``clip_by_global_norm_(1.0)``) is a plain :class:`Optimizer` instead:
     the chain gives it the caller's gradients, which it writes, as its name says.
     """
@@ -281,7 +280,7 @@ def floating_flats(
 
     Frozen buffers are left out: they have no gradient and no state. With
     ``split_by``, where that tree's flat shard is held as leaves (gradients of a
-    one-rank group, see [Note: gradients held as leaves] in ``shard/flat_shard.py``),
+    one-rank group, see [Note: gradients held as leaves] in ``shard/sharded.py``),
     its leaves come as they are and every other tree's buffer as views of the same
     leaves (made once per buffer): for elementwise updates, which then read no
     concatenated copy.

@@ -25,8 +25,7 @@ from funcshard._src.optim.base import (
 )
 from funcshard._src.optim.nonfinite import Guard
 from funcshard._src.optim.select import Mask, restrict, selected_paths, trainable_leaves
-from funcshard._src.shard.flat_shard import FlatShard
-from funcshard._src.shard.sharded import map_flats
+from funcshard._src.shard.sharded import FlatShard, map_flats
 
 
 def chain(*parts: Optimizer | Guard) -> Optimizer:

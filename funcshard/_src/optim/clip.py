@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, overload
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import agree, collectives, groups, runtime, settle
+from funcshard._src.comm import channel, collectives, groups, runtime, settle
 from funcshard._src.comm.channel import Kind
 from funcshard._src.optim.base import (
     Optimizer,
@@ -20,8 +20,7 @@ from funcshard._src.optim.base import (
     skip_flag,
 )
 from funcshard._src.shard.flat import FlatLayout, local_range
-from funcshard._src.shard.flat_shard import FlatShard
-from funcshard._src.shard.sharded import flats_of, map_flats
+from funcshard._src.shard.sharded import FlatShard, flats_of, map_flats
 
 
 @tree.register_namedtuple  # checkpoints name it in their tree structure
@@ -211,11 +210,11 @@ def _norm_and_scale(
         with settle.operation("clip_by_global_norm"):
             if _reduce_on_device(device):
                 # ranks agree on the operation on the host, and sum on the device: no read back
-                agree.agree_on(Kind.REDUCE, "clip_by_global_norm", _OPERATION)
+                channel.agree_on(Kind.REDUCE, "clip_by_global_norm", _OPERATION)
                 axes = bound.mesh.axis_names
                 local = collectives.all_reduce(local.reshape(1), bound, axes).wait().reshape(())
             else:  # the CPU: the values travel in the agreement, added in rank order
-                (total,) = agree.sum_over_ranks([float(local)], "clip_by_global_norm")
+                (total,) = channel.sum_over_ranks([float(local)], "clip_by_global_norm")
                 local = torch.tensor(total, dtype=torch.float64)
     norm = local.sqrt().to(device, flats[0].layout.dtype)
     if eps:  # torch.nn.utils.clip_grad_norm_'s

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import agree, collectives, groups, runtime, settle
+from funcshard._src.comm import channel, collectives, groups, runtime, settle
 from funcshard._src.comm.channel import Kind
 from funcshard._src.optim.base import (
     InitFn,
@@ -62,11 +62,11 @@ def nonfinite_flag(grads: Any, /) -> torch.Tensor:
     if runtime.world_size() > 1:
         with settle.operation("all_finite"):
             if bad.device.type != "cpu":  # as clip_by_global_norm: no read back
-                agree.agree_on(Kind.REDUCE, "all_finite", {"operation": "all_finite"})
+                channel.agree_on(Kind.REDUCE, "all_finite", {"operation": "all_finite"})
                 axes = bound.mesh.axis_names
                 bad = collectives.all_reduce(bad.reshape(1), bound, axes).wait().reshape(())
             else:
-                (total,) = agree.sum_over_ranks([float(bad)], "all_finite")
+                (total,) = channel.sum_over_ranks([float(bad)], "all_finite")
                 bad = torch.tensor(total, dtype=torch.float32)
     return (bad > 0).float()
 

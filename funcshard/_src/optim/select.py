@@ -29,8 +29,7 @@ import torch
 from funcshard._src import tree
 from funcshard._src.plan.rules import Pattern, check_pattern, matches_within, subtrees
 from funcshard._src.shard.flat import FlatLayout, Slot
-from funcshard._src.shard.flat_shard import FlatShard
-from funcshard._src.shard.sharded import ShardedTensor, flats_of
+from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of
 from funcshard._src.spec.flat_sharding import FlatSharding
 
 Mask: TypeAlias = "Callable[[str, ShardedTensor], bool] | Sequence[Pattern] | Any"

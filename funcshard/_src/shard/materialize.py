@@ -17,12 +17,11 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import devices, runtime
+from funcshard._src.comm import runtime
 from funcshard._src.plan.plan import Plan
 from funcshard._src.plan.rules import matches, pattern_repr
 from funcshard._src.shard import counter_rng
 from funcshard._src.shard.flat import pieces
-from funcshard._src.shard.flat_shard import FlatShard
 from funcshard._src.shard.initializers import Initializer, Key
 from funcshard._src.shard.shard import (  # pyright: ignore[reportPrivateUsage]
     _device,
@@ -30,7 +29,7 @@ from funcshard._src.shard.shard import (  # pyright: ignore[reportPrivateUsage]
     plan_layouts,
     tree_difference,
 )
-from funcshard._src.shard.sharded import ShardedTensor
+from funcshard._src.shard.sharded import FlatShard, ShardedTensor
 
 
 def materialize(
@@ -99,8 +98,8 @@ def materialize(
         raise ValueError(
             f"{plan.mesh!r} has {plan.mesh.size} ranks but the world size is {world_size}; {hint}"
         )
-    if device is None and devices.backend() == "nccl":
-        device = devices.default_device()  # See [Note: devices and backends] (comm/devices.py)
+    if device is None and runtime.backend() == "nccl":
+        device = runtime.default_device()  # See [Note: devices and backends] (comm/runtime.py)
     return materialize_for_rank(abstract, plan, init, runtime.rank(), seed=seed, device=device)
 
 

@@ -8,15 +8,14 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import agree, collectives, devices, groups, settle
+from funcshard._src.comm import channel, collectives, groups, runtime, settle
 from funcshard._src.comm.channel import Kind
 from funcshard._src.comm.runtime import DesyncError
 from funcshard._src.plan.plan import LeafPlan, Plan
 from funcshard._src.shard.aliasing import first_shared
 from funcshard._src.shard.digest import tensor_digest
 from funcshard._src.shard.flat import FlatLayout, layouts, pack_local, unpack_gathered, whole_chunk
-from funcshard._src.shard.flat_shard import FlatShard
-from funcshard._src.shard.sharded import ShardedTensor, flats_of
+from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of
 
 
 def shard(
@@ -47,7 +46,7 @@ def shard(
             grad and others do not, ``device`` is not available here, or the
             shards would sit on a device the backend cannot carry (CUDA under
             gloo, the CPU under NCCL; see [Note: devices and backends] in
-            ``comm/devices.py``).
+            ``comm/runtime.py``).
         TypeError: a leaf is not a tensor.
         DesyncError: with ``verify``, the ranks passed different values or plans; the
             message names the leaves that differ.
@@ -124,7 +123,7 @@ def unshard(sparams: Any, /, *, rank0_only: bool = False) -> Any:
     # keyed by flat buffer and leaf: trees like {"params", "opt"} share slots across buffers
     full: dict[tuple[int, int], torch.Tensor] = {}
     with settle.operation("fs.unshard"):
-        agree.agree_on(
+        channel.agree_on(
             Kind.UNSHARD,
             "fs.unshard",
             {
@@ -245,11 +244,11 @@ def _target(device: torch.device | None, leaves: list[torch.Tensor]) -> torch.de
     Raises:
         ValueError: the backend cannot carry tensors there; names the fix.
     """
-    if device is None and devices.backend() == "nccl":
-        device = devices.default_device()
+    if device is None and runtime.backend() == "nccl":
+        device = runtime.default_device()
     target = device or (leaves[0].device if leaves else torch.device("cpu"))
     shown = f"device={str(device)!r}" if device is not None else f"the leaves' device {target}"
-    devices.check_device(target, f"fs.shard: {shown}")
+    runtime.check_device(target, f"fs.shard: {shown}")
     return target
 
 
@@ -285,12 +284,12 @@ def _agree_on_values(plan: Plan, leaves: list[torch.Tensor]) -> None:
         DesyncError: the message names up to five leaves whose values differ from rank 0's.
     """
     digests = [tensor_digest(t) for t in leaves]
-    everyone = agree.agree(
-        Kind.SHARD, "fs.shard", agree.digest_of({"plan": plan.fingerprint(), "values": digests})
+    everyone = channel.agree(
+        Kind.SHARD, "fs.shard", channel.digest_of({"plan": plan.fingerprint(), "values": digests})
     )
     if everyone is None or all(d == everyone[0][0] for d, _ in everyone):
         return
-    details = agree.all_gather_json(
+    details = channel.all_gather_json(
         {"plan": plan.fingerprint(), "values": digests}, "the details of fs.shard"
     )
     reference = details[0]

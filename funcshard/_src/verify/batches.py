@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import agree, collectives, groups
+from funcshard._src.comm import channel, collectives, groups
 from funcshard._src.dtypes import dtype_name, dtype_of
 from funcshard._src.spec.mesh import Mesh
 
@@ -48,7 +48,7 @@ def gather_batches(batch: Any, mesh: Mesh, /, *, device: torch.device | None = N
                 f"tensors and JSON-able values (numbers, strings), which every rank can send"
             ) from None
         described.append({"value": leaf})
-    everyone = agree.all_gather_json(
+    everyone = channel.all_gather_json(
         {"tree": str(treedef), "leaves": described}, "fs.verify: every rank's batch"
     )
     if any(theirs["tree"] != str(treedef) for theirs in everyone):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import agree, devices, groups
+from funcshard._src.comm import channel, groups, runtime
 from funcshard._src.comm.runtime import CollectiveError, DesyncError
 from funcshard._src.dtypes import dtype_name
 from funcshard._src.execute.value_and_grad import value_and_grad
@@ -133,10 +133,10 @@ def verify(
     atol = _tolerance("atol", default_atol if atol is None else atol)
     model = cost or CostModel(optimizer="sgd", mixed_precision=mixed_precision, prefetch=prefetch)
     bound = groups.bind(plan.mesh)
-    if devices.backend() is not None:  # shards and batches where the backend carries them
+    if runtime.backend() is not None:  # shards and batches where the backend carries them
         params, batch = (
-            _onto(params, devices.default_device()),
-            _onto(batch, devices.default_device()),
+            _onto(params, runtime.default_device()),
+            _onto(batch, runtime.default_device()),
         )
     records = _measure(
         loss_fn,
@@ -151,7 +151,7 @@ def verify(
         rank=bound.rank,
     )
     try:
-        everyone = agree.all_gather_json(records, "fs.verify: every rank's measurements")
+        everyone = channel.all_gather_json(records, "fs.verify: every rank's measurements")
     except (CollectiveError, DesyncError) as e:  # out of step after a failure on some ranks only
         records["problems"].append(
             f"the ranks fell out of step ({e}); the report holds this rank's measurements only"
