@@ -136,10 +136,32 @@ _reduce_scatter_single = channel.reduce_scatter_single
 
 def group_size(bound: BoundMesh, axes: tuple[str, ...], /) -> int:
     """Number of ranks in a group over ``axes``."""
-    size = 1
-    for a in axes:
-        size *= bound.mesh.axis_size(a)
-    return size
+    return resolve(bound, axes)[1]
+
+
+def group_rank(bound: BoundMesh, axes: tuple[str, ...], /) -> int:
+    """This rank's index in its group over ``axes``: the row of a reduce-scatter's input it gets the sum of."""
+    return resolve(bound, axes)[2]
+
+
+def resolve(bound: BoundMesh, axes: tuple[str, ...], /) -> tuple[dist.ProcessGroup | None, int, int]:
+    """The process group over ``axes`` (``None``: one rank), its size and this rank's index in it.
+
+    Looked up in ``comm/groups.py`` once per bound mesh and axes, then read from
+    what the bound mesh remembers (a collective asks for its group every time).
+
+    Raises:
+        RuntimeError: the group was destroyed (``destroy_process_group``).
+    """
+    known = bound.resolved.get(axes)
+    if known is not None:
+        ref, size, rank = known
+        if ref is None:
+            return None, size, rank
+        group = ref()
+        if group is not None:
+            return group, size, rank
+    return bound.resolve(axes)  # the first time, or the group is gone: that raises
 
 
 def all_gather(
@@ -178,8 +200,7 @@ def all_gather(
         CollectiveError: the collective could not start.
         ValueError: ``algorithm`` is unknown.
     """
-    size = group_size(bound, axes)
-    group = bound.group(axes)
+    group, size, _ = resolve(bound, axes)
     if group is None:
         result = flat.view(1, -1) if out is None else out.view(1, -1).copy_(flat.view(1, -1))
         return Pending(result)
@@ -235,8 +256,7 @@ def all_gather_pieces(
     Raises:
         CollectiveError: the collective could not start.
     """
-    size = group_size(bound, axes)
-    group = bound.group(axes)
+    group, size, _ = resolve(bound, axes)
     if group is None:
         for lo, rows in pieces:
             rows.view(-1).copy_(flat[lo : lo + rows.numel()])
@@ -289,13 +309,13 @@ def input_rows(
     packs into a buffer of its own. Start that collective before any other on
     the group.
     """
-    group = bound.group(axes)
+    group, size, _ = resolve(bound, axes)
     if group is None or backend_of(group) != "gloo":
         return None
     plugin = transport.shared_memory()
     if plugin is None:
         return None
-    rows = 1 if all_reduce else group_size(bound, axes)
+    rows = 1 if all_reduce else size
     nbytes = rows * numel * dtype.itemsize
     if all_reduce:
         if nbytes < transport.SHM_MIN_BYTES:  # the test all_reduce makes
@@ -358,8 +378,7 @@ def reduce_scatter(
         ValueError: ``algorithm`` is unknown, or ``own`` is given where the
             collective does not run through shared memory.
     """
-    size = group_size(bound, axes)
-    group = bound.group(axes)
+    group, size, _ = resolve(bound, axes)
     if group is None:
         if own is not None:
             raise ValueError("a reduce-scatter with its own row apart runs through shared memory")
@@ -418,8 +437,7 @@ def all_reduce(
     of ``transport.py``); a ``buf`` from :func:`input_rows` (``all_reduce=True``)
     is sent from there as it is, and its sum must go to ``out``.
     """
-    size = group_size(bound, axes)
-    group = bound.group(axes)
+    group, size, _ = resolve(bound, axes)
     if group is None:
         return Pending(buf if out is None else out.copy_(buf))
     nbytes = buf.numel() * buf.element_size()

@@ -16,6 +16,7 @@ the last tensor of a finished collective needs the GIL and aborts the process
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import cast
@@ -41,6 +42,11 @@ class BoundMesh:
     layout: list[object] = field(default_factory=list)
     _groups: dict[tuple[str, ...], weakref.ref[dist.ProcessGroup] | None] = field(
         default_factory=dict
+    )
+    # what :meth:`resolve` found, by axes: the group (weakly), its size and this rank's index
+    # in it, for ``collectives.py`` to read without a call per collective
+    resolved: dict[tuple[str, ...], tuple[weakref.ref[dist.ProcessGroup] | None, int, int]] = (
+        field(default_factory=dict)
     )
 
     @property
@@ -69,6 +75,18 @@ class BoundMesh:
                 f"(torch.distributed.destroy_process_group); initialize again and bind anew"
             )
         return group
+
+    def resolve(self, axes: tuple[str, ...], /) -> tuple[dist.ProcessGroup | None, int, int]:
+        """The group over ``axes`` (:meth:`group`), its size and :meth:`group_rank`; remembered in :attr:`resolved`.
+
+        Raises:
+            RuntimeError: the group was destroyed (``destroy_process_group``).
+        """
+        group = self.group(axes)
+        size = math.prod(self.mesh.axis_size(a) for a in axes)
+        rank = self.group_rank(axes)
+        self.resolved[axes] = (None if group is None else weakref.ref(group), size, rank)
+        return group, size, rank
 
     def group_rank(self, axes: tuple[str, ...], /) -> int:
         """This rank's index in the group over ``axes``: the row of a reduce-scatter's input it gets the sum of."""

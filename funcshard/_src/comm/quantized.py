@@ -211,8 +211,7 @@ def reduce_scatter(
         CollectiveError: the collective could not start.
     """
     check_format(format, rows.device)
-    size = collectives.group_size(bound, axes)
-    group = bound.group(axes)
+    group, size, _ = collectives.resolve(bound, axes)
     assert group is not None, "a quantized reduce-scatter over one rank"
     n = rows.shape[1]
     nbytes = quantized_bytes(n, block, format)

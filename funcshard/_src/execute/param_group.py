@@ -118,7 +118,7 @@ import torch
 from funcshard._src.comm import collectives, quantized
 from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.transport import ALL_GATHER, LARGE_BYTES
-from funcshard._src.execute.gradients import Gradients
+from funcshard._src.execute.gradients import Gradients, PartKey
 from funcshard._src.execute.streams import Streams, streams_for
 from funcshard._src.execute.unit_state import InFlight, LeafGathers, Part, UnitRuntime, UnitState
 from funcshard._src.shard.flat import FlatLayout, pack_into, unpack_into
@@ -320,7 +320,7 @@ class Reduction:
     piece, as the cost model counts it per unit.
     """
 
-    pieces: tuple[tuple[FlatLayout, int, int], ...]
+    pieces: tuple[tuple[Part, int, int], ...]
     stage: Pending
     then_all_reduce: tuple[str, ...]
     tag: str
@@ -422,7 +422,7 @@ class ParamGroup:
             staging = rows if keep_rows else None
         self.memory.log("reduce", unit.name)
         reduction = Reduction(
-            ((layout, 0, layout.numel),),
+            ((part, 0, layout.numel),),
             stage,
             then,
             unit.name,
@@ -450,7 +450,7 @@ class ParamGroup:
         layout = part.layout
         # its input is the partial gradient, not packed rows: it does not count against
         # the reductions that hold packed gradients (MAX_PENDING in param_group.py)
-        return Reduction(((layout, 0, layout.numel),), stage, (), unit.name, None, packed=False)
+        return Reduction(((part, 0, layout.numel),), stage, (), unit.name, None, packed=False)
 
     def reduce_columns(
         self,
@@ -568,7 +568,7 @@ class ParamGroup:
         for i, member in enumerate(self.members):
             a, b = self.columns_of.span(i, j)
             if i in round_.reported:
-                pieces.append((member, member.parts[j].layout, a, b))
+                pieces.append((member, member.parts[j], a, b))
             else:
                 rows[:, a:b].zero_()
         replica = self.all_reduce_axes
@@ -601,7 +601,7 @@ class ParamGroup:
                 self.ledger.record(op, axes, group_size=size, full_bytes=full)
             self.memory.log("reduce", member.name)
         reduction = Reduction(
-            tuple((layout, a, b) for _, layout, a, b in pieces),
+            tuple((part, a, b) for _, part, a, b in pieces),
             stage,
             then,
             self.name,
@@ -1144,7 +1144,7 @@ class Reducer:
         self,
         *,
         world_size: int,
-        spares: dict[FlatLayout, torch.Tensor],
+        spares: dict[PartKey, torch.Tensor],
         pool: BufferPool | None = None,
         hold_leaves: bool = False,
         chunk_bytes: int = 0,
@@ -1162,8 +1162,8 @@ class Reducer:
         # buckets this call packed gradients into: their groups hold the rounds
         self.bucketed: dict[ParamGroup, None] = {}
         self.rounds_opened = 0  # rounds opened so far: their order
-        # two-hop units' partial gradients, by layout: [Note: two-hop reductions] in ``execute/param_group.py``
-        self.partial_sums: dict[FlatLayout, PartialGradient] = {}
+        # two-hop units' partial gradients, by part: [Note: two-hop reductions] in ``execute/param_group.py``
+        self.partial_sums: dict[Part, PartialGradient] = {}
         self.partial_bytes = 0  # partial gradients alive (stored dtype), and their peak
         self.partial_peak = 0
 
@@ -1206,7 +1206,7 @@ class Reducer:
         """
         for name in sorted(self.deferring):
             group, unit = self.deferring[name]
-            if any(self.gradients.keeps(p.layout) for p in unit.parts):
+            if any(self.gradients.keeps(p) for p in unit.parts):
                 self.reduce(group, unit, [None] * len(unit.slots), defer=False, final=True)
         self.deferring.clear()
 
@@ -1226,16 +1226,16 @@ class Reducer:
         if not last:
             return
         # units whose last reduction came in an earlier micro-batch, in the order started
-        for layout in list(self.partial_sums):
-            self._across(layout)
+        for part in list(self.partial_sums):
+            self._across(part)
         while self.pending:
             self._finish_oldest()
 
-    def _across(self, layout: FlatLayout, /) -> None:
-        """Starts the second hop of ``layout``'s partial gradient ([Note: two-hop reductions] in ``execute/param_group.py``); mutates."""
-        p = self.partial_sums.pop(layout)
-        sums = p.sums if p.sums.dtype == p.part.grad_dtype else p.sums.to(p.part.grad_dtype)
-        out = self.gradients.spare(layout, p.part.grad_dtype)
+    def _across(self, part: Part, /) -> None:
+        """Starts the second hop of ``part``'s partial gradient ([Note: two-hop reductions] in ``execute/param_group.py``); mutates."""
+        p = self.partial_sums.pop(part)
+        sums = p.sums if p.sums.dtype == part.grad_dtype else p.sums.to(part.grad_dtype)
+        out = self.gradients.spare(part, part.grad_dtype)
         reduction = p.group.reduce_across(p.unit, p.part, sums, out=out)
         reduction.partial_bytes = p.sums.numel() * p.sums.element_size()
         self.pending.append((p.group, reduction))
@@ -1260,13 +1260,13 @@ class Reducer:
     ) -> None:
         """Packs ``unit``'s gradients of part ``j`` into its bucket's round; the last member reduces it."""
         layout = part.layout
-        self.gradients.drop_spare(layout)  # a bucket's result is one buffer: no donated one fits
+        self.gradients.drop_spare(part)  # a bucket's result is one buffer: no donated one fits
         self.bucketed[group] = None
         columns, flushed = group.columns(unit, j, part.grad_dtype, opened=self.rounds_opened)
         self.rounds_opened += 1
         if flushed is not None:  # a unit reported twice in this round: that round is reducing
             self.pending.append((group, flushed))
-        kept = self.gradients.take_kept(layout)
+        kept = self.gradients.take_kept(part)
         pack_into(  # casts to the reduce dtype: [Note: cast while packing] in ``shard/flat_rows.py``
             layout,
             mine,
@@ -1308,12 +1308,12 @@ class Reducer:
             and unit.group_size == 1
             and unit.replica_size == 1
             and part.grad_dtype == layout.dtype
-            and self.gradients.keep_as_leaves(layout, mine, device)
+            and self.gradients.keep_as_leaves(part, mine, device)
         ):
             return
         # a two-hop unit's donated buffer receives its second hop ([Note: two-hop reductions] in ``execute/param_group.py``)
-        spare = None if defer or unit.two_hop else self.gradients.spare(layout, part.grad_dtype)
-        kept = self.gradients.take_kept(layout)  # packed by earlier micro-batches' calls
+        spare = None if defer or unit.two_hop else self.gradients.spare(part, part.grad_dtype)
+        kept = self.gradients.take_kept(part)  # packed by earlier micro-batches' calls
         dtype = part.grad_dtype
         columns = chunk_columns(unit, part, self.chunk_bytes, defer=defer)
         if columns:  # [Note: reductions in chunks]
@@ -1333,7 +1333,7 @@ class Reducer:
             )
             if kept is not None:
                 self.pool.give(kept)
-            self.gradients.add(layout, reduced)
+            self.gradients.add(part, reduced)
             return
         shared = None
         if spare is not None and unit.group_size == 1:
@@ -1378,7 +1378,7 @@ class Reducer:
             packed.add_(kept)
             self.pool.give(kept)
         if defer:
-            self.gradients.keep(layout, rows)
+            self.gradients.keep(part, rows)
             return
         if not direct:
             packed.div_(self.world_size)
@@ -1401,22 +1401,21 @@ class Reducer:
         if (
             reduction.first_hop
         ):  # into the partial gradient: [Note: two-hop reductions] in ``execute/param_group.py``
-            ((layout, _, _),) = reduction.pieces
-            partial = self.partial_sums.get(layout)
+            ((part, _, _),) = reduction.pieces
+            partial = self.partial_sums.get(part)
             if partial is None:
-                unit = group.members[0]
-                part = unit.parts[[p.layout for p in unit.parts].index(layout)]
-                sums = reduced if reduced.dtype == layout.dtype else reduced.to(layout.dtype)
-                self.partial_sums[layout] = PartialGradient(group, unit, part, sums)
+                dtype = part.layout.dtype
+                sums = reduced if reduced.dtype == dtype else reduced.to(dtype)
+                self.partial_sums[part] = PartialGradient(group, group.members[0], part, sums)
                 self.partial_bytes += sums.numel() * sums.element_size()
                 self.partial_peak = max(self.partial_peak, self.partial_bytes)
             else:
                 partial.sums.add_(reduced)
             if reduction.then_across:
-                self._across(layout)
+                self._across(part)
             return
-        for layout, a, b in reduction.pieces:
-            self.gradients.add(layout, reduced if (a, b) == (0, reduced.numel()) else reduced[a:b])
+        for part, a, b in reduction.pieces:
+            self.gradients.add(part, reduced if (a, b) == (0, reduced.numel()) else reduced[a:b])
 
 
 # -- packing one part's gradients --------------------------------------------------------
@@ -1454,7 +1453,7 @@ def pack_rows(
         and row_order(layout.mesh, unit.axes) is None
         and exact_scale(scale)
     ):
-        me = unit.bound.group_rank(unit.axes)
+        me = collectives.group_rank(unit.bound, unit.axes)
         pack_flat_columns(layout, leaves, rows, start, scale, skip=me)
         return OwnRow(layout, leaves, me * layout.numel + start, width, scale)
     if start or width != layout.numel:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from funcshard._src import tree
 from funcshard._src.comm import collectives, groups, runtime
 from funcshard._src.comm.collectives import Ledger
-from funcshard._src.execute.gradients import take_donated
+from funcshard._src.execute.gradients import PartKey, take_donated
 from funcshard._src.execute.param_group import (
     BufferPool,
     ParamGroup,
@@ -37,7 +37,7 @@ from funcshard._src.plan.precision import FULL_PRECISION, MixedPrecision
 from funcshard._src.plan.quantize import Quantized, quantize_for
 from funcshard._src.shard.flat import FlatLayout
 from funcshard._src.shard.shard import plan_layouts
-from funcshard._src.shard.sharded import FlatShard, ShardedTensor, flats_of
+from funcshard._src.shard.sharded import FlatShard, ShardedTensor
 
 Accumulation = Literal["sharded", "unsharded"]
 
@@ -96,7 +96,8 @@ class Step:
         self._units: list[UnitRuntime] | None = None
         self._groups: list[ParamGroup] = []  # every unit's, made with the units
         self._chunk_bytes = 0  # [Note: reductions in chunks] in param_group.py, made with the units
-        self._last: list[FlatShard] = []  # the gradients last returned, with donate_grads
+        # the gradients last returned, by part, with donate_grads
+        self._last: list[tuple[PartKey, FlatShard]] = []
         # the call order of the last step, which forward prefetches follow; none before the
         # first (the plan's tree order is a guess, wrong for {"embed", "blocks", "head"}
         # and for Hugging Face models, and a wrong prefetch costs a re-gather)
@@ -299,9 +300,14 @@ class Step:
             losses.append(loss.detach())
             auxes.append(aux)
         self._partial_peak = reducer.partial_peak
-        sharded_grads = reducer.gradients.tree(sparams, by_unit, micro_batches=len(batches))
+        shards = [
+            (part, flat)
+            for unit in self._runtimes()
+            for part, flat in zip(unit.parts, by_unit.get(unit.name, ()))
+        ]
+        sharded_grads = reducer.gradients.tree(sparams, shards, micro_batches=len(batches))
         if self.donate_grads:
-            self._last = flats_of(sharded_grads)
+            self._last = reducer.gradients.returned
         return (losses, auxes), sharded_grads
 
     def _start(
@@ -331,7 +337,7 @@ class Step:
         collectives.settle()
         return self._groups, by_unit
 
-    def _take_donated(self) -> dict[FlatLayout, torch.Tensor]:
+    def _take_donated(self) -> dict[PartKey, torch.Tensor]:
         """With ``donate_grads``: the last call's gradient buffers, for this call's; see [Note: donation] in ``shard/sharded.py``.
 
         Mutates the last returned gradient tree (it is donated: reading it raises).
@@ -450,25 +456,27 @@ def shards_by_unit(
             f"{path or '<root>'}: the step needs sharded params (from fs.shard), got a "
             f"{type(leaf).__name__}"
         )
-    bound = groups.bind(plan.mesh)
-    found: dict[FlatLayout, FlatShard] = {}
+    rank = runtime.rank()  # the mesh's rank order is the world's (comm/groups.py)
+    # by (unit, dtype, frozen): a layout's identity in a plan, hashed without a Python call
+    found: dict[tuple[str, torch.dtype, bool], FlatShard] = {}
     expected = {(lt.unit, lt.dtype, lt.frozen): lt for lt in layouts}
     for flat in dict.fromkeys(leaf.flat for leaf in leaves):  # flats_of, without a flatten
-        layout = expected.get((flat.layout.unit, flat.layout.dtype, flat.layout.frozen))
+        key = (flat.layout.unit, flat.layout.dtype, flat.layout.frozen)
+        layout = expected.get(key)
         if (
             layout is None
             or (flat.layout is not layout and flat.layout != layout)
-            or flat.rank != bound.rank
+            or flat.rank != rank
         ):
             raise ValueError(
                 f"unit {flat.layout.unit!r}: the params were sharded with another plan or rank than "
                 f"this step's (plan fingerprint {plan.fingerprint()}); shard them with this plan"
             )
-        found[layout] = flat
+        found[key] = flat
     by_unit: dict[str, list[FlatShard]] = {}
-    for layout in layouts:  # each unit's parts in the order of its runtime's
-        if layout in found:
-            by_unit.setdefault(layout.unit, []).append(found[layout])
+    for key in expected:  # each unit's parts in the order of its runtime's
+        if key in found:
+            by_unit.setdefault(key[0], []).append(found[key])
     check_devices(by_unit, batches)
     return by_unit
 

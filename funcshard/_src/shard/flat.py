@@ -22,7 +22,6 @@ its end too, so narrowing the gathered dim to the leaf's size drops it.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -330,8 +329,14 @@ class SlotGeometry:
         return block[:, self.start : self.stop].view(self.view).permute(self.order)
 
 
-@functools.lru_cache(maxsize=4096)
 def _geometry(layout: FlatLayout, axes: tuple[str, ...]) -> tuple[SlotGeometry, ...]:
+    found = layout.derived.get(("geometry", axes))
+    if found is None:
+        found = layout.derived[("geometry", axes)] = _work_out_geometry(layout, axes)
+    return cast("tuple[SlotGeometry, ...]", found)
+
+
+def _work_out_geometry(layout: FlatLayout, axes: tuple[str, ...]) -> tuple[SlotGeometry, ...]:
     out: list[SlotGeometry] = []
     mesh = layout.mesh
     for slot in layout.slots:
@@ -376,14 +381,20 @@ def geometry(layout: FlatLayout, axes: Sequence[str] | None = None, /) -> tuple[
     Raises:
         ValueError: a slot's spec uses a mesh axis outside ``axes``.
     """
-    return _geometry(layout, tuple(layout.mesh.axis_names if axes is None else axes))
+    return _geometry(layout, layout.mesh.axis_names if axes is None else tuple(axes))
 
 
 FUSED_SCALE_BYTES = 4 << 20  # a scaled pack up to this size: one fused copy, then a scale
 
 
-@functools.lru_cache(maxsize=4096)
 def _column_widths(layout: FlatLayout, axes: tuple[str, ...]) -> tuple[int, ...] | None:
+    key = ("column widths", axes)
+    if key not in layout.derived:
+        layout.derived[key] = _work_out_column_widths(layout, axes)
+    return cast("tuple[int, ...] | None", layout.derived[key])
+
+
+def _work_out_column_widths(layout: FlatLayout, axes: tuple[str, ...]) -> tuple[int, ...] | None:
     at, widths = 0, []
     for geo in _geometry(layout, axes):
         identity = geo.order == tuple(range(len(geo.order)))
@@ -416,7 +427,7 @@ def column_widths(
         >>> column_widths(layouts(p)[0])
         (4, 1)
     """
-    return _column_widths(layout, tuple(layout.mesh.axis_names if axes is None else axes))
+    return _column_widths(layout, layout.mesh.axis_names if axes is None else tuple(axes))
 
 
 def _fusable(block: torch.Tensor, leaves: Sequence[torch.Tensor], *, cast_ok: bool = False) -> bool:

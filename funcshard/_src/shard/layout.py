@@ -68,6 +68,15 @@ class FlatLayout:
             (self.unit, self.dtype, self.mesh, self.slots, self.numel, self.frozen, self.flat)
         )
 
+    @functools.cached_property
+    def derived(self) -> dict[object, object]:
+        """What packing works out from this layout once (``shard/flat.py``), by what it is for; not part of its value.
+
+        Held on the layout, not in a cache keyed by it: a step looks it up per
+        collective, and hashing a layout is a Python call.
+        """
+        return {}
+
     @property
     def nbytes(self) -> int:
         """Bytes of the flat buffer on one rank."""
