@@ -1,4 +1,4 @@
-"""The control channel: small fixed-size messages between ranks, and whether this process is in step.
+"""The control channel: small fixed-size messages between ranks, whether this process is in step, and agreements over it.
 
 [Note: agreements]
 Two collectives pair up by their position in their group's sequence, not by
@@ -30,9 +30,8 @@ process's program. Data collectives move nothing: their results hold whatever
 their buffers held, so a loss under the fake group is not a number to check.
 The shared-memory transport is gloo's alone and never starts there.
 
-Agreements over the control channel: every rank at the same operation with the same intent.
-
-See [Note: agreements] in ``channel.py``.
+**Agreements** over the channel put every rank at the same operation with the
+same intent ([Note: agreements], above).
 """
 
 from __future__ import annotations

@@ -48,7 +48,8 @@ that sets them for one call does), and ranks that differ raise
 names no algorithm is agreed on as written: where every rank has it, the
 collective then refuses it with the same error on every rank.
 
-Ledger: the bytes every collective moves, per rank, by operation and mesh axes.
+**The ledger** counts the bytes every collective moves, per rank, by operation
+and mesh axes.
 
 Counts follow the bandwidth-optimal (ring) algorithms, which is what a step costs
 on a real interconnect whatever the backend does internally: over a group of

@@ -1,4 +1,4 @@
-"""The distributed runtime: who we are, how long a collective may wait, and the settings a step holds.
+"""The distributed runtime: who we are, on which device, how long a collective may wait, and the settings a step holds.
 
 [Note: settings held through a step]
 funcshard's environment variables (``FUNCSHARD_*``: the transport, the
@@ -11,7 +11,8 @@ step every read is fresh. So a variable set between two steps (as a test that
 sets one for one call does) takes effect at the next step, on every rank
 alike, and one changed inside a step (from a hook) only at the next.
 
-Where shards and batches live: the device a backend's collectives can carry.
+**Devices.** Shards and batches live on a device the backend's collectives can
+carry.
 
 [Note: devices and backends]
 A collective carries tensors of the device its backend serves: NCCL moves CUDA

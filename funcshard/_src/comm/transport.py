@@ -22,9 +22,10 @@ every rank. The choice is made the same way on every rank: the settings that
 decide it are agreed on before the first collective ([Note: transport
 settings] in ``collectives.py``).
 
-torch.distributed's collectives as a :class:`~funcshard._src.comm.transport.Transport`, and the algorithms gloo runs them with.
+**torch.distributed's collectives** as a :class:`Transport`, and the algorithms
+gloo runs them with.
 
-The default transport, always there ([Note: transports] in ``transport.py``):
+The default transport, always there ([Note: transports], above):
 the backend's own collectives on NCCL; on gloo the backend's own or the
 point-to-point algorithms below, chosen by name (:data:`ALL_GATHER`,
 :data:`REDUCE_SCATTER`: ``FUNCSHARD_ALL_GATHER`` and ``FUNCSHARD_REDUCE_SCATTER``,

@@ -1,17 +1,17 @@
-"""One use of a unit in a step: its phase and what it holds.
+"""One use of a unit in a step: its record and phase, how its leaves reach autograd, what it may do to them.
 
 ``Run`` moves each :class:`CallRecord` through its :class:`CallPhase` s;
 docs/executor.md draws them.
 
-The autograd node of a call: a gathered unit's full leaves in, all their gradients out at once.
-
-``Run`` (a call's forward) and ``replay.py`` (a recompute in backward) hand a
+**The gather node.** A call's autograd node takes a gathered unit's full leaves
+in and gives all their gradients out at once. ``Run`` (a call's forward) and ``replay.py`` (a recompute in backward) hand a
 unit's full leaves to autograd through :class:`GatherNode`. Its backward receives
 the gradients of every full leaf of that use of the unit together, and passes
 them to the function it was given: ``Run.gathered_grads`` for a call,
 ``Run.post_backward`` for a replay.
 
-Calls of a local-only unit: autograd leaves over its shards instead of a gather node.
+**Local-only calls** get autograd leaves over their unit's shards instead of a
+gather node.
 
 [Note: local-only calls]
 A unit with nothing to gather, cast or agree on (one rank, no mixed precision:
@@ -21,7 +21,8 @@ autograd accumulates their gradients into ``.grad`` as it does for
 ``nn.Parameter`` s, and ``Run.finish`` hands them to the reducer. No Python runs
 in its backward. An evaluation gets the plain views.
 
-A call's guard: the gathered leaves a call was given stay as they were, and its outputs own their memory.
+**The guard.** The gathered leaves a call was given stay as they were, and its
+outputs own their memory.
 
 [Note: what a call may do to its parameters]
 A unit's gathered leaves exist only for its call: the executor made them from the

@@ -13,7 +13,7 @@ the units it moves, here and nowhere else. ``Run`` asks a group for one of its
 units (:meth:`ParamGroup.prefetch`, :meth:`~ParamGroup.acquire`,
 :meth:`~ParamGroup.release`, :meth:`~ParamGroup.drop_unused`); the group moves
 its members through their states (``unit_state.py``), which check each transition
-and never call back. The ``Reducer`` (``param_group.py``) packs a call's gradients and
+and never call back. The :class:`Reducer` (below) packs a call's gradients and
 hands them to :meth:`~ParamGroup.reduce` (a group of one) or into a round
 (:meth:`~ParamGroup.columns`, a bucket), and waits through :meth:`~ParamGroup.wait`.
 A bucket's open rounds are the group's alone (:meth:`~ParamGroup.open_rounds`).
@@ -39,7 +39,8 @@ collective axes, same parts by dtype) up to ``bucket_bytes`` of gathered
 parameters into one group, as DDP buckets its all-reduces; every other unit is a
 group of its own.
 
-A two-hop unit's partial gradient: its gradients reduced over the last mesh axis, before the others.
+A two-hop unit's partial gradient is its gradients reduced over the last mesh
+axis, before the others.
 
 [Note: two-hop reductions]
 A hybrid_shard_optimizer unit (HFSDP) keeps its partial copy, sharded over the last
@@ -62,16 +63,15 @@ every unit's, within one micro-batch (or with ``accumulate="unsharded"``) one un
 a time, since a second hop is waited for before the next first hop finishes. Quantized
 gradients are quantized on both hops (qgZ's two hops).
 
-Gradient reduction: from one call's full gradients to the sharded mean over every rank.
-
-A :class:`Reducer` lives for one call of a step (all its micro-batches): it
+**Gradient reduction**, from one call's full gradients to the sharded mean over
+every rank. A :class:`Reducer` lives for one call of a step (all its micro-batches): it
 packs each unit's full gradients into a ``(group_size, numel)`` buffer, divided
 by the world size while packing, and starts their reduce-scatter (then an
 all-reduce across replicas for ``hybrid_shard``; an all-reduce alone for
 ``no_shard``); with ``defer`` it keeps the packed gradients locally instead,
 to add them to a later micro-batch's (gradient accumulation without
-communication, like FSDP's ``no_sync``). The reduced gradients are keyed by
-the :class:`FlatLayout` of the flat buffer they belong to. Buffers donated by
+communication, like FSDP's ``no_sync``). The reduced gradients are kept by the
+:class:`Part` (a unit's buffer of one dtype) they belong to (``gradients.py``). Buffers donated by
 the last call (see [Note: donation] in ``shard/sharded.py``) receive this
 call's results instead of fresh memory.
 

@@ -1,4 +1,4 @@
-"""Run: one forward and backward of a step, moving every call through its phases.
+"""Run: one forward and backward of a step, moving every call through its phases, checked against the other ranks.
 
 Forward: the root unit is gathered first and held until its backward; each
 ``fs.call`` acquires its unit (waiting for a prefetch when there is one),
@@ -27,9 +27,8 @@ reduced; and, at the end, the calls no gradient reached. So a rank that takes
 another branch stops at an agreement instead of pairing its collectives with
 the wrong ones.
 
-Catching ranks that run different things before their collectives pair wrongly.
-
-A step agrees with every rank (see [Note: agreements] in ``comm/channel.py``)
+Ranks that run different things are caught before their collectives pair
+wrongly. A step agrees with every rank (see [Note: agreements] in ``comm/channel.py``)
 at its start, on everything that decides its sequence of collectives: the
 plan, the params' tree structure, mixed precision, prefetch, how many
 micro-batches it accumulates and the order in which the last step called its

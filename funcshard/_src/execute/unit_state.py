@@ -60,7 +60,8 @@ one transposing copy, any other unpacked in that order. Such units never gather
 leaf by leaf, so the rows of the first gather are always there to copy from.
 [Note: what a release keeps] in ``run.py`` says which release frees it.
 
-Large gathered storages on transparent huge pages, where Linux offers them on request.
+Large gathered storages go on transparent huge pages, where Linux offers them
+on request.
 
 [Note: huge pages for gathered storage]
 A unit's gathered storage is given back when the unit is freed and allocated again

@@ -1,11 +1,12 @@
-"""ShardedTensor: one leaf's local shard, a view into its unit's flat buffer.
+"""Sharded leaves and their buffers: a ShardedTensor is one leaf's local shard, a view into its unit's FlatShard.
 
 A sharded pytree (what :func:`funcshard.shard` returns, and gradients and
 optimizer state alike) has a :class:`ShardedTensor` per leaf. Leaves of one unit
 and dtype share one :class:`FlatShard`, so collectives and optimizers work on
 whole flat buffers, never leaf by leaf.
 
-FlatShard: one unit's local shards of one dtype, packed in one flat buffer on this rank.
+**FlatShard**: one unit's local shards of one dtype, packed in one flat buffer on
+this rank.
 
 Collectives and optimizers work on whole flat buffers, never leaf by leaf; a
 :class:`~funcshard._src.shard.sharded.ShardedTensor` is one leaf's view into one.
