@@ -183,7 +183,7 @@ def _identify(run: Run, unit: Any) -> tuple[UnitRuntime, list[ShardedTensor], tr
     for leaf in leaves:
         if not isinstance(leaf, ShardedTensor):
             break
-        found = run.flat_owner.get(id(leaf.flat))
+        found = run.flat_owner.get(leaf.flat)
         if found is None or (owner is not None and found is not owner):
             break
         owner = found
@@ -220,7 +220,7 @@ def _refuse(run: Run, unit: Any) -> NoReturn:
     sharded = [leaf for leaf in leaves if isinstance(leaf, ShardedTensor)]
     owners: dict[str, UnitRuntime] = {}
     for leaf in sharded:
-        owner = run.flat_owner.get(id(leaf.flat))
+        owner = run.flat_owner.get(leaf.flat)
         if owner is None:
             raise ValueError(
                 f"fs.call got {leaf.path!r}, which is not from the params this step was called with; "

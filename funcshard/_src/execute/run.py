@@ -66,7 +66,7 @@ from funcshard._src.execute.call_record import (
 from funcshard._src.execute.param_group import ParamGroup, Reducer
 from funcshard._src.execute.unit_state import UnitRuntime, UnitState
 from funcshard._src.plan.precision import MixedPrecision
-from funcshard._src.shard.sharded import ShardedTensor
+from funcshard._src.shard.sharded import FlatShard, ShardedTensor
 
 _SAME_PLAN = (
     "Every rank must build the same plan from the same params tree (same rules, units, "
@@ -280,7 +280,7 @@ class Run:
         self.on_track = True  # the calls so far follow order_hint
         self.dummy = torch.zeros((), requires_grad=True)
         self.root_leaf_ids: set[int] = set()
-        self.flat_owner: dict[int, UnitRuntime] = {}
+        self.flat_owner: dict[FlatShard, UnitRuntime] = {}  # this step's shards, by identity
         self._next_backward = -1  # set by end_forward: the call whose backward should come next
         self._drains_after: int | None = None  # set by end_forward
         self._in_backward: set[int] = set()  # calls whose backward began and has not reduced
@@ -324,7 +324,7 @@ class Run:
             unit = self.units[name]
             unit.bind(flats)
             for flat in flats:
-                self.flat_owner[id(flat)] = unit
+                self.flat_owner[flat] = unit
         root_unit = next((u for u in self.units.values() if u.is_root), None)
         root_leaves: dict[int, torch.Tensor] = {}
         if root_unit is not None:
