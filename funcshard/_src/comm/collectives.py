@@ -145,7 +145,9 @@ def group_rank(bound: BoundMesh, axes: tuple[str, ...], /) -> int:
     return resolve(bound, axes)[2]
 
 
-def resolve(bound: BoundMesh, axes: tuple[str, ...], /) -> tuple[dist.ProcessGroup | None, int, int]:
+def resolve(
+    bound: BoundMesh, axes: tuple[str, ...], /
+) -> tuple[dist.ProcessGroup | None, int, int]:
     """The process group over ``axes`` (``None``: one rank), its size and this rank's index in it.
 
     Looked up in ``comm/groups.py`` once per bound mesh and axes, then read from

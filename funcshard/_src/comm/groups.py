@@ -45,8 +45,8 @@ class BoundMesh:
     )
     # what :meth:`resolve` found, by axes: the group (weakly), its size and this rank's index
     # in it, for ``collectives.py`` to read without a call per collective
-    resolved: dict[tuple[str, ...], tuple[weakref.ref[dist.ProcessGroup] | None, int, int]] = (
-        field(default_factory=dict)
+    resolved: dict[tuple[str, ...], tuple[weakref.ref[dist.ProcessGroup] | None, int, int]] = field(
+        default_factory=dict
     )
 
     @property

@@ -370,6 +370,49 @@ class ParamGroup:
 
     # -- reducing: what the Reducer asks for ----------------------------------------
 
+    def gradient_rows(
+        self, unit: UnitRuntime, part: Part, /, *, defer: bool, into: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Where a group of one packs ``unit``'s gradients of ``part``: ``(rows, packed, shared)``; takes staging.
+
+        ``rows`` ``(group_size, numel)`` are what :meth:`reduce` reduces: over one
+        rank ``into`` where given (reduced in place, it becomes the gradient); where
+        the transport sends a reduce-scatter's input as it is (shared memory) its own
+        buffer (``shared``); else a buffer of the reduce pool (the root's of the
+        gather pool: not kept for the next step, [Note: staging lifetimes]).
+        ``packed`` is where the gradients are packed: ``rows``, or for ``no_shard``
+        the transport's input of the all-reduce that sums them into ``rows``.
+        """
+        layout, dtype = part.layout, part.grad_dtype
+        numel, device = layout.numel, unit.device(part)
+        cpu = device.type == "cpu"
+        shared = None
+        if into is not None and self.group_size == 1:
+            rows = into.view(1, -1)
+        else:
+            if (
+                self.group_size > 1
+                and not defer
+                and cpu
+                and not unit.grad_block
+                and not unit.two_hop
+            ):
+                shared = collectives.input_rows(self.bound, self.axes, numel, dtype)
+            if shared is not None:
+                rows = shared
+            else:
+                pool = self.pool if unit.is_root else self.reduce_pool
+                rows = pool.take(self.group_size * numel, dtype, device).view(
+                    self.group_size, numel
+                )
+        packed = rows
+        if self.group_size == 1 and self.all_reduce_axes and not defer and cpu:
+            summed = collectives.input_rows(
+                self.bound, self.all_reduce_axes, numel, dtype, all_reduce=True
+            )
+            packed = rows if summed is None else summed.view(1, -1)
+        return rows, packed, shared is not None
+
     def reduce(
         self,
         unit: UnitRuntime,
@@ -648,10 +691,10 @@ class ParamGroup:
                 self.ledger.record("all_reduce", then, group_size=size, full_bytes=nbytes)
         return pending
 
-    def wait(self, reduction: Reduction, pool: BufferPool, /) -> torch.Tensor:
+    def wait(self, reduction: Reduction, /) -> torch.Tensor:
         """Waits for ``reduction`` (and all-reduces across replicas if need be); the reduced ``(numel,)``.
 
-        Gives the packed input back to ``pool`` once the first stage is done.
+        Gives the packed input back to the reduce pool once the first stage is done.
         """
         stage = reduction.stage
         out = stage.wait()
@@ -659,7 +702,7 @@ class ParamGroup:
         if stage.event is not None:
             _wait_on_device(stage)
         if reduction.staging is not None:
-            pool.give(reduction.staging)
+            self.reduce_pool.give(reduction.staging)
         if reduction.then_all_reduce:  # the CPU and gloo: issued once the reduce-scatter is in
             out = self._issue_all_reduce(reduction, out).wait()
         return out
@@ -1145,15 +1188,12 @@ class Reducer:
         *,
         world_size: int,
         spares: dict[PartKey, torch.Tensor],
-        pool: BufferPool | None = None,
         hold_leaves: bool = False,
         chunk_bytes: int = 0,
     ) -> None:
         self.world_size = world_size
         self.chunk_bytes = chunk_bytes  # see [Note: reductions in chunks]
-        self.pool = (
-            BufferPool() if pool is None else pool
-        )  # see [Note: staging lifetimes] in ``execute/param_group.py``
+        # the staging the gradients are packed into is the groups' (ParamGroup.gradient_rows)
         # the result, what is kept across micro-batches, donated buffers: gradients.py
         self.gradients = Gradients(spares=spares, hold_leaves=hold_leaves)
         self.deferring: dict[str, tuple[ParamGroup, UnitRuntime]] = {}  # units that deferred
@@ -1276,7 +1316,7 @@ class Reducer:
         )
         if kept is not None:
             columns.add_(kept)
-            self.pool.give(kept)
+            group.reduce_pool.give(kept)
             columns.div_(self.world_size)
         if group.complete(j):
             self._flush(group, j)
@@ -1332,51 +1372,31 @@ class Reducer:
                 world_size=self.world_size,
             )
             if kept is not None:
-                self.pool.give(kept)
+                group.reduce_pool.give(kept)
             self.gradients.add(part, reduced)
             return
-        shared = None
-        if spare is not None and unit.group_size == 1:
-            rows = spare.view(1, -1)  # no_shard: reduced in place, this becomes the gradient
+        in_place = (
+            spare is not None and unit.group_size == 1
+        )  # no_shard: spare becomes the gradient
+        rows, packed, shared = group.gradient_rows(
+            unit, part, defer=defer, into=spare if in_place else None
+        )
+        if in_place:
             spare = None
-        else:
-            if (
-                unit.group_size > 1
-                and not defer
-                and device.type == "cpu"
-                and not unit.grad_block
-                and not unit.two_hop
-            ):
-                # packed straight into shared memory, which the reduce-scatter sends as it is
-                shared = collectives.input_rows(unit.bound, unit.axes, layout.numel, dtype)
-            pool = group.pool if unit.is_root else self.pool  # the root's: not kept
-            rows = (
-                shared
-                if shared is not None
-                else pool.take(unit.group_size * layout.numel, dtype, device).view(
-                    unit.group_size, layout.numel
-                )
-            )
         # the mean over every data-parallel rank: divide while packing, unless gradients
         # kept from earlier micro-batches are still to be added
         direct = kept is None and not defer
-        replica = unit.all_reduce_axes
-        packed = rows
-        if unit.group_size == 1 and replica and not defer and device.type == "cpu":
-            # no_shard: packed straight into shared memory, summed from there into rows
-            into = collectives.input_rows(unit.bound, replica, layout.numel, dtype, all_reduce=True)
-            packed = rows if into is None else into.view(1, -1)
         # a two-hop unit's rows come last axis major ([Note: two-hop reductions] in ``execute/param_group.py``)
         order = unit.partial.order if unit.two_hop else unit.axes
         scale = 1.0 / self.world_size if direct else 1.0
-        own_row = direct and shared is not None
+        own_row = direct and shared
         # the packing casts ([Note: cast while packing] in ``shard/flat_rows.py``), but the own
         # row sums from leaves in the reduce dtype
         leaves = _cast(mine, dtype) if own_row else mine
         own = pack_rows(unit, layout, leaves, packed, order, scale=scale, shared=own_row)
         if kept is not None:
             packed.add_(kept)
-            self.pool.give(kept)
+            group.reduce_pool.give(kept)
         if defer:
             self.gradients.keep(part, rows)
             return
@@ -1384,7 +1404,7 @@ class Reducer:
             packed.div_(self.world_size)
         # over one rank, rows is the result; the root's rows are not kept for the next
         # step; shared rows belong to the group's regions
-        keep = unit.group_size > 1 and not unit.is_root and shared is None
+        keep = unit.group_size > 1 and not unit.is_root and not shared
         reduction = group.reduce(unit, part, rows, packed, out=spare, keep_rows=keep, own=own)
         reduction.then_across = reduction.first_hop and final
         self.pending.append((group, reduction))
@@ -1396,7 +1416,7 @@ class Reducer:
     def _finish_oldest(self) -> None:
         """Waits for the oldest reduction; its result goes into the gradients (``gradients.py``)."""
         group, reduction = self.pending.pop(0)
-        reduced = group.wait(reduction, self.pool)
+        reduced = group.wait(reduction)
         self.partial_bytes -= reduction.partial_bytes
         if (
             reduction.first_hop

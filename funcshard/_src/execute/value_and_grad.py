@@ -197,7 +197,7 @@ class Step:
             mode=RunMode.EVALUATION,
             order_hint=self._order,
             prefetch=self.prefetch,
-            reducer=Reducer(world_size=self._world_size, spares={}, pool=self.reduce_pool),
+            reducer=Reducer(world_size=self._world_size, spares={}),
             output_dtype=self.mixed_precision.output_dtype,
             param_dtype=self.mixed_precision.param_dtype,
         )
@@ -266,7 +266,6 @@ class Step:
         reducer = Reducer(
             world_size=self._world_size,
             spares=self._take_donated(),
-            pool=self.reduce_pool,
             hold_leaves=len(batches) == 1,
             chunk_bytes=self._chunk_bytes,
         )
