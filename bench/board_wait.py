@@ -1,4 +1,4 @@
-"""Round trip of two ranks through the shared-memory board: how a wait polls ([Note: waiting for a peer] in ``comm/shm/board.py``).
+"""Round trip of two ranks through the shared-memory board: how a wait polls ([Note: waiting for a peer] in ``comm/shm/regions.py``).
 
 Two processes post a descriptor and collect the other's, ``--rounds`` times, as
 every shared-memory collective does, with the board's wait as it is (``yield``)
@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from funcshard._src.comm.shm import board
-from funcshard._src.comm.shm.board import PAGE_BYTES, Board
+from funcshard._src.comm.shm import regions
+from funcshard._src.comm.shm.regions import PAGE_BYTES, Board
 
 
 def _spin_then_sleep(
@@ -31,7 +31,7 @@ def _spin_then_sleep(
     timeout_s: float,
     what: str,
 ) -> None:
-    """The wait before [Note: waiting for a peer] in ``comm/shm/board.py``: 200 us of polls without yielding, then 20 us sleeps."""
+    """The wait before [Note: waiting for a peer] in ``comm/shm/regions.py``: 200 us of polls without yielding, then 20 us sleeps."""
     start = time.monotonic()
     while not ready():
         waited = time.monotonic() - start
@@ -46,7 +46,7 @@ def _rank(me: int, pages: list[mmap.mmap], rounds: int, policy: str, out: mp.Que
     if policy == "spin":
         Board.wait_until = _spin_then_sleep  # type: ignore[method-assign]
     b = Board(pages, me, [os.getppid(), os.getppid()])
-    mine = [0] * board.WORDS
+    mine = [0] * regions.WORDS
     times = []
     for seq in range(rounds):
         t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Descriptors on the board: what a rank posts is what its peers collect, and every wait ends.
 
-[Note: descriptors on the board] in ``comm/shm/board.py``. Two boards over the same
+[Note: descriptors on the board] in ``comm/shm/regions.py``. Two boards over the same
 two anonymous pages stand for two ranks of a group in one process: a descriptor
 posted by one is collected by the other with its words intact, slot after slot
 around the ring; a slot is reused only once the peer's read mark has passed it;
@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from funcshard._src.comm.runtime import CollectiveError
-from funcshard._src.comm.shm.board import PAGE_BYTES, SLOTS, Board
+from funcshard._src.comm.shm.regions import PAGE_BYTES, SLOTS, Board
 
 
 def _boards(pids: list[int] | None = None) -> tuple[Board, Board]:

@@ -1,6 +1,6 @@
 """Shards read in place across processes: exact, agreed by every rank, and never read once written.
 
-[Note: shards read in place] in ``comm/shm/cross_memory.py``: where the kernel lets
+[Note: shards read in place] in ``comm/shm/regions.py``: where the kernel lets
 ranks read each other's memory, an all-gather whose input is stable publishes it
 as it is and peers copy it straight into their rows. The ranks agree on it at
 the shared-memory probe; a rank that cannot (or will not) read its peers' memory
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import funcshard as fs
 from funcshard._src.comm import collectives, groups, runtime, shm
 from funcshard._src.comm.runtime import CollectiveError
-from funcshard._src.comm.shm import cross_memory, regions
+from funcshard._src.comm.shm import regions
 
 AXES = ("fsdp",)
 
@@ -30,12 +30,12 @@ AXES = ("fsdp",)
 def test_a_read_copies_each_range_and_a_bad_address_is_an_error():
     source = torch.arange(64, dtype=torch.float32)
     first, second = torch.zeros(8), torch.zeros(4)
-    cross_memory.read(os.getpid(), source.data_ptr(), [(0, first), (40 * 4, second)])
+    regions.read_peer(os.getpid(), source.data_ptr(), [(0, first), (40 * 4, second)])
     assert first.tolist() == list(range(8))
     assert second.tolist() == list(range(40, 44))
     with pytest.raises(CollectiveError, match="the peer exited or the ranks are out of step"):
-        cross_memory.read(os.getpid(), 8, [(0, torch.zeros(4))])
-    assert cross_memory.probe(
+        regions.read_peer(os.getpid(), 8, [(0, torch.zeros(4))])
+    assert regions.probe_peer(
         os.getpid(), source.data_ptr() + 8 * 4, int(source[8:10].view(torch.int64)[0])
     )
 
@@ -52,7 +52,7 @@ def _fresh_group() -> tuple[Any, Any]:
 def _gathers_read_in_place(offer: list[bool]) -> dict[str, Any]:
     bound, group = _fresh_group()
     if not offer[bound.rank]:
-        os.environ[cross_memory.ENV] = "0"
+        os.environ[regions.READV_ENV] = "0"
     try:
         shard = torch.arange(6.0) + 100 * bound.rank
         gathered = collectives.all_gather(shard, bound, AXES, stable=True).wait()
@@ -70,7 +70,7 @@ def _gathers_read_in_place(offer: list[bool]) -> dict[str, Any]:
             "exposed": len(arena.exposed),
         }
     finally:
-        os.environ.pop(cross_memory.ENV, None)
+        os.environ.pop(regions.READV_ENV, None)
         regions._ARENAS.pop(group, None)  # later tests on this group probe afresh
 
 
@@ -78,7 +78,7 @@ def _gathers_read_in_place(offer: list[bool]) -> dict[str, Any]:
 def test_gathers_read_in_place_only_where_every_rank_can(pools, offer):
     rows = [[float(i + 100 * r) for i in range(6)] for r in range(2)]
     for rank, r in enumerate(pools.run(2, _gathers_read_in_place, offer)):
-        both = all(offer) and cross_memory.offered()
+        both = all(offer) and regions.readv_offered()
         assert r["readv"] is both, f"rank {rank}: every rank of the group decides alike"
         assert r["gathered"] == rows
         assert r["pieces"] == [[row[0:2] for row in rows], [row[3:6] for row in rows]]
@@ -121,7 +121,7 @@ def _settle_waits_for_the_reader() -> dict[str, Any]:
 
 
 @pytest.mark.skipif(
-    not cross_memory.offered(), reason="process_vm_readv is not available on this host"
+    not regions.readv_offered(), reason="process_vm_readv is not available on this host"
 )
 def test_an_evaluation_returns_only_once_its_peers_have_read_its_shards(pools):
     first, second = pools.run(2, _settle_waits_for_the_reader)

@@ -76,8 +76,6 @@ ORDER = {
         "groups",
         "transport",
         # the shared-memory transport, a plug-in ([Note: transports] in comm/transport.py)
-        "shm.cross_memory",
-        "shm.board",
         "shm.regions",
         "shm",
         "collectives",

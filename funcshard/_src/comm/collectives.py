@@ -197,7 +197,7 @@ def all_gather(
             ``"native"``.
         stable: the caller promises that nothing frees or writes ``flat`` until its
             evaluation ends and :func:`settle` has returned; peers may then read it
-            in place ([Note: shards read in place] in ``shm/cross_memory.py``).
+            in place ([Note: shards read in place] in ``shm/regions.py``).
 
     Raises:
         CollectiveError: the collective could not start.
@@ -333,7 +333,7 @@ def settle() -> None:
     """Returns once every peer has read what this rank's gathers published in place.
 
     Called when an evaluation ends, before its caller may write the shards it
-    gathered ([Note: shards read in place] in ``shm/cross_memory.py``); at once where
+    gathered ([Note: shards read in place] in ``shm/regions.py``); at once where
     nothing was. The transport also gives back memory it holds for collectives every
     peer is done with (a step calls it again when it starts, once every rank is there).
 

@@ -127,7 +127,7 @@ SHM_PACKAGE = "funcshard._src.comm.shm"
 # region this large its pages back while it is free
 LARGE_BYTES = 32 << 20
 # collectives of fewer bytes keep gloo's own. 0: every collective of a group that shares
-# memory goes through it; with descriptors on the board (shm/board.py) a tiny one takes
+# memory goes through it; with descriptors on the board (shm/regions.py) a tiny one takes
 # 0.13 ms at W=2 against 0.19 ms for gloo's own (python -m bench.all_gather), though with
 # gloo's all-gather of descriptors (not x86) 0.36 ms; a threshold measured per machine is
 # not done

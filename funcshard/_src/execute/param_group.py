@@ -839,7 +839,7 @@ class ParamGroup:
                 )
                 continue
             # a shard (or its cast) is stable until the evaluation settles; a partial copy
-            # is freed by its unit ([Note: shards read in place] in comm/shm/cross_memory.py)
+            # is freed by its unit ([Note: shards read in place] in comm/shm/regions.py)
             part.inflight = _on_side(
                 local.device,
                 "all_gather",

@@ -15,10 +15,10 @@ its peers map through ``/proc/<pid>/fd/<fd>``, and a collective is:
    (``collectives.input_rows``), then publishes a 64-byte *descriptor* (magic, sequence
    number, pid, fd, bytes, read mark, layout, size): in a slot of its probe
    page where the ranks' pages are shared live ([Note: descriptors on the
-   board] in ``board.py``; the ordering is under "Memory ordering" below), else by an all-gather on the group, asynchronously.
+   board] in ``regions.py``; the ordering is under "Memory ordering" below), else by an all-gather on the group, asynchronously.
    A gather of a stable input where the ranks may read each other's memory
    copies nothing: its descriptor carries the input's address instead
-   ([Note: shards read in place] in ``cross_memory.py``);
+   ([Note: shards read in place] in ``regions.py``);
 2. wait: once every rank's descriptor is in, the data has been written; the
    rank reads its peers' regions (or their inputs, in place) straight into the
    result (a copy for a gather, an add for a reduction, in group-rank order so
@@ -87,7 +87,7 @@ from typing import Any
 
 import torch
 
-import funcshard._src.comm.shm.cross_memory as cross_memory
+import funcshard._src.comm.shm.regions as regions
 from funcshard._src.comm import runtime
 from funcshard._src.comm.channel import all_gather_single
 from funcshard._src.comm.runtime import CollectiveError, Timeout, wait_work
@@ -148,7 +148,7 @@ class Remote:
                     f"a peer published {self.nbytes} bytes in place, fewer than this rank "
                     f"reads: the ranks are out of step"
                 )
-        cross_memory.read(self.pid, self.address, targets)
+        regions.read_peer(self.pid, self.address, targets)
 
 
 class Exchange:
@@ -184,7 +184,7 @@ class Exchange:
         self.region: Region | None = None
         whole = parts[0]
         if stable and a.readv and len(parts) == 1 and whole.is_contiguous() and whole.is_cpu:
-            # read in place by the peers: [Note: shards read in place] in cross_memory.py
+            # read in place by the peers: [Note: shards read in place] in regions.py
             a.expose(a.seq, whole)
             where, layout = whole.data_ptr(), READ_IN_PLACE
         else:
@@ -203,7 +203,7 @@ class Exchange:
         a.unread.add(a.seq)
         a.seq += 1
         self.mine = [MAGIC, self.seq, os.getpid(), where, nbytes, a.read_mark(), layout, self.size]
-        if a.board is not None:  # [Note: descriptors on the board] in board.py
+        if a.board is not None:  # [Note: descriptors on the board] in regions.py
             a.board.post(self.seq, self.mine, _seconds(None))
             return
         self.every = torch.zeros(a.w * WORDS, dtype=torch.int64)
@@ -287,7 +287,7 @@ def all_gather_pieces(
     With ``stable`` the caller promises that nothing frees or writes ``flat``
     until its evaluation ends and :meth:`Arena.settle` has returned: where the
     arena allows it, peers then read it in place ([Note: shards read in place]
-    in ``cross_memory.py``).
+    in ``regions.py``).
     """
     itemsize = flat.element_size()
 

@@ -1,37 +1,298 @@
-"""Shared regions of one process group on one host: made, mapped by peers, reused once read.
+"""The memory ranks on one host share: regions made, mapped by peers and reused once read; probe pages and their board; reading a peer in place.
 
 The memory the shared-memory collectives (``shm/__init__.py``, [Note: shared-memory
 collectives]) move data through: each rank's regions (``memfd`` files its peers
 map through ``/proc/<pid>/fd/<fd>``), which of them every peer has finished
 reading (the read marks), and the probe that decides, once per group and on
 every rank together, whether its ranks can share memory at all.
+
+**Reading a peer process's memory** with one copy: Linux's ``process_vm_readv``
+(cross-memory attach).
+
+[Note: shards read in place]
+An all-gather through shared memory (``shm/__init__.py``) copies the rank's shard into a
+region, and each peer copies it out again: two copies of every shard, on top of
+the copy of the rank's own row into its gathered storage. Where the kernel lets
+ranks read each other's memory (``process_vm_readv``, which MPI libraries use for
+large messages on one host), a peer instead reads the shard straight from the
+owner's tensor into its own storage: one copy, made by the kernel, and no region.
+
+That is safe only while the owner neither frees nor writes the tensor, so:
+
+- only collectives whose caller declares its input *stable* publish it this way:
+  the executor's gathers of a unit's shard (or of its cast copy), which nothing
+  writes during an evaluation; staging buffers from a pool never are;
+- the arena keeps a reference to each tensor published so until every peer's
+  read mark passes it (``regions.py``, [Note: read marks]), so it is not freed;
+- an evaluation returns to the caller, who may then update the shards in place
+  (an optimizer step), only once every peer has read what it published
+  (``Arena.settle``). In training this is already so when the step's last
+  reduction is in, since every peer gathered each unit before reducing it; an
+  evaluation alone may wait for a slower peer to finish its last gather.
+
+The ranks agree on it with the shared-memory probe (``regions.py``): each reads
+its peers' probe pages this way, and all use it only if all can and their read
+marks are shared live (x86). Containers or hosts whose ptrace policy forbids the
+call (Yama's ``ptrace_scope`` 1 between sibling processes, a seccomp filter) keep
+the regions. ``FUNCSHARD_SHM_READV=0`` turns it off.
+
+**The board**: each rank's probe page, shared by its group, holds its read mark and
+its collectives' descriptors.
+
+[Note: descriptors on the board]
+A shared-memory collective (``shm/__init__.py``) starts by telling its peers where its
+data is: a 64-byte descriptor. Sent as a gloo all-gather, each cost a loopback
+round trip and a wake-up of gloo's threads, about 0.25 ms a collective on the
+benchmark machine: a few percent of a step of small units, where DDP meets its
+peers once per bucket. Where the ranks' probe pages are shared live (x86, whose
+loads and stores keep program order: "Memory ordering" in [Note: shared-memory
+collectives], ``shm/__init__.py``), each
+rank instead writes its descriptor into a slot of its own page and its peers
+read it there:
+
+- the page holds a header (word 1: the rank's read mark) and a ring of slots,
+  one per collective, ``seq % SLOTS``; the writer fills the slot and writes its
+  flag word (``seq + 1``) last, so a reader that sees the flag sees the rest;
+- a writer reuses a slot only once every peer's read mark has passed the
+  collective that last used it (its descriptor was read then), which a rank
+  ``SLOTS`` collectives ahead of a peer waits for;
+- a reader waits for its peers' flags as it would for a gloo collective: past
+  the collective timeout it fails with the same "timed out" error, and a peer
+  whose process has exited fails it at once.
+
+The descriptor's words are the same as on gloo, and checked the same way: a
+peer at another collective of the same sequence number is an error before any
+data is read; a peer at another sequence number never writes the slot waited
+for, and the wait times out.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime
+import errno
 import mmap
 import os
 import platform
 import secrets
+import time
 import warnings
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-import funcshard._src.comm.shm.cross_memory as cross_memory
 from funcshard._src.comm import runtime
 from funcshard._src.comm.channel import all_gather_single
 from funcshard._src.comm.runtime import CollectiveError, Timeout, wait_work
-from funcshard._src.comm.shm.board import PAGE_BYTES, Board
 from funcshard._src.comm.transport import LARGE_BYTES, SHM_ENV, SHM_MIN_BYTES, shm_enabled
+
+PAGE_BYTES = 16384  # a probe page: header and slots
+WORDS = 8  # a descriptor: (WORDS,) int64
+HEADER = 8  # words before the first slot; word 0 the probe's nonce, word 1 the read mark
+SLOTS = (PAGE_BYTES // 8 - HEADER) // WORDS
+# [Note: waiting for a peer]
+# A wait polls its peers' words. It first yields the CPU between polls (sched_yield) for
+# _YIELD_S, then sleeps _POLL_S between polls. It never spins without yielding: on a host
+# with more runnable threads than cores (two ranks of each of two jobs on two cores), the
+# peer a rank waits for may be waiting for this rank's core, and a spin takes the time
+# from it; a yield hands the core over at once, and costs about a microsecond where
+# nothing else wants it. bench/board_wait.py measures the round trip both ways: two ranks
+# on a host whose cores were all busy (load about 20) took 0.20-0.49 s for 5,000 round
+# trips yielding against 1.99-2.12 s spinning first; with two more processes that only
+# spin (never wait), yielding took 4.4-5.3 s for 3,000 against 1.5-2.1 s, as the yield
+# hands them the core for a whole time slice. Which one a real neighbour job resembles is
+# for the step benchmark to say (python -m bench, with another job beside it).
+_YIELD_S = 50e-6
+_POLL_S = 20e-6
+
+
+class Board:
+    """Every group rank's page as int64 words; this rank writes its own, reads its peers'."""
+
+    def __init__(self, pages: Sequence[mmap.mmap], me: int, pids: Sequence[int]) -> None:
+        self.words = [memoryview(p).cast("q") for p in pages]
+        self.me, self.pids = me, list(pids)
+
+    def mark(self, rank: int, /) -> int:
+        """``rank``'s read mark as it stands."""
+        return self.words[rank][1]
+
+    def set_mark(self, value: int, /) -> None:
+        """Publishes this rank's read mark; mutates its page."""
+        self.words[self.me][1] = value
+
+    def post(self, seq: int, descriptor: Sequence[int], timeout_s: float, /) -> None:
+        """Writes this rank's descriptor of collective ``seq`` into its slot; mutates its page.
+
+        Raises:
+            RuntimeError: a peer has not read the slot's last descriptor within ``timeout_s``.
+            CollectiveError: that peer's process exited.
+        """
+        if seq >= SLOTS:
+            reused = seq - SLOTS
+            self.wait_until(
+                lambda: all(self.mark(r) > reused for r in self._peers()),
+                lambda: [r for r in self._peers() if self.mark(r) <= reused],
+                timeout_s,
+                f"reading descriptor {reused}",
+            )
+        page, at = self.words[self.me], HEADER + (seq % SLOTS) * WORDS
+        for i, word in enumerate(descriptor):
+            if i != 1:
+                page[at + i] = word
+        page[at + 1] = seq + 1  # the flag, last
+
+    def collect(self, seq: int, mine: Sequence[int], timeout_s: float, /) -> list[list[int]]:
+        """Every group rank's descriptor of collective ``seq`` (``mine`` at this rank), once all are posted.
+
+        Raises:
+            RuntimeError: a peer has not posted it within ``timeout_s`` ("timed out").
+            CollectiveError: that peer's process exited.
+        """
+        at = HEADER + (seq % SLOTS) * WORDS
+        self.wait_until(
+            lambda: all(self.words[r][at + 1] == seq + 1 for r in self._peers()),
+            lambda: [r for r in self._peers() if self.words[r][at + 1] != seq + 1],
+            timeout_s,
+            f"posting its descriptor of collective {seq}",
+        )
+        rows = []
+        for r in range(len(self.words)):
+            row = list(mine) if r == self.me else list(self.words[r][at : at + WORDS])
+            row[1] = seq  # the flag held seq + 1
+            rows.append(row)
+        return rows
+
+    def _peers(self) -> list[int]:
+        return [r for r in range(len(self.words)) if r != self.me]
+
+    def wait_until(
+        self,
+        ready: Callable[[], bool],
+        late: Callable[[], list[int]],
+        timeout_s: float,
+        what: str,
+    ) -> None:
+        """Polls ``ready`` until it holds, yielding the CPU, then sleeping between polls.
+
+        See [Note: waiting for a peer].
+
+        ``late`` names the group ranks still awaited; ``what`` ends the messages.
+
+        Raises:
+            CollectiveError: a late rank's process exited ("... exited before ``what``").
+            RuntimeError: ``timeout_s`` passed ("timed out ... ``what``").
+        """
+        start = time.monotonic()
+        while not ready():
+            waited = time.monotonic() - start
+            if waited < _YIELD_S:
+                os.sched_yield()
+                continue
+            for r in late():
+                if not alive(self.pids[r]):
+                    raise CollectiveError(
+                        f"group rank {r} (pid {self.pids[r]}) exited before {what}"
+                    )
+            if waited > timeout_s:
+                raise RuntimeError(
+                    f"timed out after {timeout_s:g} s waiting for group rank(s) {late()} {what}"
+                )
+            time.sleep(_POLL_S)
+
+
+def alive(pid: int, /) -> bool:
+    """Whether process ``pid`` exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+READV_ENV = "FUNCSHARD_SHM_READV"
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _bind() -> Any:
+    """libc's ``process_vm_readv``, or ``None`` where there is none."""
+    if not hasattr(os, "memfd_create"):  # Linux only
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        call = libc.process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    vec = ctypes.POINTER(_IoVec)
+    call.argtypes = [ctypes.c_int, vec, ctypes.c_ulong, vec, ctypes.c_ulong, ctypes.c_ulong]
+    call.restype = ctypes.c_ssize_t
+    return call
+
+
+_READV = _bind()
+
+
+def readv_offered() -> bool:
+    """Whether this rank offers to read its peers' memory: the call exists and ``FUNCSHARD_SHM_READV`` is not ``0``.
+
+    Example:
+        >>> isinstance(readv_offered(), bool)
+        True
+    """
+    return _READV is not None and os.environ.get(READV_ENV, "1").strip() != "0"
+
+
+def read_peer(pid: int, address: int, targets: list[tuple[int, torch.Tensor]], /) -> None:
+    """Copies process ``pid``'s bytes at ``address + offset`` into each ``(offset, target)``; mutates the targets.
+
+    Each target is a contiguous CPU tensor; the bytes it receives are its size.
+
+    Raises:
+        CollectiveError: the read failed or came back short (the peer exited, or
+            the ranks are out of step).
+    """
+    if _READV is None:
+        raise CollectiveError("process_vm_readv is not available on this host")
+    n = len(targets)
+    local, remote = (_IoVec * n)(), (_IoVec * n)()
+    total = 0
+    for i, (offset, target) in enumerate(targets):
+        nbytes = target.numel() * target.element_size()
+        local[i].base, local[i].len = target.data_ptr(), nbytes
+        remote[i].base, remote[i].len = address + offset, nbytes
+        total += nbytes
+    done = _READV(pid, local, n, remote, n, 0) if total else 0
+    if done != total:
+        code = ctypes.get_errno() if done < 0 else 0
+        why = errno.errorcode.get(code, str(code)) if code else f"{done} of {total} bytes"
+        raise CollectiveError(
+            f"reading rank process {pid}'s shard failed ({why}): the peer exited or the "
+            f"ranks are out of step"
+        )
+
+
+def probe_peer(pid: int, address: int, expected: int, /) -> bool:
+    """Whether this rank can read ``pid``'s int64 at ``address`` and finds ``expected`` there."""
+    got = torch.zeros(1, dtype=torch.int64)
+    try:
+        read_peer(pid, address, [(0, got)])
+    except CollectiveError:
+        return False
+    return int(got[0]) == expected
+
 
 ENV = SHM_ENV
 MAGIC = 0x6673_73686D  # "fsshm"
-WORDS = 8  # a descriptor: (WORDS,) int64
 PROBE_BYTES = PAGE_BYTES
 MIN_BYTES = SHM_MIN_BYTES
 _ALIGN = 4096
@@ -98,9 +359,9 @@ class Arena:
     unread: set[int] = field(default_factory=set)  # started here, peers' regions not yet read
     marks: list[int] = field(default_factory=list)  # per group rank: its read mark, as last heard
     # every group rank's probe page, word 1 its read mark as it stands (see [Note: read marks]),
-    # and the descriptors ([Note: descriptors on the board] in board.py); None: not shared live
+    # and the descriptors ([Note: descriptors on the board] in regions.py); None: not shared live
     board: Board | None = None
-    # whether peers read stable inputs in place ([Note: shards read in place] in cross_memory.py)
+    # whether peers read stable inputs in place ([Note: shards read in place] in py)
     readv: bool = False
     # (sequence number, tensor) published in place, kept until every peer has read it
     exposed: list[tuple[int, torch.Tensor]] = field(default_factory=list)
@@ -139,7 +400,7 @@ class Arena:
     def settle(self) -> None:
         """Returns once every peer has read what this rank published in place; mutates.
 
-        See [Note: shards read in place] in ``cross_memory.py``: called before an
+        See [Note: shards read in place] in ``py``: called before an
         evaluation returns, so that the caller may write its shards. In training the
         peers are done already; otherwise this waits for a slower peer's last gather.
 
@@ -322,7 +583,7 @@ def _probe(group: Any) -> Arena | None:
         rows = every.view(w, WORDS).tolist()
         ok = 1
         shared_marks = platform.machine().lower() in _ORDERED_MACHINES
-        readv = int(shared_marks and cross_memory.offered())
+        readv = int(shared_marks and readv_offered())
         pages: list[mmap.mmap] = []
         for r, row in enumerate(rows):
             if r == me:
@@ -335,8 +596,8 @@ def _probe(group: Any) -> Arena | None:
                 pages.append(page)
             except OSError:
                 ok = 0
-            if readv:  # [Note: shards read in place] in cross_memory.py
-                readv &= cross_memory.probe(int(row[1]), int(row[4]), int(row[3]))
+            if readv:  # [Note: shards read in place] in py
+                readv &= probe_peer(int(row[1]), int(row[4]), int(row[3]))
         agreed = torch.tensor([ok, readv], dtype=torch.int64)
         reduced = dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group, async_op=True)
         wait_work(reduced, timeout)
