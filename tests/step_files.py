@@ -25,7 +25,9 @@ ROOT = Path(fs.__file__).resolve().parent.parent
 PACKAGE = str(Path(fs.__file__).resolve().parent)
 
 
-def step_files(mesh: dict[str, int] | None = None) -> list[str]:
+def step_files(
+    mesh: dict[str, int] | None = None, *, layout: str = "leaf", bucket_bytes: int | None = None
+) -> list[str]:
     """The funcshard files entered by one steady-state full_shard step, sorted; run on every rank.
 
     The shared-memory transport is loaded first, as it is in any process that ever used it:
@@ -38,10 +40,14 @@ def step_files(mesh: dict[str, int] | None = None) -> list[str]:
     model = Model(kind="transformer", vocab=64, width=16, hidden=32, layers=2, embed_unit=True)
     params = model.init(0)
     plan = fs.plan(
-        params, fs.Mesh(mesh or {"fsdp": fs.world_size()}), units=model.units, strategy="full_shard"
+        params,
+        fs.Mesh(mesh or {"fsdp": fs.world_size()}),
+        units=model.units,
+        strategy="full_shard",
+        layout=layout,
     )
     sparams = fs.shard(params, plan)
-    step = fs.value_and_grad(model.loss_fn, plan)
+    step = fs.value_and_grad(model.loss_fn, plan, bucket_bytes=bucket_bytes)
     batch = model.batch_for(fs.rank())
     for _ in range(2):
         step(sparams, *batch)

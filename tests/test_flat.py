@@ -13,13 +13,13 @@ from funcshard._src.shard.flat import (
     gathers_in_place,
     layouts,
     pack_all,
+    pack_flat_columns,
     pack_into,
     pack_local,
     padded_view,
     row_order,
     unpack_gathered,
 )
-from funcshard._src.shard.flat_rows import pack_flat_columns
 from funcshard._src.spec.mesh import Mesh
 from tests.strategies import meshes, rules_for, tensor_trees, units_for
 
@@ -202,7 +202,7 @@ def cast_params(draw):
 
 @given(cast_params())
 def test_packing_leaves_of_a_narrower_dtype_casts_them_bit_for_bit(case):
-    """[Note: cast while packing] in ``shard/flat_rows.py``: bf16 gradients packed into float32
+    """[Note: cast while packing] in ``shard/flat.py``: bf16 gradients packed into float32
     rows are the bits of casting each leaf first, scaled or not, in mesh order or the last axis major."""
     params, p, scale, reverse = case
     leaves = tree.flatten(params)[0]

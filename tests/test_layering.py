@@ -91,8 +91,6 @@ ORDER = {
         "fans",
         "orthogonal",
         "layout",
-        "flat_rows",
-        "own_row",
         "flat",
         "sharded",
         "shard",

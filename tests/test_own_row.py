@@ -1,6 +1,6 @@
 """A rank's own row summed from the leaves: the bits of packing it and adding it.
 
-[Note: the own row from the leaves] in ``shard/own_row.py``: a reduce-scatter
+[Note: the own row from the leaves] in ``shard/flat.py``: a reduce-scatter
 through shared memory leaves this rank's row out of its packed input and adds
 ``scale * leaf`` straight from the gradients when it sums. For every flat layout,
 range of columns and power-of-two scale, that must equal packing the row and
@@ -16,9 +16,7 @@ from hypothesis import strategies as st
 
 from funcshard import plan
 from funcshard._src import tree
-from funcshard._src.shard.flat import layouts, pack_all
-from funcshard._src.shard.flat_rows import pack_flat_columns
-from funcshard._src.shard.own_row import OwnRow, exact_scale
+from funcshard._src.shard.flat import OwnRow, exact_scale, layouts, pack_all, pack_flat_columns
 from funcshard._src.spec.mesh import Mesh
 from tests.strategies import meshes, tensor_trees, units_for
 

@@ -264,7 +264,7 @@ def test_an_all_reduce_on_sockets_gives_its_sum_to_out_too(pools):
 
 
 def _own_row_apart(mesh: dict[str, int], axes: tuple[str, ...]) -> dict[str, Any]:
-    """A reduce-scatter whose own row is made when summed ([Note: the own row from the leaves] in ``shard/own_row.py``)."""
+    """A reduce-scatter whose own row is made when summed ([Note: the own row from the leaves] in ``shard/flat.py``)."""
     bound, _, arena = _sharing(mesh, axes)
     w, n, me = arena.w, 301, arena.me
     gen = torch.Generator().manual_seed(bound.rank)

@@ -7,6 +7,8 @@ change adds to them.
 
 from __future__ import annotations
 
+import functools
+
 from tests.step_files import step_files
 
 BOUND = {1: 15, 2: 16}  # the shared-memory transport loaded, as step_files says
@@ -19,4 +21,11 @@ def test_a_steady_state_step_at_one_rank_stays_within_its_files():
 
 def test_a_steady_state_step_at_two_ranks_stays_within_its_files(pools):
     for files in pools.run(2, step_files):
+        assert len(files) <= BOUND[2], "\n".join(files)
+
+
+def test_a_flat_unit_of_its_own_enters_no_more_files(pools):
+    """The flat layout (its rows, its own row summed from the leaves) and no buckets."""
+    run = functools.partial(step_files, layout="flat", bucket_bytes=0)
+    for files in pools.run(2, run):
         assert len(files) <= BOUND[2], "\n".join(files)

@@ -374,7 +374,7 @@ def reduce_scatter(
             Every rank must use the same. Anything but gloo always runs ``"native"``.
         own: makes this rank's row when summed, which ``rows`` then need not hold:
             ``rows`` from ``collectives.input_rows`` only ([Note: the own row
-            from the leaves] in ``shard/own_row.py``).
+            from the leaves] in ``shard/flat.py``).
 
     Raises:
         CollectiveError: the collective could not start.

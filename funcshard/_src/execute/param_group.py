@@ -77,7 +77,7 @@ call's results instead of fresh memory.
 
 A part's gradients are packed (:func:`pack_rows`) into every row, or every row
 but this rank's own: see [Note: the own row from the leaves] in
-``shard/own_row.py``. Where the rows
+``shard/flat.py``. Where the rows
 are in shared memory and go to a reduce-scatter alone (not deferred, nothing
 kept to add, the plain row order of a flat layout, a power-of-two mean), this
 rank's row is left out and summed from the leaves instead.
@@ -121,9 +121,15 @@ from funcshard._src.comm.transport import ALL_GATHER, LARGE_BYTES
 from funcshard._src.execute.gradients import Gradients, PartKey
 from funcshard._src.execute.streams import Streams, streams_for
 from funcshard._src.execute.unit_state import InFlight, LeafGathers, Part, UnitRuntime, UnitState
-from funcshard._src.shard.flat import FlatLayout, pack_into, unpack_into
-from funcshard._src.shard.flat_rows import pack_flat_columns, row_order
-from funcshard._src.shard.own_row import OwnRow, exact_scale
+from funcshard._src.shard.flat import (
+    FlatLayout,
+    OwnRow,
+    exact_scale,
+    layout_row_order,
+    pack_flat_columns,
+    pack_into,
+    unpack_into,
+)
 
 # -- staging buffers ------------------------------------------------------------------
 # Staging buffers reused across calls: all-gather outputs and reduce-scatter inputs.
@@ -432,7 +438,7 @@ class ParamGroup:
         ``hybrid_shard``, :meth:`wait` all-reduces across replicas. With ``keep_rows``
         the rows go back to the reduce pool once reduced. With ``own``, ``rows``
         (shared memory) lack this rank's row, which ``own`` adds when summed
-        ([Note: the own row from the leaves] in ``shard/own_row.py``).
+        ([Note: the own row from the leaves] in ``shard/flat.py``).
         """
         layout = part.layout
         replica = self.all_reduce_axes
@@ -1307,7 +1313,7 @@ class Reducer:
         if flushed is not None:  # a unit reported twice in this round: that round is reducing
             self.pending.append((group, flushed))
         kept = self.gradients.take_kept(part)
-        pack_into(  # casts to the reduce dtype: [Note: cast while packing] in ``shard/flat_rows.py``
+        pack_into(  # casts to the reduce dtype: [Note: cast while packing] in ``shard/flat.py``
             layout,
             mine,
             columns,
@@ -1390,7 +1396,7 @@ class Reducer:
         order = unit.partial.order if unit.two_hop else unit.axes
         scale = 1.0 / self.world_size if direct else 1.0
         own_row = direct and shared
-        # the packing casts ([Note: cast while packing] in ``shard/flat_rows.py``), but the own
+        # the packing casts ([Note: cast while packing] in ``shard/flat.py``), but the own
         # row sums from leaves in the reduce dtype
         leaves = _cast(mine, dtype) if own_row else mine
         own = pack_rows(unit, layout, leaves, packed, order, scale=scale, shared=own_row)
@@ -1470,7 +1476,7 @@ def pack_rows(
         shared
         and layout.flat
         and tuple(order) == unit.axes
-        and row_order(layout.mesh, unit.axes) is None
+        and layout_row_order(layout, unit.axes) is None
         and exact_scale(scale)
     ):
         me = collectives.group_rank(unit.bound, unit.axes)

@@ -41,9 +41,9 @@ class Slot:
     shard_shape: tuple[int, ...]  # padded chunk, equal on every rank
     offset: int
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
-        """Elements of the padded chunk."""
+        """Elements of the padded chunk (worked out once: packing reads it per slot, per step)."""
         return math.prod(self.shard_shape)
 
 

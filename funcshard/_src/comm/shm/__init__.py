@@ -318,7 +318,7 @@ def reduce_scatter(
     region held for it (:func:`input_rows`), all of them as they are; it sums its
     peers' copies of its row and its own in group-rank order. With ``own``,
     ``rows`` must be such a region, its own row is never read, and ``own``
-    supplies that term when the sum is made (``shard/own_row.py``).
+    supplies that term when the sum is made (``shard/flat.py``).
 
     Raises:
         ValueError: ``own`` is given and ``rows`` is not a region held for it.
