@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import funcshard as fs
+from funcshard._src.plan.units import RequestedLayout
 from tests.models import Model
 
 ROOT = Path(fs.__file__).resolve().parent.parent
@@ -26,7 +27,10 @@ PACKAGE = str(Path(fs.__file__).resolve().parent)
 
 
 def step_files(
-    mesh: dict[str, int] | None = None, *, layout: str = "leaf", bucket_bytes: int | None = None
+    mesh: dict[str, int] | None = None,
+    *,
+    layout: RequestedLayout = "leaf",
+    bucket_bytes: int | None = None,
 ) -> list[str]:
     """The funcshard files entered by one steady-state full_shard step, sorted; run on every rank.
 

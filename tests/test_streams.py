@@ -228,7 +228,7 @@ def test_a_full_shard_step_orders_copy_in_all_gather_compute_and_reduce_scatter_
         log.append(("backward", unit.name))
         reduction = group.reduce(unit, part, rows, rows, out=None, keep_rows=True)
         log.append(("host asks", unit.name))
-        reduced = group.wait(reduction, BufferPool())
+        reduced = group.wait(reduction)
         assert torch.equal(reduced, rows[0])
         log.append(("gradient used", unit.name))
 
@@ -273,7 +273,7 @@ def test_hybrid_shard_all_reduces_right_after_the_reduce_scatter_on_its_stream(d
     assert ar < log.index(("host asks", unit.name))
     assert ("wait_stream", "all_reduce", "reduce_scatter") in log[rs:ar]
     assert ("record_stream", "all_reduce") in log[rs:ar]  # its input, made on another stream
-    out = group.wait(reduction, BufferPool())
+    out = group.wait(reduction)
     assert torch.equal(out, rows[0])
     recorded, event = _event_after(log, ar, "all_reduce")
     _at(log, ("wait_event", "compute", event), recorded)
@@ -292,6 +292,6 @@ def test_on_the_cpu_hybrid_shard_all_reduces_when_the_host_waits(monkeypatch):
     reduction = group.reduce(unit, part, rows, rows, out=None, keep_rows=False)
     assert [e[1] for e in module.log if e[0] == "issue"] == ["reduce_scatter"]
     assert reduction.stage.event is None
-    group.wait(reduction, BufferPool())
+    group.wait(reduction)
     assert [e[1] for e in module.log if e[0] == "issue"] == ["reduce_scatter", "all_reduce"]
     assert not any(e[0] in ("wait_stream", "wait_event", "record") for e in module.log)

@@ -120,7 +120,7 @@ from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.transport import ALL_GATHER, LARGE_BYTES
 from funcshard._src.execute.gradients import Gradients, PartKey
 from funcshard._src.execute.streams import Streams, streams_for
-from funcshard._src.execute.unit_state import InFlight, LeafGathers, Part, UnitRuntime, UnitState
+from funcshard._src.execute.unit_state import Gathering, Part, UnitRuntime, UnitState
 from funcshard._src.shard.flat import (
     FlatLayout,
     OwnRow,
@@ -288,20 +288,6 @@ class SharedGathering:
         if not self.waited:
             self.pending.wait()
             self.waited = True
-
-
-@dataclass(eq=False)
-class Share:
-    """One member's part of a shared all-gather: :meth:`wait` gives its ``(group_size, numel)`` columns."""
-
-    gathering: SharedGathering
-    member: int
-    result: torch.Tensor  # the member's columns of the gathered buffer (a view)
-
-    def wait(self) -> torch.Tensor:
-        """Blocks until the shared all-gather is done; the member's columns."""
-        self.gathering.wait()
-        return self.result
 
 
 @dataclass(eq=False)
@@ -779,14 +765,16 @@ class ParamGroup:
         for unit in self.members:
             for part in unit.parts:
                 inflight, part.inflight = part.inflight, None
-                if isinstance(inflight, LeafGathers):
+                if inflight is None:
+                    continue
+                if inflight.in_place:
                     # the collectives write into the part's storage: forget it, free nothing
                     dropped.extend(inflight.pendings)
                     unit.forget(part)
-                elif inflight is not None:
-                    self.memory.sub(inflight.result.numel() * inflight.result.element_size())
-                    if isinstance(inflight, Pending):  # a share: its gathering is dropped above
-                        dropped.append(inflight)
+                    continue
+                self.memory.sub(inflight.result.numel() * inflight.result.element_size())
+                if inflight.shared is None:  # a shared one is dropped above, once
+                    dropped.extend(inflight.pendings)
             unit.reset_after_error()
         return dropped
 
@@ -824,7 +812,7 @@ class ParamGroup:
                 # version is put back once the collective has written (after its wait)
                 part.version = torch.autograd._unsafe_preserve_version_counter(full)
                 pendings = self._gather_in_place(unit, part, local, axes)
-                part.inflight = LeafGathers(pendings, full)
+                part.inflight = Gathering(pendings, full, in_place=True)
                 continue
             out = self.pool.take(  # (group_size * numel,); see [Note: staging lifetimes]
                 self.group_size * part.layout.numel, local.dtype, local.device
@@ -833,7 +821,7 @@ class ParamGroup:
             if unit.weight_format and not partial and local.dtype.is_floating_point:
                 # blocks of a low-bit format: [Note: quantized collectives] in plan/quantize.py
                 # (on the compute stream: its quantizing is compute)
-                part.inflight = quantized.all_gather(
+                pending = quantized.all_gather(
                     local,
                     self.bound,
                     axes,
@@ -843,10 +831,11 @@ class ParamGroup:
                     ledger=self.ledger,
                     tag=unit.name,
                 )
+                part.inflight = Gathering([pending], pending.result)
                 continue
             # a shard (or its cast) is stable until the evaluation settles; a partial copy
             # is freed by its unit ([Note: shards read in place] in comm/shm/regions.py)
-            part.inflight = _on_side(
+            pending = _on_side(
                 local.device,
                 "all_gather",
                 functools.partial(
@@ -861,6 +850,7 @@ class ParamGroup:
                 ),
                 (local,),
             )
+            part.inflight = Gathering([pending], pending.result)
         unit.mark_gathering(from_partial=partial)
 
     def _gather_in_place(
@@ -939,7 +929,7 @@ class ParamGroup:
                 member = self.members[i]
                 a, b = self.columns_of.span(i, j)
                 full_bytes = self.group_size * (b - a) * part.compute_dtype.itemsize
-                member.parts[j].inflight = Share(gathering, i, gathered[:, a:b])
+                member.parts[j].inflight = Gathering([pending], gathered[:, a:b], shared=gathering)
                 self.memory.add(full_bytes)
                 if self.ledger is not None:
                     self.ledger.record(
@@ -962,7 +952,7 @@ class ParamGroup:
                 if part.in_place:
                     unit.forget(part)
                 raise
-            for pending in _pendings(inflight):  # the compute stream waits on its event
+            for pending in inflight.pendings:  # the compute stream waits on its event
                 if pending.event is not None:
                     _wait_on_device(pending)
             if unit.partial.lifetime is not None and not unit.partial.in_flight:
@@ -983,16 +973,15 @@ class ParamGroup:
                 else:  # [Note: a partial copy on the executor] in ``execute/unit_state.py``
                     _unpack_regathered(unit, part, full, gathered)
             self.memory.sub(gathered.numel() * gathered.element_size())
-            if isinstance(inflight, Share):
-                self._unpacked(inflight)
+            if inflight.shared is not None:
+                self._unpacked(cast(SharedGathering, inflight.shared), self.index[unit.name])
             else:
                 self.pool.give(gathered)
         unit.mark_gathered()
 
-    def _unpacked(self, share: Share) -> None:
-        """A member is done with ``share``: the last one gives the shared buffers back."""
-        gathering = share.gathering
-        gathering.open.discard(share.member)
+    def _unpacked(self, gathering: SharedGathering, member: int, /) -> None:
+        """Member ``member`` is done with its columns of ``gathering``: the last one gives the shared buffers back."""
+        gathering.open.discard(member)
         if not gathering.open and gathering in self._gathering:
             self._gathering.remove(gathering)
             if gathering.waited:
@@ -1045,15 +1034,6 @@ def _wait_on_device(pending: Pending, /) -> None:
     side = _side(pending.result.device)
     assert side is not None, "an event without streams"
     side.wait_for(pending)
-
-
-def _pendings(inflight: InFlight) -> list[Pending]:
-    """The collectives behind what a part waits for."""
-    if isinstance(inflight, Share):
-        return [inflight.gathering.pending]
-    if isinstance(inflight, LeafGathers):
-        return inflight.pendings
-    return [cast(Pending, inflight)]
 
 
 def _unpack_regathered(

@@ -189,33 +189,39 @@ class GatheredMemory:
 # -- a unit's parts and the collectives that gather them ----------------------------
 
 
-class InFlight(Protocol):
-    """An all-gather in flight for one part: a :class:`Pending`, or a share of a bucket's."""
+class Shared(Protocol):
+    """A bucket's all-gather shared by its members (``param_group.SharedGathering``)."""
 
-    result: torch.Tensor
-
-    def wait(self) -> torch.Tensor:
-        """Blocks until the part's gathered ``(group_size, numel)`` buffer is ready."""
+    def wait(self) -> None:
+        """Blocks until the shared all-gather is done (waited for once for every member)."""
         ...
 
 
-@dataclass
-class LeafGathers:
-    """The all-gathers of a part gathered in place: each writes full leaves straight into ``result``.
+@dataclass(eq=False)
+class Gathering:
+    """One part's all-gather in flight, however it is carried; its group issued it and finishes it.
 
-    One for a part of one leaf, and one for a part gathered leaf by leaf
-    (:attr:`Part.by_leaf`): ``collectives.all_gather_pieces`` writes every leaf,
-    through shared memory in one collective, else by one ring per leaf.
+    ``pendings`` are the collectives behind it, in the order issued: one; one per
+    leaf where a part is gathered leaf by leaf (:attr:`Part.by_leaf`); or a bucket's
+    all-gather, ``shared`` by its members. ``result`` is what they fill: the gathered
+    ``(group_size, numel)`` rows (a bucket member's own columns of the shared rows),
+    or, ``in_place``, the part's full storage itself, written by the collectives.
     """
 
     pendings: list[Pending]
-    result: torch.Tensor  # the part's full storage
+    result: torch.Tensor
+    in_place: bool = False
+    shared: Shared | None = None
 
     def wait(self) -> torch.Tensor:
-        """Waits for every leaf's collective, in the order they were issued."""
+        """Blocks until ``result`` is filled; returns it."""
+        if self.shared is not None:
+            self.shared.wait()
+            return self.result
+        out = self.result
         for pending in self.pendings:
-            pending.wait()
-        return self.result
+            out = pending.wait()
+        return self.result if self.in_place else out
 
 
 @dataclass(eq=False)
@@ -229,7 +235,7 @@ class Part:
     in_place: bool  # gathered straight into ``full``; see [Note: persistent gathered storage]
     full: torch.Tensor | None = None  # persistent, see [Note: persistent gathered storage]
     views: list[torch.Tensor] = field(default_factory=list)
-    inflight: InFlight | None = None  # this part's all-gather, while the unit is GATHERING
+    inflight: Gathering | None = None  # this part's all-gather, while the unit is GATHERING
     version: torch.autograd._unsafe_preserve_version_counter | None = None  # in_place, GATHERING
     # the partial copy, (copy rows * numel,) in the compute dtype: [Note: a partial copy on the executor] in
     # unit_state.py; kept across frees like ``full``, its storage resized to zero
