@@ -47,7 +47,10 @@ class FlatShard:
     donate_grads=True)`` donates the gradients a call returned to the next call,
     which writes its gradients into them. The donated tree is then dead: every
     read raises, so nothing holding it can see values change underneath it. A
-    tree that was not donated is never written by funcshard.
+    tree that was not donated is written only where the caller asks for it by
+    name: the functions that write their input end in ``_`` and say so in their
+    first docstring line (``fs.optim.clip_by_global_norm_``, an optimizer's
+    in-place update of the params); the rest of funcshard never writes it.
 
     [Note: gradients held as leaves]
     A unit that needs no communication (a mesh of one rank) gets its gradients
