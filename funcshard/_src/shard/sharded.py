@@ -50,7 +50,7 @@ class FlatShard:
     tree that was not donated is written only where the caller asks for it by
     name: the functions that write their input end in ``_`` and say so in their
     first docstring line (``fs.optim.clip_by_global_norm_``, an optimizer's
-    in-place update of the params); the rest of funcshard never writes it.
+    ``update_`` of the params and its state); the rest of funcshard never writes it.
 
     [Note: gradients held as leaves]
     A unit that needs no communication (a mesh of one rank) gets its gradients
