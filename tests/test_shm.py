@@ -391,3 +391,42 @@ def test_a_reduction_with_its_own_row_apart_lets_go_of_every_peer_in_order(me):
     # the first addition is commutative: the same bits as the sum in group-rank order
     assert torch.equal(out, ((values[0] + values[1]) + values[2]) + values[3])
     assert dones == [r for r in range(4) if r != me]
+
+
+def _drained_without_a_barrier() -> tuple[list[bool], list[bool]]:
+    """Regions' `trimmed` after Arena.drain: those read (a peer late to read), then one in flight."""
+    import time
+
+    bound = groups.bind(fs.Mesh({"fsdp": 3}))
+    group = bound.group(("fsdp",))
+    assert group is not None
+    arena = shm.arena(group)
+    assert arena is not None, "ranks of one host share memory"
+    me = dist.get_rank()
+    n = 1000  # small regions: drain gives back any size, not only LARGE_BYTES
+    works = []
+    for _ in range(2):  # two in flight: two regions, as a block's and the next one's
+        rows = shm.input_rows(arena, 3, n, torch.float32)
+        rows.fill_(1.0)
+        works.append(shm.reduce_scatter(arena, rows, torch.empty(n)))
+    for w in works:
+        if me == 1:
+            time.sleep(0.3)  # a peer slow to read: the others' drain waits for it
+        w.wait()
+    arena.drain()
+    read = [g.trimmed for g in arena.regions]
+    rows = shm.input_rows(arena, 3, n, torch.float32)
+    rows.fill_(1.0)
+    flying = shm.reduce_scatter(arena, rows, torch.empty(n))
+    arena.drain()  # its own reduction not yet read: that region stays
+    held = [g.trimmed for g in arena.regions if g.last_seq == flying.seq]
+    flying.wait()
+    return read, held
+
+
+def test_drain_gives_back_every_region_read_once_every_peer_has_read_it(pools):
+    # where a step drains its staging pools, the regions it packed gradients into go too:
+    # [Note: draining regions] in comm/shm/regions.py
+    for read, held in pools.run(3, _drained_without_a_barrier):
+        assert len(read) == 2 and all(read), read
+        assert held == [False], held

@@ -346,6 +346,23 @@ def settle() -> None:
     transport.settle()
 
 
+def drain() -> None:
+    """Gives back memory the transport holds for collectives this rank has finished, once its peers have.
+
+    Called where a step drains its staging pools ([Note: staging lifetimes] in
+    ``execute/param_group.py``), every rank at the same point: the shared-memory
+    transport may wait there for its peers' reads of collectives already posted
+    ([Note: draining regions] in ``shm/regions.py``).
+
+    Raises:
+        CollectiveError: a peer exited, or has not read within the collective timeout.
+
+    Example:
+        >>> drain()
+    """
+    transport.drain()
+
+
 def reduce_scatter(
     rows: torch.Tensor,
     bound: BoundMesh,

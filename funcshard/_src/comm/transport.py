@@ -201,6 +201,10 @@ class Transport(Protocol):
         """Returns once every peer has read what this rank published in place."""
         ...
 
+    def drain(self) -> None:
+        """Gives back memory held for collectives this rank has finished, once its peers have."""
+        ...
+
     def capabilities(self, backend: str, group_size: int, /) -> Capabilities:
         """What this transport does for a group of ``group_size`` ranks on ``backend``."""
         ...
@@ -303,6 +307,21 @@ def settle() -> None:
         plugin = _plugin()
         if plugin is not None:
             plugin.settle()
+
+
+def drain() -> None:
+    """Gives back the shared-memory transport's memory for collectives this rank has finished.
+
+    At once where the transport was never imported ([Note: draining regions] in
+    ``shm/regions.py``).
+
+    Raises:
+        CollectiveError: a peer exited, or has not read within the collective timeout.
+    """
+    if _plugin.cache_info().currsize:
+        plugin = _plugin()
+        if plugin is not None:
+            plugin.drain()
 
 
 def check_known(algorithm: str, known: Sequence[str], what: str, /) -> None:
@@ -796,6 +815,9 @@ class _Torch:
         return False
 
     def settle(self) -> None:
+        return None
+
+    def drain(self) -> None:
         return None
 
     def capabilities(self, backend: str, group_size: int, /) -> Capabilities:

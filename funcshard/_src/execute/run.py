@@ -518,6 +518,7 @@ class Run:
             for group in self.groups:  # see [Note: staging lifetimes] in execute/param_group.py
                 group.pool.drain()
                 group.reduce_pool.drain()
+            collectives.drain()  # the regions too: [Note: draining regions] in comm/shm/regions.py
 
     def finish(self) -> None:
         """After backward: reduce calls whose backward never ran, wait for every reduction, free all."""

@@ -99,6 +99,7 @@ from funcshard._src.comm.shm.regions import (
     Arena,
     Region,
     arena,
+    drain_all,
     enabled,
     existing,
     settle_all,
@@ -492,6 +493,9 @@ class _SharedMemory:
 
     def settle(self) -> None:
         settle_all()
+
+    def drain(self) -> None:
+        drain_all()
 
     def capabilities(self, backend: str, group_size: int, /) -> Capabilities:
         return Capabilities(gathers_leaf_by_leaf=True, sends_inputs_in_place=True)

@@ -317,6 +317,23 @@ _ALIGN = 4096
 # read on the benchmark machine, where the copy itself takes about 1 ms.
 _REMOVE = getattr(mmap, "MADV_REMOVE", None)
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+# [Note: draining regions]
+# A rank packs each unit's gradients into a region of its own (input_rows), and the next
+# unit's, packed once this rank has read the last reduction but before its peers all have,
+# into another: two regions of a block's packed gradients in turn, where the socket path
+# reuses one pool buffer. The one not in flight stays resident until a collective next asks
+# for a region, which, after the last block, is the root's reduction: through autograd's
+# gradients of the embeddings, the peak of a step with tied or large ones, it added one
+# block's packed gradients (wide_shallow at W = 8 in bench/results/memory_shapes: 108 MiB).
+# So where a step drains its staging pools (Run.post_backward, [Note: staging lifetimes]
+# in execute/param_group.py), ``Arena.drain`` gives back the pages of every region, of any
+# size, this rank has finished reading, first waiting for its peers to finish reading
+# them too: only collectives this rank has finished, so posted by every rank, which each
+# peer reads in its next wait, before it starts its own last reduction; the wait fails
+# like a collective's past the timeout. The region of the reduction still in flight stays.
+# With one peer (W = 2) it does nothing, as measured before it (the early drop, [Note:
+# peers' pages], is likewise for more than one peer). Without a board the marks heard
+# lag, so nothing is waited for and what is known free is given back.
 # [Note: read marks]
 # A descriptor carries its rank's read mark as of the collective's start, so a mark heard
 # that way lags: with a step's reductions all in flight, a region is known free only two
@@ -436,6 +453,44 @@ class Arena:
                 f"collective {self.exposed[0][0]} in time: the ranks are out of step"
             ) from e
 
+    def drain(self) -> None:
+        """Gives back the pages of every region this rank has finished reading, once its peers have too; mutates.
+
+        See [Note: draining regions]. Waits only for peers' reads of collectives
+        this rank has finished itself, so already posted by every rank.
+
+        Raises:
+            CollectiveError: a peer exited, or has not read within the collective timeout.
+        """
+        if self.w <= 2:
+            return
+        mine = self.read_mark()
+        read = [g.last_seq for g in self.regions if 0 <= g.last_seq < mine and not g.trimmed]
+        if read and self.board is not None:
+            last = max(read)
+
+            def late() -> list[int]:
+                return [r for r, m in enumerate(self.marks) if r != self.me and m <= last]
+
+            try:
+                self.board.wait_until(
+                    lambda: self._peers_done() > last,
+                    late,
+                    runtime.wait_limit_s(),
+                    f"finishing shared-memory collective {last}",
+                )
+            except CollectiveError:  # a peer exited
+                raise
+            except RuntimeError as e:  # timed out
+                raise CollectiveError(
+                    f"group rank(s) {late()} have not finished reading shared-memory "
+                    f"collective {last} in time: the ranks are out of step"
+                ) from e
+        for g in self._free():
+            if not g.trimmed:
+                _give_back(g.mapping, g.nbytes, _REMOVE)
+                g.trimmed = True
+
     def region(self, nbytes: int) -> Region:
         """A region of at least ``nbytes`` that every peer has finished reading; a new one if none is."""
         # free once every peer has read it, and this rank too: an all-reduce reads its own copy
@@ -534,6 +589,17 @@ def _release(regions: list[Region], marks: list[int], me: int) -> None:
             os.close(g.fd)
         else:
             _KEPT.append(g.fd)
+
+
+def drain_all() -> None:
+    """:meth:`Arena.drain` for every group's arena on this rank.
+
+    Raises:
+        CollectiveError: as :meth:`Arena.drain`.
+    """
+    for made in list(_ARENAS.values()):
+        if made is not None:
+            made.drain()
 
 
 def settle_all() -> None:
