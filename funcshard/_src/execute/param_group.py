@@ -91,7 +91,7 @@ in again, every step: about 25 ms for the 32.5 MiB of the benchmark's root unit,
 of its step. A flat part whose packed gradients pass ``LARGE_BYTES`` is therefore
 reduced a range of columns at a time, each of at most ``chunk_bytes``: the largest
 reduce-scatter input of the other units, and at most half of ``LARGE_BYTES``. Each
-range is packed (``shard/flat_rows.pack_flat_columns``), reduce-scattered into its
+range is packed (``shard/flat.pack_flat_columns``), reduce-scattered into its
 columns of the gradient and waited for before the next, so the ranges reuse the
 warm regions the other units' reductions leave free, and no large region is made.
 Each element's sum is the same as the whole reduce-scatter's, in the same order:

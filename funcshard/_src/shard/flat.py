@@ -39,7 +39,7 @@ of its packed input but its own, and the rank itself reads its own row once, to
 add it to theirs. Packing that row is a write and a read of one row of memory
 that nothing else uses: on the benchmark's 34M-parameter GPT at W = 2, half the
 gradients, 1.3 % of a step. A flat part whose reduce-scatter goes through shared
-memory therefore packs every row but its own (``flat_rows.pack_flat_columns(...,
+memory therefore packs every row but its own (``pack_flat_columns(...,
 skip=)``) and hands the reduce-scatter an :class:`OwnRow`, which adds
 ``scale * leaf`` straight from autograd's gradient tensors when the sum is made.
 
