@@ -428,5 +428,45 @@ def test_drain_gives_back_every_region_read_once_every_peer_has_read_it(pools):
     # where a step drains its staging pools, the regions it packed gradients into go too:
     # [Note: draining regions] in comm/shm/regions.py
     for read, held in pools.run(3, _drained_without_a_barrier):
-        assert len(read) == 2 and all(read), read
+        assert len(read) == 2, read
+        assert all(read), read
         assert held == [False], held
+
+
+def _drain_with_a_peer_that_never_reads() -> str:
+    """Rank 1 posts its rows and never waits (never reads): the others' drain fails in time."""
+    import time
+
+    from funcshard._src.comm import runtime
+
+    bound = groups.bind(fs.Mesh({"fsdp": 3}))
+    group = bound.group(("fsdp",))
+    assert group is not None
+    arena = shm.arena(group)
+    assert arena is not None, "ranks of one host share memory"
+    rows = shm.input_rows(arena, 3, 100, torch.float32)
+    rows.fill_(1.0)
+    work = shm.reduce_scatter(arena, rows, torch.empty(100))
+    if dist.get_rank() == 1:
+        time.sleep(3.0)  # past the others' timeout, then leaves without reading
+        return ""
+    work.wait()
+    runtime.set_collective_timeout(1.0)
+    try:
+        arena.drain()
+    except CollectiveError as e:
+        return str(e)
+    finally:
+        runtime.set_collective_timeout(None)
+    return ""
+
+
+def test_a_drain_waiting_for_a_peer_that_never_reads_fails_in_time(pools):
+    # [Note: draining regions] in comm/shm/regions.py: the wait fails like a collective's
+    try:
+        errors = pools.run(3, _drain_with_a_peer_that_never_reads)
+    finally:
+        pools.pool(3).close()  # out of step: the next test starts fresh
+    for rank in (0, 2):
+        assert "group rank(s) [1] have not finished reading" in errors[rank], errors[rank]
+        assert "the ranks are out of step" in errors[rank]
