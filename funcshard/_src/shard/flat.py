@@ -58,7 +58,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 
@@ -148,12 +148,30 @@ class OwnRow:
                 torch.add(base[a:b], source, alpha=self.scale, out=target)
 
 
-def layout_row_order(layout: FlatLayout, axes: Sequence[str], /) -> tuple[int, ...] | None:
-    """:func:`row_order` of ``layout``'s mesh, worked out once per layout and ``axes`` (``FlatLayout.derived``)."""
-    key = ("row order", tuple(axes))
+_T = TypeVar("_T")
+
+
+def _derived(
+    layout: FlatLayout,
+    what: str,
+    axes: tuple[str, ...],
+    make: Callable[[FlatLayout, tuple[str, ...]], _T],
+    /,
+) -> _T:
+    """``make(layout, axes)``, worked out once per layout and ``axes`` and held on the layout (``FlatLayout.derived``)."""
+    key = (what, axes)
     if key not in layout.derived:
-        layout.derived[key] = row_order(layout.mesh, axes)
-    return cast("tuple[int, ...] | None", layout.derived[key])
+        layout.derived[key] = make(layout, axes)
+    return cast("_T", layout.derived[key])
+
+
+def layout_row_order(layout: FlatLayout, axes: Sequence[str], /) -> tuple[int, ...] | None:
+    """:func:`row_order` of ``layout``'s mesh, worked out once per layout and ``axes``."""
+    return _derived(layout, "row order", tuple(axes), _mesh_row_order)
+
+
+def _mesh_row_order(layout: FlatLayout, axes: tuple[str, ...]) -> tuple[int, ...] | None:
+    return row_order(layout.mesh, axes)
 
 
 def row_order(mesh: Mesh, axes: Sequence[str], /) -> tuple[int, ...] | None:
@@ -605,10 +623,7 @@ class SlotGeometry:
 
 
 def _geometry(layout: FlatLayout, axes: tuple[str, ...]) -> tuple[SlotGeometry, ...]:
-    found = layout.derived.get(("geometry", axes))
-    if found is None:
-        found = layout.derived[("geometry", axes)] = _work_out_geometry(layout, axes)
-    return cast("tuple[SlotGeometry, ...]", found)
+    return _derived(layout, "geometry", axes, _work_out_geometry)
 
 
 def _work_out_geometry(layout: FlatLayout, axes: tuple[str, ...]) -> tuple[SlotGeometry, ...]:
@@ -663,10 +678,7 @@ FUSED_SCALE_BYTES = 4 << 20  # a scaled pack up to this size: one fused copy, th
 
 
 def _column_widths(layout: FlatLayout, axes: tuple[str, ...]) -> tuple[int, ...] | None:
-    key = ("column widths", axes)
-    if key not in layout.derived:
-        layout.derived[key] = _work_out_column_widths(layout, axes)
-    return cast("tuple[int, ...] | None", layout.derived[key])
+    return _derived(layout, "column widths", axes, _work_out_column_widths)
 
 
 def _work_out_column_widths(layout: FlatLayout, axes: tuple[str, ...]) -> tuple[int, ...] | None:
