@@ -438,6 +438,8 @@ class Run:
         # ([Note: staging lifetimes] in execute/param_group.py)
         self._drains_after = next((c.index for c in self.calls if c.expects_backward), None)
         self.stage = Stage.BACKWARD
+        if self.on_track and len(self.calls) == len(self.order_hint):
+            self._prefetch_backward(len(self.calls))  # [Note: the first backward gather]
         return [c.unit.name for c in self.calls]
 
     # -- backward ----------------------------------------------------------------
@@ -461,10 +463,7 @@ class Run:
             self._acquire(record.unit)
         record.phase = CallPhase.BACKWARD
         self._in_backward.add(record.index)
-        for j in range(record.index - 1, max(-1, record.index - 1 - self.prefetch), -1):
-            earlier = self.calls[j]
-            if earlier.phase is CallPhase.WAITING and earlier.unit.state is UnitState.SHARDED:
-                self.group_of[earlier.unit.name].prefetch(earlier.unit)
+        self._prefetch_backward(record.index)
 
     def gathered_grads(self, record: CallRecord, grads: Sequence[torch.Tensor | None]) -> None:
         """A gather node's backward: the call's gradients; the root unit's are summed until finish.
@@ -583,6 +582,17 @@ class Run:
             if unit is not None and unit.state is UnitState.SHARDED:
                 self.group_of[name].prefetch(unit)
 
+    def _prefetch_backward(self, before: int) -> None:
+        """Prefetches the units of the ``prefetch`` calls before call ``before`` whose backward comes next."""
+        for j in range(before - 1, max(-1, before - 1 - self.prefetch), -1):
+            earlier = self.calls[j]
+            if (
+                earlier.phase is CallPhase.WAITING
+                and earlier.expects_backward
+                and earlier.unit.state is UnitState.SHARDED
+            ):
+                self.group_of[earlier.unit.name].prefetch(earlier.unit)
+
     def _acquire(self, unit: UnitRuntime) -> None:
         self.group_of[unit.name].acquire(unit)
 
@@ -614,6 +624,22 @@ class Run:
 # (``hybrid_shard_optimizer``; [Note: partial copies] in ``plan/strategy.py`` there). The step's last
 # micro-batch keeps nothing: shards change at the update, so nothing gathered from
 # them may outlive the step. ``Run`` asks here at every release.
+
+
+# [Note: the first backward gather]
+# The end of forward prefetches the units of the calls whose backward comes first.
+#
+# The last call of forward frees its unit, and backward needs it again first; the
+# root unit is held through the step and has no hook of its own, so without this
+# the first backward gather would start only at that call's hook and nothing would
+# hide it (what the root's loss backward computes meanwhile is the time it needs).
+# ``Run.end_forward`` issues it when forward called exactly the last step's units
+# in its order, which every rank agreed on at the start: then every rank issues the
+# same gathers, before the end-of-forward agreement digests the collectives issued,
+# and the first wait for them comes after that agreement is finished (as any
+# backward collective's). FSDP2 issues the same gather from its root's pre-backward
+# hook. It holds one unit's gathered storage during the loss's backward, which a
+# backward prefetch holds during a call's backward anyway.
 
 
 def keeps_gathered(unit: UnitRuntime, /, *, last: bool) -> bool:
