@@ -91,7 +91,10 @@ def test_a_step_in_steady_state_allocates_its_staging_once_and_keeps_none(
         # what is kept while the units are reduced: at most `prefetch` all-gather outputs and
         # one reduce-scatter input, of one unit or of one bucket (the 4 units; its gathers also
         # keep their 1/W-sized input); and once the last unit is reduced, nothing (drained)
-        assert 0 < held <= (prefetch + 1) * one * (1 if bucket_bytes == 0 else 4 * 1.5)
+        assert held <= (prefetch + 1) * one * (1 if bucket_bytes == 0 else 4 * 1.5)
+        # full_shard's first backward gather, started at the end of forward, has taken the
+        # pooled buffer by then ([Note: the first backward gather] in execute/run.py)
+        assert (held == 0) == (strategy == "full_shard")
         assert after == 0
 
 

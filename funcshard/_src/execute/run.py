@@ -560,7 +560,8 @@ class Run:
         for once it knows every rank gave up alike (see [Note: out of step] in ``comm/settle.py``).
         """
         self._end()
-        inflight = self.reducer.abandon()
+        self.reducer.abandon()
+        inflight: list[Pending] = []
         for group in self.groups:
             inflight.extend(group.discard())
         return inflight
@@ -588,7 +589,7 @@ class Run:
             earlier = self.calls[j]
             if (
                 earlier.phase is CallPhase.WAITING
-                and earlier.expects_backward
+                and earlier.unit.frees_after_forward  # a compiled call's others keep copies
                 and earlier.unit.state is UnitState.SHARDED
             ):
                 self.group_of[earlier.unit.name].prefetch(earlier.unit)
