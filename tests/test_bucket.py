@@ -86,7 +86,7 @@ def _train(
         # a unit's gathers when not bucketed: one per part; a part gathered leaf by leaf
         # writes all its leaves in one (collectives.all_gather_pieces)
         "per_gather": {u.name: sum(not p.aliased for p in u.parts) for u in units},
-        "buckets": sum(g.shared for g in step._groups),
+        "buckets": sum(len(m) > 1 for m in step._members),
     }
 
 

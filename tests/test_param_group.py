@@ -20,7 +20,7 @@ from funcshard._src.comm import collectives as real_collectives
 from funcshard._src.comm.collectives import Ledger, Pending
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.execute import param_group
-from funcshard._src.execute.param_group import BufferPool, ParamGroup, make_groups
+from funcshard._src.execute.param_group import BufferPool, ParamGroup, make_groups, plan_groups
 from funcshard._src.execute.unit_state import GatheredMemory, UnitRuntime, UnitState
 from funcshard._src.plan.precision import FULL_PRECISION
 from funcshard._src.shard.shard import plan_layouts, shard_for_rank
@@ -38,6 +38,10 @@ class FakeCollectives:
     """The collectives a group issues, answered in this process: every rank's shard, by the shard's address."""
 
     group_size = staticmethod(real_collectives.group_size)
+
+    @staticmethod
+    def input_rows(*args: Any, **kw: Any) -> None:
+        """No transport's own input buffers: the group packs into its pools."""
 
     def __init__(self, shards_by_ptr: dict[int, list[torch.Tensor]]) -> None:
         self.shards_by_ptr = shards_by_ptr
@@ -123,7 +127,7 @@ def test_a_prefetched_unit_no_call_holds_is_dropped(built):
 
 def test_a_bucket_gathers_its_members_in_one_collective_per_part_and_frees_them_one_by_one(built):
     units, fake, memory = built
-    (group,) = make_groups(units, 1 << 20, BufferPool(), BufferPool())
+    (group,) = make_groups(plan_groups(units, 1 << 20), BufferPool(), BufferPool())
     assert group.members == units
     group.prefetch(units[0])
     assert all(u.state is UnitState.GATHERING for u in units)
@@ -141,7 +145,7 @@ def test_a_bucket_reduces_a_round_once_every_member_reported_and_early_when_one_
     built,
 ):
     units, fake, _ = built
-    (group,) = make_groups(units, 1 << 20, BufferPool(), BufferPool())
+    (group,) = make_groups(plan_groups(units, 1 << 20), BufferPool(), BufferPool())
     dtype = units[0].parts[0].grad_dtype
     group.columns(units[0], 0, dtype, opened=0)
     assert not group.complete(0)
@@ -155,3 +159,87 @@ def test_a_bucket_reduces_a_round_once_every_member_reported_and_early_when_one_
     _, flushed = group.columns(units[0], 0, dtype, opened=3)  # reported twice: flushed first
     assert flushed is not None
     assert group.open_rounds() == [(3, 0)]
+
+
+def _full_grads(unit: UnitRuntime, scale: float) -> list[torch.Tensor]:
+    """``unit``'s full gradients in its leaf order: each leaf's values times ``scale``."""
+    paths, leaves, _ = flatten_with_paths(PARAMS)
+    by_path = dict(zip(paths, leaves))
+    return [by_path[slot.path] * scale for slot in unit.slots]
+
+
+def test_a_group_holds_each_reduction_it_starts_until_asked_for_its_oldest(built):
+    units, fake, _ = built
+    unit = next(u for u in units if u.name == "a")
+    group = ParamGroup([unit], BufferPool(), BufferPool())
+    part = unit.parts[0]
+    rows = torch.arange(2.0 * part.layout.numel).view(2, -1)
+    first = group.reduce(unit, part, rows, rows, out=None, keep_rows=False)
+    second = group.reduce(unit, part, rows + 1, rows + 1, out=None, keep_rows=False)
+    assert group.reductions == [first, second]
+    assert group.staged() == 2  # both hold packed gradients
+    finished = group.finish_oldest(lambda _: None)
+    assert group.reductions == [second]
+    ((got_part, reduced),) = finished.results
+    assert got_part is part
+    assert torch.equal(reduced, rows[0])  # the fake's sum: rank 0's row
+    assert (finished.partial_bytes, finished.started) == (0, False)
+    assert fake.issued == [("reduce_scatter", "a")] * 2
+
+
+def test_the_reducer_waits_for_the_oldest_reduction_of_any_group_first(built, monkeypatch):
+    units, _, _ = built
+    groups = make_groups([[u] for u in units], BufferPool(), BufferPool())
+    reducer = param_group.Reducer(world_size=W, spares={})
+    waited: list[str] = []
+    for group in groups:
+        finish = group.finish_oldest
+
+        def logged(spare: Any, group: ParamGroup = group, finish: Any = finish) -> Any:
+            waited.append(group.name)
+            return finish(spare)
+
+        monkeypatch.setattr(group, "finish_oldest", logged)
+    for group in groups:
+        (unit,) = group.members
+        reducer.reduce(group, unit, _full_grads(unit, 1.0), defer=False)
+    # packing the second group's gradients waited for the first's reduction (MAX_PENDING)
+    assert waited == ["a"]
+    assert [g.name for g in reducer.order] == ["c"]
+    reducer.finish()
+    assert waited == ["a", "c"]
+    assert reducer.order == []
+    assert all(g.reductions == [] for g in groups)
+    for group in groups:
+        (unit,) = group.members
+        for part in unit.parts:
+            sums = reducer.gradients.sums[part]
+            assert sums.shape == (part.layout.numel,)
+            # rank 0's row of the packed gradients, divided by the world size
+            assert torch.equal(sums * W, _packed_row(unit, part, 0))
+
+
+def _packed_row(unit: UnitRuntime, part: Any, row: int) -> torch.Tensor:
+    """Row ``row`` of ``unit``'s full gradients (its leaves' values) packed for ``part``'s reduce-scatter."""
+    rows = torch.empty(W, part.layout.numel, dtype=part.grad_dtype)
+    param_group.pack_into(
+        part.layout, unit.split(_full_grads(unit, 1.0))[0], rows, unit.axes, scale=1.0
+    )
+    return rows[row]
+
+
+def test_an_error_drops_every_collective_a_group_has_in_flight_and_its_step_state(built):
+    units, _, memory = built
+    (group,) = make_groups(plan_groups(units, 1 << 20), BufferPool(), BufferPool())
+    group.prefetch(units[0])
+    dtype = units[0].parts[0].grad_dtype
+    columns, _ = group.columns(units[0], 0, dtype, opened=0)
+    columns.zero_()
+    group.columns(units[1], 0, dtype, opened=1)
+    group.flush(0)
+    dropped = group.discard()
+    # the reduce-scatter, then the shared all-gather of every part
+    assert len(dropped) == 1 + len(units[0].parts)
+    assert (group.reductions, group.inflight, group.rounds) == ([], {}, {})
+    assert all(u.state is UnitState.SHARDED for u in units)
+    assert memory.current == 0

@@ -57,7 +57,7 @@ def _held_and_peak(
         "peak": step.stats.peak_gathered_bytes,
         "root": root,
         "max_unit": max(c for name, c in cost.items() if name != "<root>"),
-        "max_group": max_group_bytes(step._groups, cost),
+        "max_group": max_group_bytes(step._members, cost),
         "all_units": sum(u.gathered_bytes for u in units),
         "expected_params": param_bytes_per_rank(plan),
     }
@@ -539,14 +539,14 @@ def test_backward_regathers_each_unit_and_prefetches_the_one_before(pools):
 def max_group_bytes(groups: Any, cost: dict[str, int]) -> int:
     """The most bytes one gather group holds: a unit, or a bucket's members plus its 1/W-sized input."""
     return max(
-        sum(cost[u.name] for u in g.members)
+        sum(cost[u.name] for u in members)
         + (
-            sum(p.layout.nbytes for u in g.members for p in u.parts if not p.aliased)
-            if g.shared
+            sum(p.layout.nbytes for u in members for p in u.parts if not p.aliased)
+            if len(members) > 1
             else 0
         )
-        for g in groups
-        if not any(u.unit.is_root for u in g.members)
+        for members in groups
+        if not any(u.unit.is_root for u in members)
     )
 
 

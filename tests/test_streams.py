@@ -226,9 +226,9 @@ def test_a_full_shard_step_orders_copy_in_all_gather_compute_and_reduce_scatter_
         part = unit.parts[0]
         rows = torch.ones(2, part.layout.numel, dtype=part.grad_dtype)
         log.append(("backward", unit.name))
-        reduction = group.reduce(unit, part, rows, rows, out=None, keep_rows=True)
+        group.reduce(unit, part, rows, rows, out=None, keep_rows=True)
         log.append(("host asks", unit.name))
-        reduced = group.wait(reduction)
+        ((_, reduced),) = group.finish_oldest(lambda _: None).results
         assert torch.equal(reduced, rows[0])
         log.append(("gradient used", unit.name))
 
@@ -264,7 +264,7 @@ def test_hybrid_shard_all_reduces_right_after_the_reduce_scatter_on_its_stream(d
     group = ParamGroup([unit], BufferPool(), BufferPool())
     part = unit.parts[0]
     rows = torch.full((2, part.layout.numel), 3.0)
-    reduction = group.reduce(unit, part, rows, rows, out=None, keep_rows=False)
+    group.reduce(unit, part, rows, rows, out=None, keep_rows=False)
     log.append(("host asks", unit.name))
     rs = _at(log, ("issue", "reduce_scatter", "reduce_scatter", unit.name))
     ar = _at(log, ("issue", "all_reduce", "all_reduce", unit.name), rs)
@@ -273,7 +273,7 @@ def test_hybrid_shard_all_reduces_right_after_the_reduce_scatter_on_its_stream(d
     assert ar < log.index(("host asks", unit.name))
     assert ("wait_stream", "all_reduce", "reduce_scatter") in log[rs:ar]
     assert ("record_stream", "all_reduce") in log[rs:ar]  # its input, made on another stream
-    out = group.wait(reduction)
+    ((_, out),) = group.finish_oldest(lambda _: None).results
     assert torch.equal(out, rows[0])
     recorded, event = _event_after(log, ar, "all_reduce")
     _at(log, ("wait_event", "compute", event), recorded)
@@ -292,6 +292,6 @@ def test_on_the_cpu_hybrid_shard_all_reduces_when_the_host_waits(monkeypatch):
     reduction = group.reduce(unit, part, rows, rows, out=None, keep_rows=False)
     assert [e[1] for e in module.log if e[0] == "issue"] == ["reduce_scatter"]
     assert reduction.stage.event is None
-    group.wait(reduction)
+    group.finish_oldest(lambda _: None)
     assert [e[1] for e in module.log if e[0] == "issue"] == ["reduce_scatter", "all_reduce"]
     assert not any(e[0] in ("wait_stream", "wait_event", "record") for e in module.log)

@@ -14,6 +14,7 @@ import torch
 
 import funcshard as fs
 from funcshard._src.comm import collectives
+from funcshard._src.execute.param_group import BufferPool, ParamGroup
 from funcshard._src.execute.unit_state import UnitState, UnitStateError
 from funcshard.testing import assert_trees_close, reference_value_and_grad
 
@@ -25,7 +26,8 @@ def _unit():
         lambda p, x: fs.call(lambda b, x: (x @ b["w"]).sum(), p["blocks"][0], x), plan
     )
     step(fs.shard(params, plan), torch.ones(3, 4))  # one step binds every unit
-    return next(g for g in step._groups if g.name == "blocks/0")
+    (members,) = [m for m in step._members if m[0].name == "blocks/0"]
+    return ParamGroup(members, BufferPool(), BufferPool())
 
 
 def test_the_transitions_of_the_diagram():

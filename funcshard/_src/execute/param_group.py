@@ -15,7 +15,8 @@ units (:meth:`ParamGroup.prefetch`, :meth:`~ParamGroup.acquire`,
 its members through their states (``unit_state.py``), which check each transition
 and never call back. The :class:`Reducer` (below) packs a call's gradients and
 hands them to :meth:`~ParamGroup.reduce` (a group of one) or into a round
-(:meth:`~ParamGroup.columns`, a bucket), and waits through :meth:`~ParamGroup.wait`.
+(:meth:`~ParamGroup.columns`, a bucket); the group holds each reduction it starts
+until the Reducer asks it to finish its oldest (:meth:`~ParamGroup.finish_oldest`).
 A bucket's open rounds are the group's alone (:meth:`~ParamGroup.open_rounds`).
 
 Sharing is per collective, state is per unit: a bucket's first member that needs
@@ -31,6 +32,17 @@ reports, the same on every rank for the same calls (see [Note: collective
 order] in ``run.py``), so every rank issues the same bucketed collectives. The
 ledger counts every member's bytes as if it had its own collective, so it equals
 the cost model (which counts per unit) for every bucket size.
+
+[Note: a group lives for one step]
+A step makes its groups afresh (:func:`make_groups`) from the membership decided
+once with the units (:func:`plan_groups`), and drops them at its end: everything a
+group holds is that step's, the all-gathers in flight (:attr:`ParamGroup.inflight`,
+by part), a bucket's shared gathers and open rounds, the reductions in flight
+(:attr:`ParamGroup.reductions`, oldest first) and two-hop partial gradients
+(:attr:`ParamGroup.partial_sums`). What outlives a step is the units' (their shards'
+bindings, gathered storage and state, ``unit_state.py``) and the staging pools'.
+The :class:`Reducer` (per step too) keeps only the order in which groups started
+their reductions, to wait for the oldest first across groups, and the gradients.
 
 Buckets: a collective over a few hundred kilobytes costs its latency, not its
 bytes: on gloo at W=2 a round trip is about as long as moving a megabyte.
@@ -111,7 +123,6 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
 import torch
 
@@ -120,7 +131,7 @@ from funcshard._src.comm.collectives import Pending
 from funcshard._src.comm.transport import ALL_GATHER, LARGE_BYTES
 from funcshard._src.execute.gradients import Gradients, PartKey
 from funcshard._src.execute.streams import Streams, streams_for
-from funcshard._src.execute.unit_state import Gathering, Part, UnitRuntime, UnitState
+from funcshard._src.execute.unit_state import Part, UnitRuntime, UnitState
 from funcshard._src.shard.flat import (
     FlatLayout,
     OwnRow,
@@ -291,6 +302,35 @@ class SharedGathering:
 
 
 @dataclass(eq=False)
+class Gathering:
+    """One part's all-gather in flight, however it is carried; its group issued it and finishes it.
+
+    ``pendings`` are the collectives behind it, in the order issued: one; one per
+    leaf where a part is gathered leaf by leaf (:attr:`Part.by_leaf`); or a bucket's
+    all-gather, ``shared`` by its members. ``result`` is what they fill: the gathered
+    ``(group_size, numel)`` rows (a bucket member's own columns of the shared rows),
+    or, ``in_place``, the part's full storage itself, written by the collectives.
+    """
+
+    pendings: list[Pending]
+    result: torch.Tensor
+    in_place: bool = False
+    shared: SharedGathering | None = None
+    # in_place: the storage's version counter, put back once the collectives have written
+    version: torch.autograd._unsafe_preserve_version_counter | None = None
+
+    def wait(self) -> torch.Tensor:
+        """Blocks until ``result`` is filled; returns it."""
+        if self.shared is not None:
+            self.shared.wait()
+            return self.result
+        out = self.result
+        for pending in self.pendings:
+            out = pending.wait()
+        return self.result if self.in_place else out
+
+
+@dataclass(eq=False)
 class Round:
     """One part's packed gradients of the members that reported so far."""
 
@@ -327,8 +367,23 @@ class Reduction:
     partial_bytes: int = 0  # a second hop: the bytes of the partial gradient it reduces
 
 
+@dataclass
+class Finished:
+    """What waiting for a group's oldest reduction finished (:meth:`ParamGroup.finish_oldest`).
+
+    ``results``: each part's reduced gradient (this rank's shard, or a bucket
+    member's piece of it), for ``gradients.py``; none for a first hop.
+    ``partial_bytes``: the change in bytes of partial gradients alive;
+    ``started``: a second hop was started (one more reduction in flight).
+    """
+
+    results: list[tuple[Part, torch.Tensor]]
+    partial_bytes: int
+    started: bool = False
+
+
 class ParamGroup:
-    """Units gathered, freed and reduced together, and every collective that moves them; see [Note: one owner per collective]."""
+    """Units gathered, freed and reduced together in one step, and every collective that moves them; see [Note: one owner per collective]."""
 
     def __init__(
         self, members: Sequence[UnitRuntime], gather_pool: BufferPool, reduce_pool: BufferPool
@@ -343,15 +398,18 @@ class ParamGroup:
         self.reduce_pool = reduce_pool  # a bucket's rounds
         self.index = {m.name: i for i, m in enumerate(self.members)}
         # several members share each collective: their columns side by side
+        # (plan_groups made them gather packed)
         self.shared = len(self.members) > 1
-        if self.shared:
-            for member in self.members:  # a bucket gathers its members through one buffer
-                member.pack_gathers()
         self.columns_of = Columns(self.members)
-        self.rounds: dict[int, Round] = {}  # a bucket's open reduction rounds, by part
+        # -- the step's state: [Note: a group lives for one step]
+        self.inflight: dict[Part, Gathering] = {}  # each GATHERING member's parts' all-gathers
         # shared all-gathers with shares not yet unpacked: a later one may start for members
         # freed while others still wait on an earlier one (a unit called again)
         self._gathering: list[SharedGathering] = []
+        self.rounds: dict[int, Round] = {}  # a bucket's open reduction rounds, by part
+        self.reductions: list[Reduction] = []  # in flight, oldest first
+        # two-hop parts' partial gradients: [Note: two-hop reductions] in param_group.py
+        self.partial_sums: dict[Part, torch.Tensor] = {}
 
     @property
     def name(self) -> str:
@@ -468,16 +526,22 @@ class ParamGroup:
         )
         if then:
             self._all_reduce_now(reduction)
+        self.reductions.append(reduction)
         return reduction
 
-    def reduce_across(
-        self, unit: UnitRuntime, part: Part, sums: torch.Tensor, /, *, out: torch.Tensor | None
-    ) -> Reduction:
-        """Starts the second hop of a two-hop reduction: ``sums`` ``(copy rows * numel,)`` over the other axes.
+    def reduce_across(self, part: Part, /, *, out: torch.Tensor | None) -> int:
+        """Starts the second hop of ``part``'s partial gradient over the other axes; the bytes it frees.
 
-        See [Note: two-hop reductions] in ``param_group.py``; the result (into ``out``
-        where given) is this rank's gradient shard.
+        See [Note: two-hop reductions] in ``param_group.py``: the partial gradient
+        ``(copy rows * numel,)`` is reduce-scattered (in the reduce dtype) over the
+        axes its copy does not span; the result (into ``out`` where given) is this
+        rank's gradient shard.
         """
+        unit = self.members[0]  # two-hop units are groups of one
+        sums = self.partial_sums.pop(part)
+        nbytes = sums.numel() * sums.element_size()
+        if sums.dtype != part.grad_dtype:
+            sums = sums.to(part.grad_dtype)
         copy = unit.partial
         replicated = tuple(a for a in self.axes if a not in copy.regather_axes)
         stage = self._reduce_scatter(unit, sums.view(copy.rows, -1), replicated, out=out)
@@ -485,7 +549,10 @@ class ParamGroup:
         layout = part.layout
         # its input is the partial gradient, not packed rows: it does not count against
         # the reductions that hold packed gradients (MAX_PENDING in param_group.py)
-        return Reduction(((part, 0, layout.numel),), stage, (), unit.name, None, packed=False)
+        self.reductions.append(
+            Reduction(((part, 0, layout.numel),), stage, (), unit.name, None, packed=False)
+        )
+        return nbytes
 
     def reduce_columns(
         self,
@@ -646,6 +713,7 @@ class ParamGroup:
         )
         if then:
             self._all_reduce_now(reduction)
+        self.reductions.append(reduction)
         return reduction
 
     def _all_reduce_now(self, reduction: Reduction, /) -> None:
@@ -683,7 +751,46 @@ class ParamGroup:
                 self.ledger.record("all_reduce", then, group_size=size, full_bytes=nbytes)
         return pending
 
-    def wait(self, reduction: Reduction, /) -> torch.Tensor:
+    def staged(self) -> int:
+        """Reductions in flight that hold packed gradients beside their result."""
+        return sum(r.packed for r in self.reductions)
+
+    def finish_oldest(self, spare: Callable[[Part], torch.Tensor | None], /) -> Finished:
+        """Waits for this group's oldest reduction; what it finished (:class:`Finished`); mutates.
+
+        A first hop is summed into its part's partial gradient, and the unit's last
+        one of the step starts the second hop into ``spare(part)`` ([Note: two-hop
+        reductions] in ``param_group.py``).
+        """
+        reduction = self.reductions.pop(0)
+        reduced = self._wait(reduction)
+        freed = reduction.partial_bytes
+        if not reduction.first_hop:
+            return Finished(
+                [
+                    (part, reduced if (a, b) == (0, reduced.numel()) else reduced[a:b])
+                    for part, a, b in reduction.pieces
+                ],
+                -freed,
+            )
+        ((part, _, _),) = reduction.pieces
+        sums = self.partial_sums.get(part)
+        added = 0
+        if sums is None:
+            dtype = part.layout.dtype
+            sums = self.partial_sums[part] = (
+                reduced if reduced.dtype == dtype else reduced.to(dtype)
+            )
+            added = sums.numel() * sums.element_size()
+        else:
+            sums.add_(reduced)
+        if not reduction.then_across:
+            return Finished([], added - freed)
+        nbytes = self.reduce_across(part, out=spare(part))
+        self.reductions[-1].partial_bytes = nbytes
+        return Finished([], added - freed, started=True)
+
+    def _wait(self, reduction: Reduction, /) -> torch.Tensor:
         """Waits for ``reduction`` (and all-reduces across replicas if need be); the reduced ``(numel,)``.
 
         Gives the packed input back to the reduce pool once the first stage is done.
@@ -758,13 +865,16 @@ class ParamGroup:
                 unit.partial.free(unit.parts)
 
     def discard(self) -> list[Pending]:
-        """After an error: drops collectives in flight without waiting (returns them), frees storage, forgets rounds."""
-        dropped = [g.pending for g in self._gathering if not g.waited]
+        """After an error: drops collectives in flight without waiting (returns them), frees storage, forgets the step's state."""
+        dropped = [r.stage for r in self.reductions]
+        dropped.extend(g.pending for g in self._gathering if not g.waited)
+        self.reductions.clear()
         self._gathering.clear()
         self.rounds.clear()
+        self.partial_sums.clear()
         for unit in self.members:
             for part in unit.parts:
-                inflight, part.inflight = part.inflight, None
+                inflight = self.inflight.pop(part, None)
                 if inflight is None:
                     continue
                 if inflight.in_place:
@@ -810,9 +920,9 @@ class ParamGroup:
                 full = unit.materialize(part)
                 # the refill is not an in-place change of tensors autograd saved: the
                 # version is put back once the collective has written (after its wait)
-                part.version = torch.autograd._unsafe_preserve_version_counter(full)
+                version = torch.autograd._unsafe_preserve_version_counter(full)
                 pendings = self._gather_in_place(unit, part, local, axes)
-                part.inflight = Gathering(pendings, full, in_place=True)
+                self.inflight[part] = Gathering(pendings, full, in_place=True, version=version)
                 continue
             out = self.pool.take(  # (group_size * numel,); see [Note: staging lifetimes]
                 self.group_size * part.layout.numel, local.dtype, local.device
@@ -831,7 +941,7 @@ class ParamGroup:
                     ledger=self.ledger,
                     tag=unit.name,
                 )
-                part.inflight = Gathering([pending], pending.result)
+                self.inflight[part] = Gathering([pending], pending.result)
                 continue
             # a shard (or its cast) is stable until the evaluation settles; a partial copy
             # is freed by its unit ([Note: shards read in place] in comm/shm/regions.py)
@@ -850,7 +960,7 @@ class ParamGroup:
                 ),
                 (local,),
             )
-            part.inflight = Gathering([pending], pending.result)
+            self.inflight[part] = Gathering([pending], pending.result)
         unit.mark_gathering(from_partial=partial)
 
     def _gather_in_place(
@@ -929,7 +1039,9 @@ class ParamGroup:
                 member = self.members[i]
                 a, b = self.columns_of.span(i, j)
                 full_bytes = self.group_size * (b - a) * part.compute_dtype.itemsize
-                member.parts[j].inflight = Gathering([pending], gathered[:, a:b], shared=gathering)
+                self.inflight[member.parts[j]] = Gathering(
+                    [pending], gathered[:, a:b], shared=gathering
+                )
                 self.memory.add(full_bytes)
                 if self.ledger is not None:
                     self.ledger.record(
@@ -944,12 +1056,11 @@ class ParamGroup:
         for part in unit.parts:
             if part.aliased:
                 continue
-            assert part.inflight is not None
-            inflight, part.inflight = part.inflight, None  # a failed wait is not waited for again
+            inflight = self.inflight.pop(part)  # a failed wait is not waited for again
             try:
                 gathered = inflight.wait()
             except BaseException:
-                if part.in_place:
+                if inflight.in_place:  # the collectives may still write into its storage
                     unit.forget(part)
                 raise
             for pending in inflight.pendings:  # the compute stream waits on its event
@@ -960,10 +1071,9 @@ class ParamGroup:
                 rows = part.full if part.in_place else gathered
                 assert rows is not None
                 unit.partial.keep(part, rows.view(self.group_size, -1))
-            if part.in_place and not unit.partial.in_flight:  # the collective filled part.full
-                assert part.version is not None
-                part.version.__exit__(None, None, None)
-                part.version = None
+            if inflight.in_place:  # the collective filled part.full
+                assert inflight.version is not None
+                inflight.version.__exit__(None, None, None)
                 continue
             full = unit.materialize(part)
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
@@ -974,7 +1084,7 @@ class ParamGroup:
                     _unpack_regathered(unit, part, full, gathered)
             self.memory.sub(gathered.numel() * gathered.element_size())
             if inflight.shared is not None:
-                self._unpacked(cast(SharedGathering, inflight.shared), self.index[unit.name])
+                self._unpacked(inflight.shared, self.index[unit.name])
             else:
                 self.pool.give(gathered)
         unit.mark_gathered()
@@ -1076,29 +1186,28 @@ def default_bucket_bytes(backend: str | None, /) -> int:
     return 0 if backend is None else DEFAULT_BUCKET_BYTES.get(backend, 0)
 
 
-def make_groups(
-    units: Sequence[UnitRuntime],
-    bucket_bytes: int,
-    gather_pool: BufferPool,
-    reduce_pool: BufferPool,
-    /,
-) -> list[ParamGroup]:
-    """Every unit's parameter group, in ``units``' order: buckets of consecutive units up to ``bucket_bytes``.
+def plan_groups(units: Sequence[UnitRuntime], bucket_bytes: int, /) -> list[list[UnitRuntime]]:
+    """Which units form each parameter group, in ``units``' order: buckets of consecutive units up to ``bucket_bytes``.
 
-    Units join when they have the same strategy, collective axes and parts
-    (dtype, compute and gradient dtype, frozen, aliased), no part of one leaf
-    gathered in place, no partial copy and not the root unit, and their full leaves together stay
-    within ``bucket_bytes`` (``0``: no buckets). Every other unit is a group of one.
+    Decided once, with the units; each step makes its groups from it
+    (:func:`make_groups`, [Note: a group lives for one step]). Units join when they
+    have the same strategy, collective axes and parts (dtype, compute and gradient
+    dtype, frozen, aliased), no part of one leaf gathered in place, no partial copy
+    and not the root unit, and their full leaves together stay within
+    ``bucket_bytes`` (``0``: no buckets). Every other unit is a group of one.
     Mutates a bucket's members: they gather their leaves packed
     (:meth:`UnitRuntime.pack_gathers`).
     """
-    groups: list[ParamGroup] = []
+    groups: list[list[UnitRuntime]] = []
     run: list[UnitRuntime] = []
     size = 0
 
     def close() -> None:
         if run:
-            groups.append(ParamGroup(run, gather_pool, reduce_pool))
+            groups.append(list(run))
+            if len(run) > 1:
+                for member in run:  # a bucket gathers its members through one buffer
+                    member.pack_gathers()
         run.clear()
 
     for unit in units:
@@ -1106,10 +1215,7 @@ def make_groups(
         if not _eligible(unit) or nbytes > bucket_bytes:
             close()
             size = 0
-            # the root unit's staging is as large as the embeddings and used once a step: a
-            # pool that keeps nothing, so it is not held from its gather to its reduction
-            pool = BufferPool(depth=0) if unit.is_root else gather_pool
-            groups.append(ParamGroup([unit], pool, reduce_pool))
+            groups.append([unit])
             continue
         if run and (_signature(run[0]) != _signature(unit) or size + nbytes > bucket_bytes):
             close()
@@ -1118,6 +1224,27 @@ def make_groups(
         size += nbytes
     close()
     return groups
+
+
+def make_groups(
+    members: Sequence[Sequence[UnitRuntime]],
+    gather_pool: BufferPool,
+    reduce_pool: BufferPool,
+    /,
+) -> list[ParamGroup]:
+    """One step's parameter groups of :func:`plan_groups`' ``members``, with the pools they stage through.
+
+    The root unit's staging is as large as the embeddings and used once a step: a
+    pool that keeps nothing, so it is not held from its gather to its reduction.
+
+    Example:
+        >>> make_groups([], BufferPool(), BufferPool())
+        []
+    """
+    return [
+        ParamGroup(m, BufferPool(depth=0) if m[0].is_root else gather_pool, reduce_pool)
+        for m in members
+    ]
 
 
 def _eligible(unit: UnitRuntime) -> bool:
@@ -1147,16 +1274,6 @@ def _signature(unit: UnitRuntime) -> tuple[object, ...]:
     )
 
 
-@dataclass
-class PartialGradient:
-    """A two-hop unit's partial gradient of one part, and who takes it across the other axes; mutable (summed into)."""
-
-    group: ParamGroup
-    unit: UnitRuntime
-    part: Part
-    sums: torch.Tensor  # (copy rows * numel,), in the stored dtype
-
-
 # reductions in flight that hold packed gradients (a staging buffer) when the next unit's
 # gradients are packed: the older ones are waited for first. One reducing while the next
 # unit's backward computes is all the overlap there is (a group runs its collectives one
@@ -1167,7 +1284,13 @@ MAX_PENDING = 1
 
 
 class Reducer:
-    """The gradients of one call of a step; per-step state, never kept across calls."""
+    """The gradients of one call of a step, and the order its groups' reductions started in; per-step state.
+
+    The groups issue, hold and wait for their reductions
+    ([Note: a group lives for one step]); the Reducer packs a call's gradients
+    through its group and has the group whose reduction started first finish it
+    first, so that at most ``MAX_PENDING`` hold packed gradients at once.
+    """
 
     def __init__(
         self,
@@ -1183,13 +1306,15 @@ class Reducer:
         # the result, what is kept across micro-batches, donated buffers: gradients.py
         self.gradients = Gradients(spares=spares, hold_leaves=hold_leaves)
         self.deferring: dict[str, tuple[ParamGroup, UnitRuntime]] = {}  # units that deferred
-        # reductions in flight, oldest first, each with the group that waits for it
-        self.pending: list[tuple[ParamGroup, Reduction]] = []
+        # the group of each reduction in flight, in the order they started: the oldest is
+        # waited for first (each group holds its own, oldest first)
+        self.order: list[ParamGroup] = []
         # buckets this call packed gradients into: their groups hold the rounds
         self.bucketed: dict[ParamGroup, None] = {}
         self.rounds_opened = 0  # rounds opened so far: their order
-        # two-hop units' partial gradients, by part: [Note: two-hop reductions] in ``execute/param_group.py``
-        self.partial_sums: dict[Part, PartialGradient] = {}
+        # groups holding two-hop partial gradients, in the order the first began:
+        # [Note: two-hop reductions] in ``execute/param_group.py``
+        self.two_hop: dict[ParamGroup, None] = {}
         self.partial_bytes = 0  # partial gradients alive (stored dtype), and their peak
         self.partial_peak = 0
 
@@ -1247,34 +1372,24 @@ class Reducer:
             while self._staged() >= MAX_PENDING:
                 self._finish_oldest()
             self._flush(group, j)
-        while self.pending:
+        while self.order:
             self._finish_oldest()
         if not last:
             return
         # units whose last reduction came in an earlier micro-batch, in the order started
-        for part in list(self.partial_sums):
-            self._across(part)
-        while self.pending:
+        for group in self.two_hop:
+            for part in list(group.partial_sums):
+                self._started(group, group.reduce_across(part, out=self._spare(part)))
+        while self.order:
             self._finish_oldest()
 
-    def _across(self, part: Part, /) -> None:
-        """Starts the second hop of ``part``'s partial gradient ([Note: two-hop reductions] in ``execute/param_group.py``); mutates."""
-        p = self.partial_sums.pop(part)
-        sums = p.sums if p.sums.dtype == part.grad_dtype else p.sums.to(part.grad_dtype)
-        out = self.gradients.spare(part, part.grad_dtype)
-        reduction = p.group.reduce_across(p.unit, p.part, sums, out=out)
-        reduction.partial_bytes = p.sums.numel() * p.sums.element_size()
-        self.pending.append((p.group, reduction))
-
-    def abandon(self) -> list[Pending]:
-        """After an error: forgets every reduction, returning those in flight (for the caller to drain)."""
-        inflight = [r.stage for _, r in self.pending]
-        self.pending.clear()
+    def abandon(self) -> None:
+        """After an error: forgets what it holds; the groups drop their reductions (:meth:`ParamGroup.discard`)."""
+        self.order.clear()
         self.gradients.clear()
         self.deferring.clear()
-        self.partial_sums.clear()
-        self.bucketed.clear()  # the groups forget their rounds in ParamGroup.discard
-        return inflight
+        self.two_hop.clear()
+        self.bucketed.clear()
 
     def _reduce_in_round(
         self,
@@ -1291,7 +1406,7 @@ class Reducer:
         columns, flushed = group.columns(unit, j, part.grad_dtype, opened=self.rounds_opened)
         self.rounds_opened += 1
         if flushed is not None:  # a unit reported twice in this round: that round is reducing
-            self.pending.append((group, flushed))
+            self.order.append(group)
         kept = self.gradients.take_kept(part)
         pack_into(  # casts to the reduce dtype: [Note: cast while packing] in ``shard/flat.py``
             layout,
@@ -1309,7 +1424,17 @@ class Reducer:
 
     def _flush(self, group: ParamGroup, j: int) -> None:
         """Has ``group`` start reducing its open round of part ``j``."""
-        self.pending.append((group, group.flush(j)))
+        group.flush(j)
+        self.order.append(group)
+
+    def _started(self, group: ParamGroup, partial_bytes: int = 0, /) -> None:
+        """``group`` started a reduction (a second hop frees ``partial_bytes`` when done)."""
+        group.reductions[-1].partial_bytes = partial_bytes
+        self.order.append(group)
+
+    def _spare(self, part: Part, /) -> torch.Tensor | None:
+        """Where ``part``'s reduced gradient goes: a donated buffer, else ``None`` (fresh memory)."""
+        return self.gradients.spare(part, part.grad_dtype)
 
     def _open_rounds(self) -> list[tuple[ParamGroup, int]]:
         """The buckets' rounds not yet reduced, in the order they opened: (group, part)."""
@@ -1343,7 +1468,7 @@ class Reducer:
         dtype = part.grad_dtype
         columns = chunk_columns(unit, part, self.chunk_bytes, defer=defer)
         if columns:  # [Note: reductions in chunks]
-            while self.pending:  # the ranges reuse the regions these hold
+            while self.order:  # the ranges reuse the regions these hold
                 self._finish_oldest()
             pool = group.pool  # as the root's whole rows: not kept for the next step
             reduced = reduce_in_chunks(
@@ -1392,36 +1517,27 @@ class Reducer:
         # step; shared rows belong to the group's regions
         keep = unit.group_size > 1 and not unit.is_root and not shared
         reduction = group.reduce(unit, part, rows, packed, out=spare, keep_rows=keep, own=own)
-        reduction.then_across = reduction.first_hop and final
-        self.pending.append((group, reduction))
+        if reduction.first_hop:
+            reduction.then_across = final
+            self.two_hop[group] = None
+        self.order.append(group)
 
     def _staged(self) -> int:
         """Reductions in flight that hold packed gradients beside their result."""
-        return sum(r.packed for _, r in self.pending)
+        return sum(g.staged() for g in dict.fromkeys(self.order))
 
     def _finish_oldest(self) -> None:
-        """Waits for the oldest reduction; its result goes into the gradients (``gradients.py``)."""
-        group, reduction = self.pending.pop(0)
-        reduced = group.wait(reduction)
-        self.partial_bytes -= reduction.partial_bytes
+        """Waits for the oldest reduction of any group; its result goes into the gradients (``gradients.py``)."""
+        group = self.order.pop(0)
+        finished = group.finish_oldest(self._spare)
+        self.partial_bytes += finished.partial_bytes
+        self.partial_peak = max(self.partial_peak, self.partial_bytes)
         if (
-            reduction.first_hop
-        ):  # into the partial gradient: [Note: two-hop reductions] in ``execute/param_group.py``
-            ((part, _, _),) = reduction.pieces
-            partial = self.partial_sums.get(part)
-            if partial is None:
-                dtype = part.layout.dtype
-                sums = reduced if reduced.dtype == dtype else reduced.to(dtype)
-                self.partial_sums[part] = PartialGradient(group, group.members[0], part, sums)
-                self.partial_bytes += sums.numel() * sums.element_size()
-                self.partial_peak = max(self.partial_peak, self.partial_bytes)
-            else:
-                partial.sums.add_(reduced)
-            if reduction.then_across:
-                self._across(part)
-            return
-        for part, a, b in reduction.pieces:
-            self.gradients.add(part, reduced if (a, b) == (0, reduced.numel()) else reduced[a:b])
+            finished.started
+        ):  # a second hop: [Note: two-hop reductions] in ``execute/param_group.py``
+            self.order.append(group)
+        for part, reduced in finished.results:
+            self.gradients.add(part, reduced)
 
 
 # -- packing one part's gradients --------------------------------------------------------

@@ -87,13 +87,13 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from funcshard._src.comm import collectives
-from funcshard._src.comm.collectives import Ledger, Pending
+from funcshard._src.comm.collectives import Ledger
 from funcshard._src.comm.groups import BoundMesh
 from funcshard._src.plan.precision import MixedPrecision
 from funcshard._src.plan.quantize import Format, Quantized
@@ -189,41 +189,6 @@ class GatheredMemory:
 # -- a unit's parts and the collectives that gather them ----------------------------
 
 
-class Shared(Protocol):
-    """A bucket's all-gather shared by its members (``param_group.SharedGathering``)."""
-
-    def wait(self) -> None:
-        """Blocks until the shared all-gather is done (waited for once for every member)."""
-        ...
-
-
-@dataclass(eq=False)
-class Gathering:
-    """One part's all-gather in flight, however it is carried; its group issued it and finishes it.
-
-    ``pendings`` are the collectives behind it, in the order issued: one; one per
-    leaf where a part is gathered leaf by leaf (:attr:`Part.by_leaf`); or a bucket's
-    all-gather, ``shared`` by its members. ``result`` is what they fill: the gathered
-    ``(group_size, numel)`` rows (a bucket member's own columns of the shared rows),
-    or, ``in_place``, the part's full storage itself, written by the collectives.
-    """
-
-    pendings: list[Pending]
-    result: torch.Tensor
-    in_place: bool = False
-    shared: Shared | None = None
-
-    def wait(self) -> torch.Tensor:
-        """Blocks until ``result`` is filled; returns it."""
-        if self.shared is not None:
-            self.shared.wait()
-            return self.result
-        out = self.result
-        for pending in self.pendings:
-            out = pending.wait()
-        return self.result if self.in_place else out
-
-
 @dataclass(eq=False)
 class Part:
     """One dtype of a unit: its layout, persistent full storage and full leaf views."""
@@ -235,8 +200,6 @@ class Part:
     in_place: bool  # gathered straight into ``full``; see [Note: persistent gathered storage]
     full: torch.Tensor | None = None  # persistent, see [Note: persistent gathered storage]
     views: list[torch.Tensor] = field(default_factory=list)
-    inflight: Gathering | None = None  # this part's all-gather, while the unit is GATHERING
-    version: torch.autograd._unsafe_preserve_version_counter | None = None  # in_place, GATHERING
     # the partial copy, (copy rows * numel,) in the compute dtype: [Note: a partial copy on the executor] in
     # unit_state.py; kept across frees like ``full``, its storage resized to zero
     partial: torch.Tensor | None = None
@@ -606,7 +569,7 @@ class UnitRuntime:
 
     def forget(self, part: Part, /) -> None:
         """Drops an in-place part's storage without freeing it: a collective may still write into it."""
-        part.full, part.views, part.version, part.unpack = None, [], None, None
+        part.full, part.views, part.unpack = None, [], None
         self.memory.sub(part.full_bytes)
 
     def full_leaves(self) -> list[torch.Tensor]:

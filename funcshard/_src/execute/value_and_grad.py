@@ -20,6 +20,7 @@ from funcshard._src.execute.param_group import (
     chunk_bytes_for,
     default_bucket_bytes,
     make_groups,
+    plan_groups,
 )
 from funcshard._src.execute.run import (
     Run,
@@ -94,7 +95,9 @@ class Step:
         self._fingerprint = plan.fingerprint()  # asked once: the plan is data, never changed
         self._world_size = plan.mesh.size
         self._units: list[UnitRuntime] | None = None
-        self._groups: list[ParamGroup] = []  # every unit's, made with the units
+        # which units form each parameter group, decided with the units; each call makes its
+        # groups from it ([Note: a group lives for one step] in param_group.py)
+        self._members: list[list[UnitRuntime]] = []
         self._chunk_bytes = 0  # [Note: reductions in chunks] in param_group.py, made with the units
         # the gradients last returned, by part, with donate_grads
         self._last: list[tuple[PartKey, FlatShard]] = []
@@ -238,7 +241,7 @@ class Step:
             limit = (
                 default_bucket_bytes(backend) if self.bucket_bytes is None else self.bucket_bytes
             )
-            self._groups = make_groups(self._units, limit, self.gather_pool, self.reduce_pool)
+            self._members = plan_groups(self._units, limit)
             self._chunk_bytes = chunk_bytes_for(self._units)
         return self._units
 
@@ -334,7 +337,7 @@ class Step:
         # every rank is past the last step's collectives: the transport lets go of what it
         # holds for them that every peer has read (a shared-memory region, comm/shm/regions.py)
         collectives.settle()
-        return self._groups, by_unit
+        return make_groups(self._members, self.gather_pool, self.reduce_pool), by_unit
 
     def _take_donated(self) -> dict[PartKey, torch.Tensor]:
         """With ``donate_grads``: the last call's gradient buffers, for this call's; see [Note: donation] in ``shard/sharded.py``.
