@@ -33,7 +33,7 @@ TORCH_RANGE_TESTS = [
     "tests/test_bench.py",
     "tests/test_fake_process_group.py",
     "tests/test_pending.py",
-    "tests/test_devices.py",
+    "tests/test_runtime.py",
     "tests/test_buffers.py",
     "tests/test_preflight.py",
 ]

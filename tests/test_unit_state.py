@@ -1,12 +1,17 @@
 """A unit's state changes only through its transitions; one from the wrong state is an internal error.
 
 Reference: the state diagram in docs/executor.md.
+
+Huge pages for large gathered storages: asked for where they can be, never changing a value.
+
+[Note: huge pages for gathered storage] in ``execute/unit_state.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 from typing import Any
 
 import pytest
@@ -14,6 +19,7 @@ import torch
 
 import funcshard as fs
 from funcshard._src.comm import collectives
+from funcshard._src.execute import unit_state
 from funcshard._src.execute.param_group import BufferPool, ParamGroup
 from funcshard._src.execute.unit_state import UnitState, UnitStateError
 from funcshard.testing import assert_trees_close, reference_value_and_grad
@@ -244,3 +250,19 @@ def test_in_the_flat_layout_every_leaf_is_a_view_of_the_all_gathers_output(pools
         assert all(n == world * -(-47 // world) for _, n in outputs)
         assert r["gather_allocations"] == 0
         assert r["sent"] == r["model"]
+
+
+def test_only_large_cpu_storages_are_advised():
+    assert not unit_state.advise(torch.empty(1024))
+    assert not unit_state.advise(torch.empty(0))
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+    reason="a kernel without transparent huge pages refuses MADV_HUGEPAGE",
+)
+def test_a_large_storage_is_advised_and_keeps_what_is_written():
+    storage = torch.empty(unit_state.MIN_BYTES // 4 + 12345)
+    assert unit_state.advise(storage)
+    storage.copy_(torch.arange(storage.numel(), dtype=torch.float32))
+    assert torch.equal(storage, torch.arange(storage.numel(), dtype=torch.float32))
