@@ -186,7 +186,7 @@ class GatheredMemory:
         self.current -= nbytes
 
 
-# -- a unit's parts and the collectives that gather them ----------------------------
+# -- a unit's parts ------------------------------------------------------------------
 
 
 @dataclass(eq=False)
