@@ -529,8 +529,8 @@ class ParamGroup:
         self.reductions.append(reduction)
         return reduction
 
-    def reduce_across(self, part: Part, /, *, out: torch.Tensor | None) -> int:
-        """Starts the second hop of ``part``'s partial gradient over the other axes; the bytes it frees.
+    def reduce_across(self, part: Part, /, *, out: torch.Tensor | None) -> None:
+        """Starts the second hop of ``part``'s partial gradient over the other axes.
 
         See [Note: two-hop reductions] in ``param_group.py``: the partial gradient
         ``(copy rows * numel,)`` is reduce-scattered (in the reduce dtype) over the
@@ -550,9 +550,16 @@ class ParamGroup:
         # its input is the partial gradient, not packed rows: it does not count against
         # the reductions that hold packed gradients (MAX_PENDING in param_group.py)
         self.reductions.append(
-            Reduction(((part, 0, layout.numel),), stage, (), unit.name, None, packed=False)
+            Reduction(
+                ((part, 0, layout.numel),),
+                stage,
+                (),
+                unit.name,
+                None,
+                packed=False,
+                partial_bytes=nbytes,  # freed once it is done
+            )
         )
-        return nbytes
 
     def reduce_columns(
         self,
@@ -786,8 +793,7 @@ class ParamGroup:
             sums.add_(reduced)
         if not reduction.then_across:
             return Finished([], added - freed)
-        nbytes = self.reduce_across(part, out=spare(part))
-        self.reductions[-1].partial_bytes = nbytes
+        self.reduce_across(part, out=spare(part))
         return Finished([], added - freed, started=True)
 
     def _wait(self, reduction: Reduction, /) -> torch.Tensor:
@@ -1379,7 +1385,8 @@ class Reducer:
         # units whose last reduction came in an earlier micro-batch, in the order started
         for group in self.two_hop:
             for part in list(group.partial_sums):
-                self._started(group, group.reduce_across(part, out=self._spare(part)))
+                group.reduce_across(part, out=self._spare(part))
+                self.order.append(group)
         while self.order:
             self._finish_oldest()
 
@@ -1425,11 +1432,6 @@ class Reducer:
     def _flush(self, group: ParamGroup, j: int) -> None:
         """Has ``group`` start reducing its open round of part ``j``."""
         group.flush(j)
-        self.order.append(group)
-
-    def _started(self, group: ParamGroup, partial_bytes: int = 0, /) -> None:
-        """``group`` started a reduction (a second hop frees ``partial_bytes`` when done)."""
-        group.reductions[-1].partial_bytes = partial_bytes
         self.order.append(group)
 
     def _spare(self, part: Part, /) -> torch.Tensor | None:
