@@ -474,15 +474,17 @@ class ParamGroup:
         out: torch.Tensor | None,
         keep_rows: bool,
         own: OwnRow | None = None,
+        final: bool = False,
     ) -> Reduction:
         """Starts reducing one part of a group of one, packed in ``packed`` (``rows``, or shared memory).
 
         ``no_shard``: all-reduces ``packed`` into ``rows``, which become the gradient.
         Otherwise reduce-scatters ``rows`` (into ``out`` where given), and then, for
-        ``hybrid_shard``, :meth:`wait` all-reduces across replicas. With ``keep_rows``
-        the rows go back to the reduce pool once reduced. With ``own``, ``rows``
-        (shared memory) lack this rank's row, which ``own`` adds when summed
-        ([Note: the own row from the leaves] in ``shard/flat.py``).
+        ``hybrid_shard``, :meth:`finish_oldest` all-reduces across replicas. With
+        ``keep_rows`` the rows go back to the reduce pool once reduced. With ``own``,
+        ``rows`` (shared memory) lack this rank's row, which ``own`` adds when summed
+        ([Note: the own row from the leaves] in ``shard/flat.py``). ``final``: a two-hop
+        unit's last reduction of the step, whose finish starts the second hop.
         """
         layout = part.layout
         replica = self.all_reduce_axes
@@ -523,6 +525,7 @@ class ParamGroup:
             # an all-reduce in place through shared memory holds a copy of its input
             packed=self.group_size > 1 or stage.holds_copy,
             first_hop=unit.two_hop,
+            then_across=unit.two_hop and final,
         )
         if then:
             self._all_reduce_now(reduction)
@@ -728,7 +731,7 @@ class ParamGroup:
 
         As FSDP2's HSDP, the all-reduce stream waits on the reduce-scatter stream and
         the all-reduce is issued at once, not when the host waits for the reduce-scatter
-        (:meth:`wait`, where the CPU and gloo issue it, in the same order, with the same
+        (:meth:`finish_oldest`, where the CPU and gloo issue it, in the same order, with the same
         results). Needs the reduce-scatter queued on its stream (:meth:`Streams.issued`).
         """
         rs = reduction.stage
@@ -1518,9 +1521,10 @@ class Reducer:
         # over one rank, rows is the result; the root's rows are not kept for the next
         # step; shared rows belong to the group's regions
         keep = unit.group_size > 1 and not unit.is_root and not shared
-        reduction = group.reduce(unit, part, rows, packed, out=spare, keep_rows=keep, own=own)
+        reduction = group.reduce(
+            unit, part, rows, packed, out=spare, keep_rows=keep, own=own, final=final
+        )
         if reduction.first_hop:
-            reduction.then_across = final
             self.two_hop[group] = None
         self.order.append(group)
 
