@@ -21,6 +21,7 @@ from funcshard._src.plan.cost import estimate
 from funcshard._src.plan.cost_model import CostModel
 from funcshard._src.plan.unit_cost import comm_bytes_per_step, param_bytes_per_rank, unit_cost
 from funcshard._src.shard.sharded import flats_of
+from funcshard.testing import reference_value_and_grad
 from tests.models import Model
 
 EVEN = Model(
@@ -534,6 +535,46 @@ def test_backward_regathers_each_unit_and_prefetches_the_one_before(pools):
         ("reduce", "<root>"),
     ]
     assert events == forward + backward
+
+
+def _frozen_prefix_step(bucket_bytes: int | None) -> tuple[list[Any], dict, dict, bool]:
+    """A second step with the embeddings and three of four blocks frozen: events, ledger, model, grads right."""
+    model = Model(kind="mlp", layers=4)
+    params = model.init(0)
+    frozen = ["embed/**", "blocks/0/**", "blocks/1/**", "blocks/2/**"]
+    plan = fs.plan(params, fs.Mesh({"fsdp": 2}), units=model.units, frozen=frozen)
+    step = fs.value_and_grad(model.loss_fn, plan, bucket_bytes=bucket_bytes)
+    sparams = fs.shard(params, plan)
+    step(sparams, *model.batch_for(fs.rank()))
+    step.ledger.reset()
+    step.memory.events = []
+    _, grads = step(sparams, *model.batch_for(fs.rank()))
+    _, expected = reference_value_and_grad(
+        model.loss_fn, params, [model.batch_for(r) for r in range(2)]
+    )
+    trained = [
+        (a, b)
+        for a, b, leaf in zip(
+            fs.tree.leaves(fs.unshard(grads)), fs.tree.leaves(expected), plan.leaves
+        )
+        if not leaf.frozen
+    ]
+    close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in trained)
+    ledger = dict(step.ledger.bytes_by_key)
+    return step.memory.events, ledger, dict(comm_bytes_per_step(plan)), close
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, None], ids=["units", "buckets"])
+def test_a_frozen_prefix_is_gathered_once_and_the_cost_model_says_so(pools, bucket_bytes):
+    """No gradient reaches the frozen blocks: backward neither gathers them nor prefetches them
+    ([Note: calls without a backward] in ``execute/run.py``), and the ledger equals the cost
+    model, which counts a unit with no trained leaf once."""
+    for events, ledger, model, close in pools.run(2, _frozen_prefix_step, bucket_bytes):
+        assert close
+        assert ledger == model
+        for i in range(3):
+            assert events.count(("start", f"blocks/{i}")) == 1
+        assert events.count(("start", "blocks/3")) == 2
 
 
 def max_group_bytes(groups: Any, cost: dict[str, int]) -> int:

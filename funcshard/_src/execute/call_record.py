@@ -246,6 +246,9 @@ class CallRecord:
     unit: UnitRuntime
     phase: CallPhase = CallPhase.FORWARD
     expects_backward: bool = False  # outputs that require grad were hooked
+    # under grad mode, no output requires grad: no backward reaches the call
+    # ([Note: calls without a backward] in ``execute/run.py``)
+    no_backward: bool = False
     compiled: bool = False  # a compiled call: its gather op copied the leaves out and released
     # a local-only unit's call: the autograd leaves its function got, whose .grad
     # autograd fills; reduced by Run.finish. See [Note: local-only calls] in ``execute/call_record.py``

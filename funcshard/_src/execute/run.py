@@ -398,7 +398,9 @@ class Run:
         tensors = [
             t for t in tree.flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
-        if tensors:
+        if not tensors:  # a reentrant checkpoint's forward runs without grad: recomputed later
+            record.no_backward = torch.is_grad_enabled()  # [Note: calls without a backward]
+        else:
             record.expects_backward = True
             if len(tensors) == 1:  # the same hook as "any" of one tensor, at a fraction of the cost
                 tensors[0].register_hook(lambda _: self.pre_backward(record))
@@ -589,6 +591,7 @@ class Run:
             earlier = self.calls[j]
             if (
                 earlier.phase is CallPhase.WAITING
+                and not earlier.no_backward  # [Note: calls without a backward]
                 and earlier.unit.frees_after_forward  # a compiled call's others keep copies
                 and earlier.unit.state is UnitState.SHARDED
             ):
@@ -625,6 +628,24 @@ class Run:
 # (``hybrid_shard_optimizer``; [Note: partial copies] in ``plan/strategy.py`` there). The step's last
 # micro-batch keeps nothing: shards change at the update, so nothing gathered from
 # them may outlive the step. ``Run`` asks here at every release.
+
+
+# [Note: calls without a backward]
+# A call whose outputs need no gradient under grad mode is never gathered for backward.
+#
+# Nothing its outputs reach can send a gradient back into it, so autograd never
+# runs its backward and its unit is not needed again in the step: a unit with no
+# trained leaf called where nothing before it needs a gradient (frozen embeddings
+# of token ids, a frozen prefix of blocks, a frozen encoder). ``Run.exit_call``
+# marks it (``CallRecord.no_backward``) and ``Run._prefetch_backward`` passes it
+# by, where it would otherwise gather it ahead of a backward that never comes and
+# free it unused at the end of the step. Under ``torch.no_grad`` (a reentrant
+# checkpoint's forward) the outputs say nothing of backward: the call is
+# recomputed there, so it is not marked. The cost model counts such a unit's
+# gathers once per micro-batch (``plan/step_counts.py``), taking every unit with no
+# trained leaf to be one (``trains`` in ``plan/unit_cost.py``): where backward does
+# pass through a frozen unit (a trained one before it), the unit is gathered again
+# for it and a step sends one gather more than the estimate.
 
 
 # [Note: the first backward gather]

@@ -31,10 +31,7 @@ from funcshard._src.plan.precision import describe_precision
 from funcshard._src.plan.rules import pattern_repr
 from funcshard._src.plan.sizes import parse_bytes
 from funcshard._src.plan.step_time import describe as describe_time
-from funcshard._src.plan.unit_cost import (
-    memory_of,
-    unit_cost,
-)
+from funcshard._src.plan.unit_cost import memory_of, trains, unit_cost
 
 
 def estimate(
@@ -86,7 +83,12 @@ def estimate(
         f"{model.accumulate}; bytes sent per optimizer step",
         "staging: the largest all-gather output and reduce-scatter input, as the executor "
         "allocates them (one reduction in flight)",
-        "communication: bandwidth-optimal (ring) algorithms, bytes sent per rank",
+        "communication: bandwidth-optimal (ring) algorithms, bytes sent per rank"
+        + (
+            "; a unit with no trained leaf needs no backward (a frozen prefix)"
+            if any(not trains(plan, u) for u in plan.units if not u.is_root)
+            else ""
+        ),
     ]
     q = model.quantize
     if q is not None:

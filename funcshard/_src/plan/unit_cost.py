@@ -87,6 +87,21 @@ class UnitCost:
     partial_grads: int = 0  # its partial gradient, in the stored dtype (two-hop reductions)
 
 
+def trains(plan: Plan, unit: Unit, /) -> bool:
+    """Whether ``unit`` has a trained leaf: floating point and not frozen.
+
+    Example:
+        >>> import torch
+        >>> from funcshard._src.plan.planner import plan as make_plan
+        >>> from funcshard._src.spec.mesh import Mesh
+        >>> p = make_plan({"a": {"w": torch.zeros(2)}, "b": {"w": torch.zeros(2)}}, Mesh({"fsdp": 1}),
+        ...     units=["a", "b"], frozen=["a/**"])
+        >>> [(u.name, trains(p, u)) for u in p.units]
+        [('a', False), ('b', True)]
+    """
+    return any(plan.leaf(p).dtype.is_floating_point and not plan.leaf(p).frozen for p in unit.paths)
+
+
 def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     """The bytes one rank holds and sends for ``unit`` (see :class:`Memory` for each category)."""
     mp = model.mixed_precision or FULL_PRECISION
@@ -95,7 +110,10 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     replica = tuple(a for a in mesh.axis_names if a not in axes)
     g = math.prod(mesh.axis_size(a) for a in axes)
     r = math.prod(mesh.axis_size(a) for a in replica)
-    gathers, reductions = collectives_per_step(unit, model)
+    # a unit with no trained leaf is taken to need no backward: [Note: calls without a
+    # backward] in execute/run.py
+    trained = trains(plan, unit)
+    gathers, reductions = collectives_per_step(unit, model, trained=trained)
     # the partial copy ([Note: partial copies] in strategy.py): copy_rows shards, re-gathered
     # over the last axis (of size regather) by every gather but those from the shards
     regather_axes, replicated = partial_axes(unit.strategy, mesh)
@@ -106,7 +124,7 @@ def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:
     # [Note: two-hop reductions] in execute/param_group.py: over the last axis each reduction,
     # into a partial gradient, and over the others once a step
     two_hop = reduces_in_two_hops(unit.strategy, mesh, is_root=unit.is_root)
-    from_shards = gathers_from_shards(unit, model) if partial else gathers
+    from_shards = gathers_from_shards(unit, model, trained=trained) if partial else gathers
     copies = STATE_COPIES[model.optimizer]
     params = frozen = grads = optimizer = master = gathered = unreduced = deferred = 0
     gather_buffer = reduce_buffer = partial_copy = partial_grads = 0

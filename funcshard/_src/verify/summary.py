@@ -188,7 +188,9 @@ def _costs(
                 notes.append(
                     f"{row.name}: a step sends {row.measured:,} bytes where fs.cost.estimate "
                     f"predicts {row.estimated:,}: loss_fn calls some unit more or less than once "
-                    f"per step (the estimate and strategy='auto' assume once)"
+                    f"per step, or backward passes through a unit with no trained leaf (the "
+                    f"estimate and strategy='auto' assume each unit called once, and a unit "
+                    f"with no trained leaf called where no gradient reaches it)"
                 )
     return memory, sent, notes
 
