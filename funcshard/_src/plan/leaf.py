@@ -39,6 +39,11 @@ class LeafPlan:
         return n
 
     @property
+    def trained(self) -> bool:
+        """Whether the leaf gets a gradient and optimizer state: floating point and not frozen."""
+        return self.dtype.is_floating_point and not self.frozen
+
+    @property
     def itemsize(self) -> int:
         """Bytes per element."""
         return self.dtype.itemsize

@@ -99,7 +99,7 @@ def trains(plan: Plan, unit: Unit, /) -> bool:
         >>> [(u.name, trains(p, u)) for u in p.units]
         [('a', False), ('b', True)]
     """
-    return any(plan.leaf(p).dtype.is_floating_point and not plan.leaf(p).frozen for p in unit.paths)
+    return any(plan.leaf(p).trained for p in unit.paths)
 
 
 def unit_cost(plan: Plan, unit: Unit, model: CostModel, /) -> UnitCost:

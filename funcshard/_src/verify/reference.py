@@ -53,9 +53,7 @@ class Reference:
         self.optimizer = optimizer
         self.state = optimizer.init(self.sparams)
         # differentiated: floating leaves the plan trains (integer and frozen leaves are constants)
-        self.trained = [
-            leaf.dtype.is_floating_point and not leaf.frozen for leaf in self.plan.leaves
-        ]
+        self.trained = [leaf.trained for leaf in self.plan.leaves]
 
     def params(self) -> list[torch.Tensor]:
         """The whole leaves now, in tree order (views of the reference's flat buffer)."""

@@ -273,7 +273,7 @@ def _compare(
     by_path = {x.path: x for x in tree.leaves(sharded) if isinstance(x, ShardedTensor)}
     for i, (planned, whole) in enumerate(zip(plan.leaves, full)):
         leaf = by_path.get(planned.path)
-        if leaf is None or (grads and not (planned.dtype.is_floating_point and not planned.frozen)):
+        if leaf is None or (grads and not planned.trained):
             continue
         mine = torch.cat(  # what rank holds of the leaf: one box, or a flat range's boxes
             [whole[index].reshape(-1) for index in piece_indices(leaf.slot, rank)]
