@@ -23,9 +23,11 @@ from funcshard._src.shard.flat import (
     exact_scale,
     gathers_in_place,
     layouts,
+    leaf_column_ranges,
     pack_all,
     pack_flat_columns,
     pack_into,
+    pack_leaf_columns,
     pack_local,
     padded_view,
     row_order,
@@ -200,6 +202,44 @@ def test_packing_a_range_of_columns_is_that_range_of_the_rows(case):
         out = torch.full((rows.shape[0], width), 7, dtype=rows.dtype)
         pack_flat_columns(layout, members, out, start, 1.0)
         assert torch.equal(out, rows[:, start : start + width])
+
+
+@given(planned_params(), st.integers(1, 64), st.sampled_from([1.0, 0.5]))
+def test_a_leaf_layout_packed_a_range_at_a_time_is_the_whole_packing(case, columns, scale):
+    """Reductions in chunks of a leaf layout ([Note: reductions in chunks] in
+    ``execute/param_group.py``): the ranges tile the columns, each within ``columns`` unless
+    one row of a chunk is wider, and packing each range gives those columns of the whole
+    packing, a None leaf as zeros."""
+    params, p = case
+    leaves = tree.flatten(params)[0]
+    axes = p.mesh.axis_names
+    for layout in layouts(p):
+        ranges = leaf_column_ranges(layout, axes, columns)
+        padded = any(
+            n * c != size
+            for s in layout.slots
+            for n, c, size in zip(s.sharding.num_shards(s.shape), s.shard_shape, s.shape)
+        )
+        if padded:
+            assert ranges is None
+            continue
+        assert ranges is not None
+        starts = [lo for lo, _ in ranges]
+        assert starts == [0, *(hi for _, hi in ranges[:-1])][: len(ranges)]
+        assert (ranges[-1][1] if ranges else 0) == layout.numel
+        for lo, hi in ranges:
+            assert hi > lo
+            if hi - lo > columns:  # one row of one slot's chunk
+                (slot,) = [s for s in layout.slots if s.offset <= lo < s.offset + s.numel]
+                assert hi - lo == slot.numel // slot.shard_shape[0]
+        members: list[torch.Tensor | None] = [leaves[s.index] for s in layout.slots]
+        members[0] = None
+        whole = torch.empty(p.mesh.size, layout.numel, dtype=layout.dtype)
+        pack_into(layout, members, whole, axes, scale=scale)
+        for lo, hi in ranges:
+            out = torch.full((p.mesh.size, hi - lo), 7, dtype=layout.dtype)
+            pack_leaf_columns(layout, members, out, lo, axes, scale=scale)
+            assert torch.equal(out, whole[:, lo:hi])
 
 
 @st.composite

@@ -100,12 +100,21 @@ On gloo, a reduce-scatter's input is packed straight into a shared-memory region
 ``LARGE_BYTES`` or more its pages back while it is free, so that a root unit's embeddings
 are not resident all step twice over. Packing into such a region faults every page
 in again, every step: about 25 ms for the 32.5 MiB of the benchmark's root unit, 3 %
-of its step. A flat part whose packed gradients pass ``LARGE_BYTES`` is therefore
-reduced a range of columns at a time, each of at most ``chunk_bytes``: the largest
-reduce-scatter input of the other units, and at most half of ``LARGE_BYTES``. Each
-range is packed (``shard/flat.pack_flat_columns``), reduce-scattered into its
-columns of the gradient and waited for before the next, so the ranges reuse the
-warm regions the other units' reductions leave free, and no large region is made.
+of its step. And a root unit's reduction comes at the end of backward, where a step's
+memory peaks: its packed gradients, as large as the embeddings, would stand beside
+the embeddings' full gradients (at eight ranks, 245 MiB of a 537M GPT's 2 GiB peak
+growth). A part whose packed gradients pass ``LARGE_BYTES`` is therefore reduced a
+range of columns at a time, each of at most ``chunk_bytes``: the largest
+reduce-scatter input of the other units, and at most half of ``LARGE_BYTES``. A flat
+part's ranges are any columns. In the leaf layout, only the root unit's parts are
+reduced in chunks: a block's reduction overlaps the backward of the blocks before it,
+which ranges waited for one by one would give up. Their ranges
+(``shard/flat.leaf_column_ranges``) are whole slots side by side, or whole rows along
+dim 0 of one slot's chunk, which its chunk grid packs as views (one chunk row wider
+than ``chunk_bytes`` is a range of its own). Each range is packed (``shard/flat.pack_flat_columns``,
+``pack_leaf_columns``), reduce-scattered into its columns of the gradient and waited
+for before the next, so the ranges reuse the warm regions (or the pool's buffer) the
+other units' reductions leave free, and no large region or buffer is made.
 Each element's sum is the same as the whole reduce-scatter's, in the same order:
 the gradient is bitwise that of one reduce-scatter, and the ledger counts the same
 bytes. The ranges start after every reduction in flight is done and run one after
@@ -113,8 +122,9 @@ another, so they give up overlapping the backward that follows: nothing is lost 
 a root unit's embeddings (the usual such part), whose reduction ends backward, but a
 unit of more than ``LARGE_BYTES`` of gradients elsewhere in the stack (a very wide
 block) waits here too; ``chunk_columns`` checks only the size. Whether a part is reduced in chunks follows from the plan alone
-(a CPU device, a group of several ranks, a flat part, exact gradients, no replica
-axes, not two-hop, not deferred), so every rank issues the same collectives.
+(a CPU device, a group of several ranks, a flat part or a root unit's part whose
+leaves divide evenly into their chunks, exact gradients, no replica axes, not
+two-hop, not deferred), so every rank issues the same collectives.
 """
 
 from __future__ import annotations
@@ -137,8 +147,10 @@ from funcshard._src.shard.flat import (
     OwnRow,
     exact_scale,
     layout_row_order,
+    leaf_column_ranges,
     pack_flat_columns,
     pack_into,
+    pack_leaf_columns,
     unpack_into,
 )
 
@@ -1584,10 +1596,12 @@ def pack_rows(
         me = collectives.group_rank(unit.bound, unit.axes)
         pack_flat_columns(layout, leaves, rows, start, scale, skip=me)
         return OwnRow(layout, leaves, me * layout.numel + start, width, scale)
-    if start or width != layout.numel:
-        pack_flat_columns(layout, leaves, rows, start, scale)
-    else:
+    if not start and width == layout.numel:
         pack_into(layout, leaves, rows, order, scale=scale)
+    elif layout.flat:
+        pack_flat_columns(layout, leaves, rows, start, scale)
+    else:  # one of leaf_column_ranges: [Note: reductions in chunks] in execute/param_group.py
+        pack_leaf_columns(layout, leaves, rows, start, order, scale=scale)
     return None
 
 
@@ -1616,11 +1630,15 @@ def chunk_bytes_for(units: Iterable[UnitRuntime], /) -> int:
 
 
 def chunk_columns(unit: UnitRuntime, part: Part, chunk_bytes: int, /, *, defer: bool) -> int:
-    """Columns a range of ``part``'s reduction holds, or 0 where it is reduced whole."""
+    """Columns a range of ``part``'s reduction holds at most, or 0 where it is reduced whole.
+
+    A flat part's ranges are that many columns each; a root unit's part of the leaf
+    layout has its :func:`~funcshard._src.shard.flat.leaf_column_ranges` (whole slots,
+    or whole rows of one slot's chunk), where it has them.
+    """
     layout = part.layout
     if (
         defer
-        or not layout.flat
         or unit.group_size == 1
         or unit.all_reduce_axes
         or unit.grad_format
@@ -1630,7 +1648,24 @@ def chunk_columns(unit: UnitRuntime, part: Part, chunk_bytes: int, /, *, defer: 
     ):
         return 0
     columns = chunk_bytes // (unit.group_size * part.grad_dtype.itemsize)
-    return columns if 0 < columns < layout.numel else 0
+    if not 0 < columns < layout.numel:
+        return 0
+    if layout.flat:
+        return columns
+    if not unit.is_root:  # a block's reduction overlaps the backward before it: kept whole
+        return 0
+    ranges = leaf_column_ranges(layout, unit.axes, columns)
+    return columns if ranges is not None and len(ranges) > 1 else 0
+
+
+def column_ranges(unit: UnitRuntime, part: Part, columns: int, /) -> Sequence[tuple[int, int]]:
+    """The ranges ``[start, stop)`` of columns a reduction in chunks reduces one at a time (:func:`chunk_columns`)."""
+    layout = part.layout
+    if layout.flat:
+        return [(a, min(a + columns, layout.numel)) for a in range(0, layout.numel, columns)]
+    ranges = leaf_column_ranges(layout, unit.axes, columns)
+    assert ranges is not None  # chunk_columns found them
+    return ranges
 
 
 def reduce_in_chunks(
@@ -1656,8 +1691,8 @@ def reduce_in_chunks(
     n, g = layout.numel, unit.group_size
     device = unit.device(part)
     result = out if out is not None else torch.empty(n, dtype=dtype, device=device)
-    for start in range(0, n, columns):
-        width = min(columns, n - start)
+    for start, stop in column_ranges(unit, part, columns):
+        width = stop - start
         rows = collectives.input_rows(unit.bound, unit.axes, width, dtype)
         staged = None
         if rows is None:  # no shared memory: a buffer of the pool's

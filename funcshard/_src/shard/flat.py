@@ -580,12 +580,129 @@ def pack_into(
             padded = leaf.new_zeros(geo.padded)
             padded[geo.unpad] = leaf
             source = padded.view(geo.split)
-        if scale == 1.0:
-            target.copy_(source.expand(target.shape))
-        elif source.dtype != target.dtype:  # [Note: cast while packing] in ``shard/flat.py``
-            scale_cast(target, source.expand(target.shape), scale)
-        else:
-            torch.mul(source.expand(target.shape), scale, out=target)
+        _write_grid(target, source, scale)
+
+
+def _write_grid(target: torch.Tensor, source: torch.Tensor, scale: float, /) -> None:
+    """``source`` (a leaf's chunk grid, without replica dims) times ``scale`` into ``target``; mutates ``target``."""
+    if scale == 1.0:
+        target.copy_(source.expand(target.shape))
+    elif source.dtype != target.dtype:  # [Note: cast while packing] in ``shard/flat.py``
+        scale_cast(target, source.expand(target.shape), scale)
+    else:
+        torch.mul(source.expand(target.shape), scale, out=target)
+
+
+def leaf_column_ranges(
+    layout: FlatLayout, axes: Sequence[str], columns: int, /
+) -> tuple[tuple[int, int], ...] | None:
+    """Ranges of the packed ``(group_size, numel)`` rows' columns, each packed on its own by :func:`pack_leaf_columns`.
+
+    For a layout of the ``"leaf"`` kind (each leaf's chunk of its spec, over
+    ``axes``): a range holds whole slots side by side, or a run of whole rows (along
+    dim 0) of one slot's chunk, and at most ``columns`` columns unless one chunk row
+    alone is wider. ``None`` where the layout is flat, a slot is padded (its chunk
+    grid is not a view of the leaf) or the slots leave a gap: such a part is packed
+    whole. Worked out once per layout, ``axes`` and ``columns``. See [Note: reductions
+    in chunks] in ``execute/param_group.py``.
+
+    Example:
+        >>> from funcshard._src.plan.planner import plan
+        >>> p = plan({"a": torch.zeros(8, 2), "b": torch.zeros(4)}, Mesh({"fsdp": 2}))
+        >>> (layout,) = layouts(p)
+        >>> leaf_column_ranges(layout, ("fsdp",), 4)  # a's chunk (4, 2): rows 0-1, 2-3; then b's (2,)
+        ((0, 4), (4, 8), (8, 10))
+    """
+    if layout.flat or columns <= 0:
+        return None
+
+    def make(layout: FlatLayout, axes: tuple[str, ...]) -> tuple[tuple[int, int], ...] | None:
+        return _work_out_ranges(layout, axes, columns)
+
+    return _derived(layout, f"column ranges of {columns}", tuple(axes), make)
+
+
+def _work_out_ranges(
+    layout: FlatLayout, axes: tuple[str, ...], columns: int
+) -> tuple[tuple[int, int], ...] | None:
+    ranges: list[tuple[int, int]] = []
+    lo = hi = 0  # the range being filled
+    for slot, geo in zip(layout.slots, _geometry(layout, axes)):
+        if geo.padded is not None or geo.start != hi:
+            return None
+        width = geo.stop - geo.start
+        if hi - lo + width <= columns:
+            hi = geo.stop
+            continue
+        if hi > lo:
+            ranges.append((lo, hi))
+            lo = hi
+        if width <= columns or not slot.shard_shape:
+            hi = geo.stop
+            continue
+        rows = slot.shard_shape[0]
+        row = width // rows  # the elements of one row of the chunk
+        step = max(1, columns // row)
+        ranges += [
+            (geo.start + i * row, geo.start + min(i + step, rows) * row)
+            for i in range(0, rows, step)
+        ]
+        lo = hi = geo.stop
+    if hi != layout.numel:
+        return None
+    if hi > lo:
+        ranges.append((lo, hi))
+    return tuple(ranges)
+
+
+def pack_leaf_columns(
+    layout: FlatLayout,
+    leaves: Sequence[torch.Tensor | None],
+    out: torch.Tensor,
+    start: int,
+    axes: Sequence[str],
+    /,
+    *,
+    scale: float = 1.0,
+) -> None:
+    """Columns ``[start, start + out.shape[1])`` of :func:`pack_into`'s rows, times ``scale``, into ``out``; mutates ``out``.
+
+    The range is one of :func:`leaf_column_ranges`: whole slots, or whole rows of
+    one slot's chunk, each written through its chunk grid as :func:`pack_into` writes
+    the whole. A ``None`` leaf packs as zeros.
+
+    Example:
+        >>> from funcshard._src.plan.planner import plan
+        >>> p = plan({"a": torch.zeros(8, 2), "b": torch.zeros(4)}, Mesh({"fsdp": 2}))
+        >>> (layout,) = layouts(p)
+        >>> leaves = [torch.arange(16.0).view(8, 2), torch.arange(4.0)]
+        >>> whole = torch.empty(2, 10)
+        >>> pack_into(layout, leaves, whole, ("fsdp",))
+        >>> out = torch.empty(2, 4)
+        >>> pack_leaf_columns(layout, leaves, out, 4, ("fsdp",))
+        >>> torch.equal(out, whole[:, 4:8])
+        True
+    """
+    axes = tuple(axes)
+    k = len(axes)
+    stop = start + out.shape[1]
+    for slot, geo, leaf in zip(layout.slots, _geometry(layout, axes), leaves):
+        a, b = max(start, geo.start), min(stop, geo.stop)
+        if a >= b:
+            continue
+        view, first, rows = geo.view, 0, 0
+        if (a, b) != (geo.start, geo.stop):  # whole rows of the chunk (leaf_column_ranges)
+            row = (geo.stop - geo.start) // slot.shard_shape[0]
+            first, rows = (a - geo.start) // row, (b - a) // row
+            view = (*geo.view[:k], rows, *geo.view[k + 1 :])
+        target = out[:, a - start : b - start].view(view).permute(geo.order)
+        if leaf is None:
+            target.zero_()
+            continue
+        source = leaf.reshape(geo.split)
+        if rows:  # the chunk's dim 0 in the grid, less the replica dims the split lacks
+            source = source.narrow(geo.order.index(k) - len(geo.replica_index), first, rows)
+        _write_grid(target, source, scale)
 
 
 def _pack_flat(
