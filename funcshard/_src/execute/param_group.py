@@ -102,8 +102,9 @@ are not resident all step twice over. Packing into such a region faults every pa
 in again, every step: about 25 ms for the 32.5 MiB of the benchmark's root unit, 3 %
 of its step. And a root unit's reduction comes at the end of backward, where a step's
 memory peaks: its packed gradients, as large as the embeddings, would stand beside
-the embeddings' full gradients (at eight ranks, 245 MiB of a 537M GPT's 2 GiB peak
-growth). A part whose packed gradients pass ``LARGE_BYTES`` is therefore reduced a
+the embeddings' full gradients (at eight ranks, 491 MiB for the untied head and
+embeddings of a 601M GPT, whose peak growth fell from 2360 to 2212 MiB in chunks;
+``bench/results/memory_shapes/``). A part whose packed gradients pass ``LARGE_BYTES`` is therefore reduced a
 range of columns at a time, each of at most ``chunk_bytes``: the largest
 reduce-scatter input of the other units, and at most half of ``LARGE_BYTES``. A flat
 part's ranges are any columns. In the leaf layout, only the root unit's parts are
@@ -120,8 +121,8 @@ the gradient is bitwise that of one reduce-scatter, and the ledger counts the sa
 bytes. The ranges start after every reduction in flight is done and run one after
 another, so they give up overlapping the backward that follows: nothing is lost for
 a root unit's embeddings (the usual such part), whose reduction ends backward, but a
-unit of more than ``LARGE_BYTES`` of gradients elsewhere in the stack (a very wide
-block) waits here too; ``chunk_columns`` checks only the size. Whether a part is reduced in chunks follows from the plan alone
+flat unit of more than ``LARGE_BYTES`` of gradients elsewhere in the stack (a very wide
+block) waits here too; ``chunk_columns`` checks only the size of a flat part. Whether a part is reduced in chunks follows from the plan alone
 (a CPU device, a group of several ranks, a flat part or a root unit's part whose
 leaves divide evenly into their chunks, exact gradients, no replica axes, not
 two-hop, not deferred), so every rank issues the same collectives.
