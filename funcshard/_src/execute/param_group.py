@@ -122,7 +122,7 @@ bytes. The ranges start after every reduction in flight is done and run one afte
 another, so they give up overlapping the backward that follows: nothing is lost for
 a root unit's embeddings (the usual such part), whose reduction ends backward, but a
 flat unit of more than ``LARGE_BYTES`` of gradients elsewhere in the stack (a very wide
-block) waits here too; ``chunk_columns`` checks only the size of a flat part. Whether a part is reduced in chunks follows from the plan alone
+block) waits here too; ``chunk_ranges`` checks only the size of a flat part. Whether a part is reduced in chunks follows from the plan alone
 (a CPU device, a group of several ranks, a flat part or a root unit's part whose
 leaves divide evenly into their chunks, exact gradients, no replica axes, not
 two-hop, not deferred), so every rank issues the same collectives.
@@ -1484,8 +1484,8 @@ class Reducer:
         spare = None if defer or unit.two_hop else self.gradients.spare(part, part.grad_dtype)
         kept = self.gradients.take_kept(part)  # packed by earlier micro-batches' calls
         dtype = part.grad_dtype
-        columns = chunk_columns(unit, part, self.chunk_bytes, defer=defer)
-        if columns:  # [Note: reductions in chunks]
+        ranges = chunk_ranges(unit, part, self.chunk_bytes, defer=defer)
+        if ranges:  # [Note: reductions in chunks]
             while self.order:  # the ranges reuse the regions these hold
                 self._finish_oldest()
             pool = group.pool  # as the root's whole rows: not kept for the next step
@@ -1497,7 +1497,7 @@ class Reducer:
                 kept,
                 pool,
                 out=spare,
-                columns=columns,
+                ranges=ranges,
                 world_size=self.world_size,
             )
             if kept is not None:
@@ -1630,12 +1630,15 @@ def chunk_bytes_for(units: Iterable[UnitRuntime], /) -> int:
     return min(max(sizes, default=0), LARGE_BYTES // 2)
 
 
-def chunk_columns(unit: UnitRuntime, part: Part, chunk_bytes: int, /, *, defer: bool) -> int:
-    """Columns a range of ``part``'s reduction holds at most, or 0 where it is reduced whole.
+def chunk_ranges(
+    unit: UnitRuntime, part: Part, chunk_bytes: int, /, *, defer: bool
+) -> Sequence[tuple[int, int]]:
+    """The ranges ``[start, stop)`` of columns ``part``'s reduction goes in, one at a time; none where it goes whole.
 
-    A flat part's ranges are that many columns each; a root unit's part of the leaf
-    layout has its :func:`~funcshard._src.shard.flat.leaf_column_ranges` (whole slots,
-    or whole rows of one slot's chunk), where it has them.
+    A flat part's ranges are ``chunk_bytes`` of packed gradients each; a root unit's
+    part of the leaf layout has its :func:`~funcshard._src.shard.flat.leaf_column_ranges`
+    (whole slots, or whole rows of one slot's chunk), where it has them. See
+    [Note: reductions in chunks] in ``execute/param_group.py``.
     """
     layout = part.layout
     if (
@@ -1647,26 +1650,17 @@ def chunk_columns(unit: UnitRuntime, part: Part, chunk_bytes: int, /, *, defer: 
         or unit.device(part).type != "cpu"
         or _input_bytes(unit, part) <= LARGE_BYTES
     ):
-        return 0
+        return ()
     columns = chunk_bytes // (unit.group_size * part.grad_dtype.itemsize)
-    if not 0 < columns < layout.numel:
-        return 0
+    n = layout.numel
+    if not 0 < columns < n:
+        return ()
     if layout.flat:
-        return columns
+        return [(a, min(a + columns, n)) for a in range(0, n, columns)]
     if not unit.is_root:  # a block's reduction overlaps the backward before it: kept whole
-        return 0
+        return ()
     ranges = leaf_column_ranges(layout, unit.axes, columns)
-    return columns if ranges is not None and len(ranges) > 1 else 0
-
-
-def column_ranges(unit: UnitRuntime, part: Part, columns: int, /) -> Sequence[tuple[int, int]]:
-    """The ranges ``[start, stop)`` of columns a reduction in chunks reduces one at a time (:func:`chunk_columns`)."""
-    layout = part.layout
-    if layout.flat:
-        return [(a, min(a + columns, layout.numel)) for a in range(0, layout.numel, columns)]
-    ranges = leaf_column_ranges(layout, unit.axes, columns)
-    assert ranges is not None  # chunk_columns found them
-    return ranges
+    return ranges if ranges is not None and len(ranges) > 1 else ()
 
 
 def reduce_in_chunks(
@@ -1679,10 +1673,10 @@ def reduce_in_chunks(
     /,
     *,
     out: torch.Tensor | None,
-    columns: int,
+    ranges: Sequence[tuple[int, int]],
     world_size: int,
 ) -> torch.Tensor:
-    """Reduces ``part``'s gradients ``columns`` at a time; returns this rank's ``(numel,)`` of the mean.
+    """Reduces ``part``'s gradients a range of ``ranges`` (:func:`chunk_ranges`) at a time; returns this rank's ``(numel,)`` of the mean.
 
     ``leaves`` are this call's full gradients (in the reduce dtype); ``kept``, the
     packed gradients earlier micro-batches deferred. Writes into ``out`` where
@@ -1692,7 +1686,7 @@ def reduce_in_chunks(
     n, g = layout.numel, unit.group_size
     device = unit.device(part)
     result = out if out is not None else torch.empty(n, dtype=dtype, device=device)
-    for start, stop in column_ranges(unit, part, columns):
+    for start, stop in ranges:
         width = stop - start
         rows = collectives.input_rows(unit.bound, unit.axes, width, dtype)
         staged = None
