@@ -97,35 +97,36 @@ rank's row is left out and summed from the leaves instead.
 [Note: reductions in chunks]
 On gloo, a reduce-scatter's input is packed straight into a shared-memory region
 (``comm/collectives.py: input_rows``), and that transport gives a region of
-``LARGE_BYTES`` or more its pages back while it is free, so that a root unit's embeddings
-are not resident all step twice over. Packing into such a region faults every page
-in again, every step: about 25 ms for the 32.5 MiB of the benchmark's root unit, 3 %
-of its step. And a root unit's reduction comes at the end of backward, where a step's
-memory peaks: its packed gradients, as large as the embeddings, would stand beside
-the embeddings' full gradients (at eight ranks, 491 MiB for the untied head and
-embeddings of a 601M GPT, whose peak growth fell from 2360 to 2212 MiB in chunks;
-``bench/results/memory_shapes/``). A part whose packed gradients pass ``LARGE_BYTES`` is therefore reduced a
-range of columns at a time, each of at most ``chunk_bytes``: the largest
-reduce-scatter input of the other units, and at most half of ``LARGE_BYTES``. A flat
-part's ranges are any columns. In the leaf layout, only the root unit's parts are
+``LARGE_BYTES`` or more its pages back while it is free, so that a root unit's
+embeddings are not resident all step twice over. Packing into such a region faults every
+page in again, every step: about 25 ms for the 32.5 MiB of the benchmark's root unit, 3
+% of its step. And a root unit's reduction comes at the end of backward, where a step's
+memory peaks: its packed gradients, as large as the embeddings, would stand beside the
+embeddings' full gradients (at eight ranks, 491 MiB for the untied head and embeddings
+of a 601M GPT, whose peak growth fell from 2360 to 2212 MiB in chunks;
+``bench/results/memory_shapes/``). A part whose packed gradients pass ``LARGE_BYTES`` is
+therefore reduced a range of columns at a time, each of at most ``chunk_bytes``: the
+largest reduce-scatter input of the other units, and at most half of ``LARGE_BYTES``. A
+flat part's ranges are any columns. In the leaf layout, only the root unit's parts are
 reduced in chunks: a block's reduction overlaps the backward of the blocks before it,
 which ranges waited for one by one would give up. Their ranges
 (``shard/flat.leaf_column_ranges``) are whole slots side by side, or whole rows along
-dim 0 of one slot's chunk, which its chunk grid packs as views (one chunk row wider
-than ``chunk_bytes`` is a range of its own). Each range is packed (``shard/flat.pack_flat_columns``,
-``pack_leaf_columns``), reduce-scattered into its columns of the gradient and waited
-for before the next, so the ranges reuse the warm regions (or the pool's buffer) the
-other units' reductions leave free, and no large region or buffer is made.
-Each element's sum is the same as the whole reduce-scatter's, in the same order:
-the gradient is bitwise that of one reduce-scatter, and the ledger counts the same
-bytes. The ranges start after every reduction in flight is done and run one after
-another, so they give up overlapping the backward that follows: nothing is lost for
-a root unit's embeddings (the usual such part), whose reduction ends backward, but a
-flat unit of more than ``LARGE_BYTES`` of gradients elsewhere in the stack (a very wide
-block) waits here too; ``chunk_ranges`` checks only the size of a flat part. Whether a part is reduced in chunks follows from the plan alone
-(a CPU device, a group of several ranks, a flat part or a root unit's part whose
-leaves divide evenly into their chunks, exact gradients, no replica axes, not
-two-hop, not deferred), so every rank issues the same collectives.
+dim 0 of one slot's chunk, which its chunk grid packs as views (one chunk row wider than
+``chunk_bytes`` is a range of its own). Each range is packed
+(``shard/flat.pack_flat_columns``, ``pack_leaf_columns``), reduce-scattered into its
+columns of the gradient and waited for before the next, so the ranges reuse the warm
+regions (or the pool's buffer) the other units' reductions leave free, and no large
+region or buffer is made.
+Each element's sum is the same as the whole reduce-scatter's, in the same order: the
+gradient is bitwise that of one reduce-scatter, and the ledger counts the same bytes.
+The ranges start after every reduction in flight is done and run one after another, so
+they give up overlapping the backward that follows: nothing is lost for a root unit's
+embeddings (the usual such part), whose reduction ends backward, but a flat unit of more
+than ``LARGE_BYTES`` of gradients elsewhere in the stack (a very wide block) waits here
+too; ``chunk_ranges`` checks only the size of a flat part. Whether a part is reduced in
+chunks follows from the plan alone (a CPU device, a group of several ranks, a flat part
+or a root unit's part whose leaves divide evenly into their chunks, exact gradients, no
+replica axes, not two-hop, not deferred), so every rank issues the same collectives.
 """
 
 from __future__ import annotations
