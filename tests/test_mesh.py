@@ -125,6 +125,7 @@ def test_bind_refuses_a_mesh_that_is_not_the_world(pools):
 def _groups_die_with_the_process_group() -> bool:
     """funcshard holds no process group or DeviceMesh strongly (see [Note: weak process groups] in ``comm/groups.py``)."""
     import gc
+    import weakref
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -143,9 +144,19 @@ def _groups_die_with_the_process_group() -> bool:
         if isinstance(obj, (dist.ProcessGroup, DeviceMesh)):
             return False
         stack.extend(gc.get_referents(obj))
+    # a collective through shared memory keys its arena by the group, weakly too
+    from funcshard._src.comm import shm
+
+    group = bound.group(("fsdp",))
+    assert shm.arena(group) is not None, "ranks of one host share memory"
+    dead = weakref.ref(group)
+    del group  # the bound mesh holds it weakly
     store = dist.distributed_c10d._get_default_store()
     rank, size = dist.get_rank(), dist.get_world_size()
     dist.destroy_process_group()
+    gc.collect()
+    if dead() is not None:
+        return False
     dist.init_process_group(
         "gloo", store=dist.PrefixStore("again", store), rank=rank, world_size=size
     )

@@ -366,7 +366,9 @@ class Region:
 class Arena:
     """One process group's shared regions on this rank and what it knows of its peers; mutated by every collective."""
 
-    group: Any
+    # by weak reference, as [Note: weak process groups] in comm/groups.py asks: the group
+    # is this arena's key in _ARENAS, which a strong reference would keep alive forever
+    group_ref: weakref.ReferenceType[Any]
     me: int
     w: int
     pids: list[int]
@@ -385,6 +387,13 @@ class Arena:
 
     def __post_init__(self) -> None:
         weakref.finalize(self, _release, self.regions, self.marks, self.me)
+
+    @property
+    def group(self) -> Any:
+        """The process group, which a collective on this arena is running on, so alive."""
+        group = self.group_ref()
+        assert group is not None, "a collective on a destroyed process group's arena"
+        return group
 
     def read_mark(self) -> int:
         """The lowest sequence number this rank has not finished reading."""
@@ -673,7 +682,7 @@ def _probe(group: Any) -> Arena | None:
         return None
     pids = [int(row[1]) for row in rows]
     return Arena(
-        group,
+        weakref.ref(group),
         me,
         w,
         pids,
