@@ -35,7 +35,8 @@ CASES = [
 ]
 
 
-def test_a_step_holds_the_settings_it_started_with(monkeypatch):
+@pytest.mark.parametrize("call", ["step", "forward"])
+def test_a_step_holds_the_settings_it_started_with(monkeypatch, call):
     # [Note: settings held through a step] in comm/runtime.py: a variable set inside a step
     # (from loss_fn or a hook) takes effect at the next step, never between its collectives
     from funcshard._src.comm import runtime
@@ -55,7 +56,8 @@ def test_a_step_holds_the_settings_it_started_with(monkeypatch):
         return MODEL.loss_fn(params, *batch)
 
     step = fs.value_and_grad(loss_fn, plan)
-    step(fs.shard(MODEL.init(0), plan), *MODEL.batch_for(0))
+    run = step if call == "step" else step.forward  # an evaluation holds them too
+    run(fs.shard(MODEL.init(0), plan), *MODEL.batch_for(0))
     assert seen == [("auto", "auto")]
     assert collectives.settings()["FUNCSHARD_ALL_GATHER"] == "native"  # read afresh after it
 

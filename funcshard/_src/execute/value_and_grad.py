@@ -188,33 +188,34 @@ class Step:
         kept for backward and nothing is re-gathered or reduced. Collective:
         every rank calls it, as a step.
         """
-        groups, by_unit = self._start(
-            sparams,
-            "forward only",
-            nested="an evaluation was called inside a step's loss_fn; call them one after the other",
-            batches=[(args, kwargs)],
-        )
-        self.memory.peak = self.memory.current
-        run = Run(
-            groups,
-            mode=RunMode.EVALUATION,
-            order_hint=self._order,
-            prefetch=self.prefetch,
-            reducer=Reducer(world_size=self._world_size, spares={}),
-            output_dtype=self.mixed_precision.output_dtype,
-            param_dtype=self.mixed_precision.param_dtype,
-        )
-        try:
-            with torch.no_grad():
-                view = run.begin(sparams, by_unit)
-                out = self.loss_fn(view, *args, **kwargs)
-                calls = run.end_forward()
-            start_forward_check(calls).finish()
-            self._order = calls
-            run.close_evaluation()
-        except BaseException as error:
-            settle_after_error(run.abort(), error)
-            raise
+        with runtime.held_settings():  # [Note: settings held through a step] in comm/runtime.py
+            groups, by_unit = self._start(
+                sparams,
+                "forward only",
+                nested="an evaluation was called inside a step's loss_fn; call them one after the other",
+                batches=[(args, kwargs)],
+            )
+            self.memory.peak = self.memory.current
+            run = Run(
+                groups,
+                mode=RunMode.EVALUATION,
+                order_hint=self._order,
+                prefetch=self.prefetch,
+                reducer=Reducer(world_size=self._world_size, spares={}),
+                output_dtype=self.mixed_precision.output_dtype,
+                param_dtype=self.mixed_precision.param_dtype,
+            )
+            try:
+                with torch.no_grad():
+                    view = run.begin(sparams, by_unit)
+                    out = self.loss_fn(view, *args, **kwargs)
+                    calls = run.end_forward()
+                start_forward_check(calls).finish()
+                self._order = calls
+                run.close_evaluation()
+            except BaseException as error:
+                settle_after_error(run.abort(), error)
+                raise
         return out
 
     # -- internals ---------------------------------------------------------------

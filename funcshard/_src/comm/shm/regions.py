@@ -249,7 +249,7 @@ def readv_offered() -> bool:
         >>> isinstance(readv_offered(), bool)
         True
     """
-    return _READV is not None and os.environ.get(READV_ENV, "1").strip() != "0"
+    return _READV is not None and runtime.setting(READV_ENV, "1").strip() != "0"
 
 
 def read_peer(pid: int, address: int, targets: list[tuple[int, torch.Tensor]], /) -> None:
