@@ -249,6 +249,16 @@ def _different_operations() -> None:
         fs.unshard(sparams)
 
 
+def _adafactor_beside_clipping() -> None:
+    _, sparams, step = _setup()
+    _, grads = step(sparams, *MODEL.batch_for(fs.rank()))
+    if fs.rank() == 0:
+        opt = fs.optim.adafactor(1e-2)
+        opt.update_(grads, opt.init(sparams), sparams)
+    else:
+        fs.optim.clip_by_global_norm(grads, 1.0)
+
+
 # -- classes 1, 2 and 5: checkpoints ------------------------------------------------------
 
 
@@ -335,6 +345,7 @@ BODIES: dict[str, Callable[..., None]] = {
     "different-mixed-precision": _different_mixed_precision,
     "different-prefetch": _different_prefetch,
     "different-operations": _different_operations,
+    "adafactor-beside-clipping": _adafactor_beside_clipping,
     "different-plans": _different_plans,
     "change-a-transport-setting-on-one-rank": _change_a_setting_on_one_rank,
     "debug-mode": _different_collectives_in_debug_mode,
@@ -420,6 +431,10 @@ EXPECTED: dict[str, list[tuple[str, str]]] = {  # per rank: (error, regex of its
     "different-operations": [
         ("DesyncError", r"ranks are at different operations"),
         ("DesyncError", r"ranks are at different operations"),
+    ],
+    "adafactor-beside-clipping": [  # both reduce over the mesh: the agreement names both
+        ("DesyncError", r"adafactor.*clip_by_global_norm|clip_by_global_norm.*adafactor"),
+        ("DesyncError", r"adafactor.*clip_by_global_norm|clip_by_global_norm.*adafactor"),
     ],
     "different-plans": [
         (

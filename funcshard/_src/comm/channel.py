@@ -397,7 +397,9 @@ class Agreement:
         everyone = _check_kinds(ch, self.kind, self.seq, messages, self.what)
         if all(d == self.digest for d, _ in everyone):
             return
+        # every agreement of a kind sends its fields as a JSON object: sum_over_ranks too
         details = all_gather_json(dict(self.fields), f"the details of {self.what}")
+        details = [d if isinstance(d, dict) else {"operation": d} for d in details]
         reference = details[0]
         differences = [
             f"rank {r}: {name} {value} (rank 0: {reference.get(name)})"
@@ -481,7 +483,9 @@ def sum_over_ranks(values: Sequence[float], what: str, /) -> list[float]:
     everyone = agree(Kind.REDUCE, what, digest_of({"operation": what}), bits)
     assert everyone is not None
     if any(d != everyone[0][0] for d, _ in everyone):
-        names = all_gather_json(what, f"the details of {what}")
+        # as Agreement.finish's: the fields, of which a sum has only its operation
+        details = all_gather_json({"operation": what}, f"the details of {what}")
+        names = [d.get("operation") if isinstance(d, dict) else d for d in details]
         listing = "; ".join(f"rank {r}: {name}" for r, name in enumerate(names))
         raise DesyncError(
             f"ranks run different operations where they sum over every rank ({listing}); every "
