@@ -115,8 +115,9 @@ def test_where_gathers_across_nodes_are_exposed_auto_keeps_partial_copies():
     """llama-7b on 4 nodes of 8 A100s, 256 tokens a rank (communication exposed), a budget
     that fits every unit's partial copy ([Note: partial copies] in ``plan/strategy.py``) but not shard_grad_op or
     hybrid_shard: re-gathers inside a node make partial copies the fastest plan that fits.
-    With 4 micro-batches, and a budget that also fits partial gradients ([Note: two-hop
-    reductions]), they are kept for the step (hybrid_shard_optimizer)."""
+    With 4 micro-batches, and a budget that also fits partial gradients
+    ([Note: two-hop reductions] in ``execute/param_group.py``), they are kept for the step
+    (hybrid_shard_optimizer)."""
     preset = get_preset("llama-7b")
     params, mesh = preset.params(), fs.Mesh({"node": 4, "local": 8})
     for micro, expected in [(1, "partial_reshard"), (4, "hybrid_shard_optimizer")]:

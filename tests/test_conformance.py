@@ -47,8 +47,10 @@ CI_VARIANTS = {
 
 
 # The levers stored like full_shard, on every row that trains, beside its own variants (the
-# docs' table lists those): partial_reshard and hybrid_shard_optimizer ([Note: partial
-# copies], [Note: two-hop reductions] in ``execute/param_group.py``) on 4 ranks, {node: 2, local: 2}; shard_optimizer on 2.
+# docs' table lists those): partial_reshard and hybrid_shard_optimizer
+# ([Note: partial copies] in ``plan/strategy.py``,
+# [Note: two-hop reductions] in ``execute/param_group.py``)
+# on 4 ranks, {node: 2, local: 2}; shard_optimizer on 2.
 # In CI, these rows.
 LEVERS = ("partial_reshard", "hybrid_shard_optimizer", "shard_optimizer")
 LEVERS_IN_CI = ("dtensor/Transformer-checkpointed",)

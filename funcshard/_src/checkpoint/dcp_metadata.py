@@ -17,8 +17,8 @@ every shape, dtype, chunk and byte range
 is checked against the entry and the data file's size before memory is
 allocated; chunks must tile their tensor exactly (a gap would load as zeros), and
 the chunks one load reads share no byte (:func:`check_read_once`). ``.metadata`` is
-unpickled only once its opcodes pass ``check_pickle`` (no hash bomb; see [Note:
-pickles checked before they are unpickled]), and each chunk is read with
+unpickled only once its opcodes pass ``check_pickle`` (no hash bomb; see
+[Note: pickles checked before they are unpickled] in ``untrusted_pickle.py``), and each chunk is read with
 ``load_tensor``, as funcshard's own chunks are.
 Entries stored as bytes are never unpickled: DCP's own loader would
 ``torch.load(weights_only=False)`` them, which runs any code the file names.

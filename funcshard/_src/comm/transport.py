@@ -1,10 +1,11 @@
 """The transport: how a collective's bytes cross between ranks, behind one interface.
 
 [Note: transports]
-Every data collective of funcshard (``collectives.py``) goes through a
-:class:`Transport`: an all-gather, a reduce-scatter, an all-reduce, input
-buffers a collective may send as they are, and the :class:`Capabilities` the
-planner and the executor ask about. Two implement it:
+Every data collective of funcshard is issued by ``collectives.py``, which
+reaches the ranks through a transport: an all-gather, a reduce-scatter, an
+all-reduce, input buffers a collective may send as they are, and the
+:class:`Capabilities` the planner and the executor ask about (the
+:class:`Transport` protocol). Two implement it:
 
 - torch.distributed's collectives (:data:`TORCH`, below): the backend's own on NCCL,
   and on gloo the backend's own or its point-to-point rings. Always there.
@@ -15,6 +16,16 @@ planner and the executor ask about. Two implement it:
   ``FUNCSHARD_SHM=0`` or the host has no ``memfd``. Where its package is
   missing (deleted, or its import fails) gloo and NCCL run as with
   ``FUNCSHARD_SHM=0``.
+
+How ``collectives.py`` reaches them: on gloo, an all-gather or a
+reduce-scatter runs the algorithm chosen by name (:data:`ALL_GATHER`,
+:data:`REDUCE_SCATTER`, below), of which ``"shm"`` is the plug-in's method and
+the others gloo's own collective or point-to-point rings; on any other backend
+torch's own collective, called directly (what :data:`TORCH`'s ``all_gather`` and
+``reduce_scatter`` do too, for a caller that holds a :class:`Transport`). An
+all-reduce goes to the plug-in where it serves the group, else to :data:`TORCH`.
+The gather of a whole tree to rank 0 (``fs.unshard(..., rank0_only=True)``) is
+torch's own ``gather``, on no transport.
 
 A plug-in's methods return ``None`` where they cannot serve a group (its ranks
 cannot share memory); the caller then runs torch's collective, the same on
@@ -748,7 +759,7 @@ class Each:
 
 
 class _Torch:
-    """torch.distributed's collectives: gloo (its own or the rings) and NCCL; see [Note: transports] in ``comm/py``.
+    """torch.distributed's collectives: gloo (its own or the rings) and NCCL; see [Note: transports] in ``comm/transport.py``.
 
     The algorithm for gloo is chosen by :data:`ALL_GATHER` and :data:`REDUCE_SCATTER`;
     this class is the interface's view of them.

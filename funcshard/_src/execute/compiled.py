@@ -17,9 +17,12 @@ function between them, so a whole ``loss_fn`` is one graph:
   gather node does) and the op returns a zero gradient for ``anchor``, so it
   sits in the backward graph on the path to an output and is never removed.
 - the gather runs under a selective activation checkpoint that *recomputes* it
-  for ``full_shard`` (the backward graph re-gathers the unit right before its
-  gradients, which is when the partitioner places recomputed nodes) and *saves*
-  its outputs for the other strategies (kept from forward to backward).
+  for a unit that frees after forward (``full_shard``, ``hybrid_shard``,
+  ``partial_reshard``, ``hybrid_shard_optimizer``: the backward graph re-gathers
+  the unit right before its gradients, which is when the partitioner places
+  recomputed nodes) and *saves* its outputs for the others (``shard_grad_op``,
+  ``shard_optimizer``, ``no_shard`` and the root unit: kept from forward to
+  backward).
 
 ``anchor`` is one scalar leaf that requires grad, so that the ops have an
 input autograd follows (``Run.dummy`` in eager). Limit: two calls of one

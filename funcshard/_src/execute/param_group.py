@@ -7,9 +7,12 @@ group whose members share their collectives, side by side in one buffer
 (:class:`Columns`).
 
 [Note: one owner per collective]
-Every all-gather, reduce-scatter and all-reduce of a step is issued, waited for
-and counted (the ledger, the gathered memory, the staging pools) by the group of
-the units it moves, here and nowhere else. ``Run`` asks a group for one of its
+Every all-gather, reduce-scatter and all-reduce of a step is issued and waited
+for by the group of the units it moves, here and nowhere else, which also counts
+it in the ledger and takes and gives back its staging buffers; the bytes of
+gathered parameters alive (``GatheredMemory``) are counted here for the staging
+of a collective in flight and by the unit transitions the group calls
+(``unit_state.py``) for a unit's storage. ``Run`` asks a group for one of its
 units (:meth:`ParamGroup.prefetch`, :meth:`~ParamGroup.acquire`,
 :meth:`~ParamGroup.release`, :meth:`~ParamGroup.drop_unused`); the group moves
 its members through their states (``unit_state.py``), which check each transition
@@ -41,8 +44,10 @@ by part), a bucket's shared gathers and open rounds, the reductions in flight
 (:attr:`ParamGroup.reductions`, oldest first) and two-hop partial gradients
 (:attr:`ParamGroup.partial_sums`). What outlives a step is the units' (their shards'
 bindings, gathered storage and state, ``unit_state.py``) and the staging pools'.
-The :class:`Reducer` (per step too) keeps only the order in which groups started
-their reductions, to wait for the oldest first across groups, and the gradients.
+The :class:`Reducer` (per step too) keeps the order in which groups started
+their reductions, to wait for the oldest first across groups, the gradients, and
+which units deferred theirs, which buckets hold open rounds and which groups hold
+partial gradients (with the bytes of those alive).
 
 Buckets: a collective over a few hundred kilobytes costs its latency, not its
 bytes: on gloo at W=2 a round trip is about as long as moving a megabyte.
@@ -115,8 +120,10 @@ dim 0 of one slot's chunk, which its chunk grid packs as views (one chunk row wi
 ``chunk_bytes`` is a range of its own). Each range is packed
 (``shard/flat.pack_flat_columns``, ``pack_leaf_columns``), reduce-scattered into its
 columns of the gradient and waited for before the next, so the ranges reuse the warm
-regions (or the pool's buffer) the other units' reductions leave free, and no large
-region or buffer is made.
+regions the other units' reductions leave free, and no large region is made; without
+shared memory each range takes a buffer of at most ``chunk_bytes`` from its group's
+gather pool (the root's keeps none between ranges: :func:`make_groups`), and no buffer
+as large as the part is made.
 Each element's sum is the same as the whole reduce-scatter's, in the same order: the
 gradient is bitwise that of one reduce-scatter, and the ledger counts the same bytes.
 The ranges start after every reduction in flight is done and run one after another, so
@@ -173,11 +180,14 @@ from funcshard._src.shard.flat import (
 # A buffer is given back only once no collective uses it: an all-gather output
 # after its wait and its unpacking, a reduce-scatter input after its wait. The
 # executor needs at most ``prefetch`` all-gather outputs and one reduce-scatter
-# input at once (the next unit's gradients are packed only after the reduction
-# before them finished, see ``MAX_PENDING`` in ``param_group.py``), so a step keeps
-# two pools, one of that depth for all-gather outputs and one of depth one for
-# reduce-scatter inputs, and they serve every unit of a stack of identical blocks
-# with one allocation of each kind per step. Once the step's last call but the
+# input in flight at once (the next unit's gradients are packed only after the
+# reduction before them finished, see ``MAX_PENDING`` in ``param_group.py``; a
+# deferred micro-batch holds each unit's packed rows until the last one adds them),
+# so a step keeps two pools shared by its groups, one of that depth for all-gather
+# outputs and one of depth one for reduce-scatter inputs, and they serve every unit
+# of a stack of identical blocks with one allocation of each kind per step. The root
+# unit's group has a third of its own, of depth 0 (:func:`make_groups`): its staging
+# is used once a step and is as large as the embeddings. Once the step's last call but the
 # root's is reduced (on the last micro-batch), ``Run`` drains both pools
 # (:meth:`BufferPool.drain`): nothing gathers again in that step, and the peak of a
 # step with tied or large embeddings is at its very end, while autograd sums the
@@ -442,8 +452,9 @@ class ParamGroup:
         ``rows`` ``(group_size, numel)`` are what :meth:`reduce` reduces: over one
         rank ``into`` where given (reduced in place, it becomes the gradient); where
         the transport sends a reduce-scatter's input as it is (shared memory) its own
-        buffer (``shared``); else a buffer of the reduce pool (the root's of the
-        gather pool: not kept for the next step, [Note: staging lifetimes]).
+        buffer (``shared``); else a buffer of the reduce pool (the root's of its
+        group's own pool of depth 0: not kept for the next step, [Note: staging
+        lifetimes]).
         ``packed`` is where the gradients are packed: ``rows``, or for ``no_shard``
         the transport's input of the all-reduce that sums them into ``rows``.
         """

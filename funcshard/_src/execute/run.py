@@ -18,7 +18,9 @@ depends only on the order of ``fs.call`` s and on autograd's backward order,
 both the same on every rank running the same code; prefetch decisions use the
 call order of the previous step, which the step's first agreement compares.
 The agreement at the end of forward runs while backward computes, and is
-finished before backward's first collective. Where a rank could leave that
+finished before backward's first wait for a collective (the gathers the end of
+forward issues for backward come before it, the same on every rank: [Note: the
+first backward gather]). Where a rank could leave that
 order, it agrees with the others first (see
 [Note: agreements] in ``comm/channel.py``): a call that is not the one the last
 step made at its position; a backward that passes over calls whose backward
@@ -284,7 +286,7 @@ class Run:
         self._next_backward = -1  # set by end_forward: the call whose backward should come next
         self._drains_after: int | None = None  # set by end_forward
         self._in_backward: set[int] = set()  # calls whose backward began and has not reduced
-        self.forward_check: Agreement | None = None  # finished before backward's first collective
+        self.forward_check: Agreement | None = None  # finished before backward's first wait
         self._token: Any = None
         self._root_grads: list[torch.Tensor | None] | None = None  # see gathered_grads
         self._root_guard: Watch | None = (

@@ -15,7 +15,7 @@ group checks the device's type before it asks for streams at all
 file, and its results are the same bits.
 
 [Note: streams and buffer lifetimes]
-A tensor made on one stream and used on another stays valid by one of two rules:
+A tensor made on one stream and used on another stays valid by one of three rules:
 
 * The staging buffers (all-gather inputs and outputs, packed gradients) are made
   on the compute stream (a ``BufferPool`` or the ``Reducer``) and are referenced

@@ -6,9 +6,11 @@ A unit is SHARDED, GATHERING (an all-gather in flight) or GATHERED.
 The unit's parameter group (``param_group.py``) issues and waits for the
 collectives and calls the transitions here (``mark_gathering``, ``mark_gathered``,
 ``hold``, ``unhold``, ``free``, ...), each of which checks the state it comes from
-(docs/executor.md draws them); no other module calls them, and only this one
-assigns ``state`` (``tests/test_layering.py``). A transition from the wrong state
-is an internal error (:class:`UnitStateError`), never silently allowed. A unit
+(docs/executor.md draws them), but for ``drop_holders`` (any state: it changes no
+state) and ``reset_after_error`` (any state to SHARDED, after an error); no other
+module calls them, and only this one assigns ``state`` (``tests/test_layering.py``).
+A transition from the wrong state is an internal error (:class:`UnitStateError`),
+never silently allowed. A unit
 never calls its group: see [Note: one owner per collective] in ``param_group.py``.
 
 [Note: persistent gathered storage]
@@ -563,7 +565,9 @@ class UnitRuntime:
             advise(part.full)
         elif part.full.untyped_storage().size() == 0:
             part.full.untyped_storage().resize_(part.full_bytes)
-            advise(part.full)  # [Note: huge pages for gathered storage] in ``execute/py``
+            advise(
+                part.full
+            )  # [Note: huge pages for gathered storage] in ``execute/unit_state.py``
         self.memory.add(part.full_bytes)
         return part.full
 

@@ -3,8 +3,8 @@
 [Note: untrusted safetensors]
 A checkpoint's index and headers are untrusted input. A header is read by funcshard
 before ``safetensors`` maps the file: at most 100 MiB of strict JSON (no duplicate keys,
-no ``NaN``, ``Infinity`` or ``1e400``, nested at most 64 deep: See [Note: reader
-discipline]), every entry a dtype torch represents, a shape of non-negative ints and
+no ``NaN``, ``Infinity`` or ``1e400``, nested at most 64 deep: see
+[Note: reader discipline] in ``untrusted.py``), every entry a dtype torch represents, a shape of non-negative ints and
 byte offsets that tile the data exactly. An index's ``weight_map`` may name only plain
 file names beside it (a symlink may not leave the directory, except into the ``blobs``
 folder of a Hugging Face cache snapshot), and must agree with the files' headers.

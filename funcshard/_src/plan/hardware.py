@@ -196,8 +196,8 @@ class Hardware:
         """Reads a description that :meth:`to_json` (or ``funcshard calibrate``) wrote.
 
         Raises:
-            ValueError: the file cannot be read, is not strict JSON (see [Note: reader
-                discipline]), is over 1 MiB, or is not an object of valid fields.
+            ValueError: the file cannot be read, is not strict JSON (see
+                [Note: reader discipline] in ``untrusted.py``), is over 1 MiB, or is not an object of valid fields.
         """
         p = Path(path)
         data: object = read_json(  # strict: no NaN, Infinity or 1e400; at most 1 MiB, 64 deep

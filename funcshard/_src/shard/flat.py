@@ -41,7 +41,8 @@ that nothing else uses: on the benchmark's 34M-parameter GPT at W = 2, half the
 gradients, 1.3 % of a step. A flat part whose reduce-scatter goes through shared
 memory therefore packs every row but its own (``pack_flat_columns(...,
 skip=)``) and hands the reduce-scatter an :class:`OwnRow`, which adds
-``scale * leaf`` straight from autograd's gradient tensors when the sum is made.
+``scale * leaf`` straight from the gradient tensors (autograd's own, or their casts
+to the reduce dtype) when the sum is made.
 
 The sum keeps its bits: the terms are still added in group-rank order, and the
 own row is used only where ``scale`` is a power of two (the mean over a

@@ -28,9 +28,13 @@ its peers map through ``/proc/<pid>/fd/<fd>``, and a collective is:
 A region is reused only once every peer has read it. A rank's *read mark* is
 the lowest sequence number whose reads it has not finished; every descriptor
 carries it, so a rank learns from the descriptors it receives which of its
-regions every peer is done with. It never waits for that: a collective that
-finds no free region of its size makes a new one, so no rank blocks on a
-peer's progress outside a collective's own wait. In steady state the same
+regions every peer is done with. Finding a region never waits for that: a
+collective that finds no free region of its size makes a new one. A rank
+blocks on its peers only in a collective's own wait, in posting its descriptor
+to a board slot a peer has not yet read (``Board.post``), and where the
+executor asks for it between steps (``Arena.settle``: inputs published in
+place, read by every peer; ``Arena.drain``: large regions given back) or after
+the last reduction of a step (``drain``). In steady state the same
 sizes recur every step and the regions are warm pages reused step after step.
 
 Descriptors are numbered by the collective's sequence number on the group,
@@ -160,7 +164,8 @@ class Exchange:
     descriptor once every descriptor is in; it calls ``done(r)`` once it has
     read all of rank ``r``'s bytes, which, where there are several peers, drops
     them from this rank's pages at once ([Note: peers' pages] in ``regions.py``):
-    a reader then holds one peer's pages at a time, not every peer's.
+    a reader then holds at most two peers' pages at a time (the first sum's
+    terms), not every peer's.
     """
 
     def __init__(

@@ -307,8 +307,8 @@ _ALIGN = 4096
 # (bench/results/large_model_fsdp2). A reader therefore drops its whole view of a region
 # (MADV_DONTNEED) once read, whatever its size, and, with more than one peer, before it reads
 # the next peer's (the ``done`` of a shared-memory collective's finish, shm/__init__.py): while
-# a reduction adds W - 1 peers' rows, only one peer's pages count in its resident set at a
-# time, not W - 1 (a root unit's at W = 8: 7/8 of its packed gradients; large_vocab in
+# a reduction adds W - 1 peers' rows, at most two peers' pages (the first addition's two
+# terms) count in its resident set at a time, not W - 1 (a root unit's at W = 8: 7/8 of its packed gradients; large_vocab in
 # bench/results/memory_shapes: 1.12x FSDP2's peak without it, 0.92x with it). With one peer the
 # view goes after the read mark is set, which the peer reads before it reuses the region
 # (else it makes another). The data stays in the peer's file, and the
@@ -380,7 +380,7 @@ class Arena:
     # every group rank's probe page, word 1 its read mark as it stands (see [Note: read marks]),
     # and the descriptors ([Note: descriptors on the board] in regions.py); None: not shared live
     board: Board | None = None
-    # whether peers read stable inputs in place ([Note: shards read in place] in py)
+    # whether peers read stable inputs in place ([Note: shards read in place] in regions.py)
     readv: bool = False
     # (sequence number, tensor) published in place, kept until every peer has read it
     exposed: list[tuple[int, torch.Tensor]] = field(default_factory=list)
@@ -426,7 +426,7 @@ class Arena:
     def settle(self) -> None:
         """Returns once every peer has read what this rank published in place; mutates.
 
-        See [Note: shards read in place] in ``py``: called before an
+        See [Note: shards read in place] in ``regions.py``: called before an
         evaluation returns, so that the caller may write its shards. In training the
         peers are done already; otherwise this waits for a slower peer's last gather.
 
@@ -671,7 +671,7 @@ def _probe(group: Any) -> Arena | None:
                 pages.append(page)
             except OSError:
                 ok = 0
-            if readv:  # [Note: shards read in place] in py
+            if readv:  # [Note: shards read in place] in regions.py
                 readv &= probe_peer(int(row[1]), int(row[4]), int(row[3]))
         agreed = torch.tensor([ok, readv], dtype=torch.int64)
         reduced = dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group, async_op=True)
