@@ -124,6 +124,56 @@ def test_a_chunk_whose_data_pkl_keys_a_dict_of_one_hash_is_refused(tmp_path):
     )
 
 
+def _called_with(n: int, constructor: bytes, pairs: bool) -> bytes:
+    """A protocol-2 pickle calling ``constructor`` (``module\\nName``) on ``n`` keys of one hash.
+
+    ``torch.load(weights_only=True)`` allows ``set``, ``OrderedDict`` and ``Counter``:
+    called on a list, they hash its members (or its pairs' first items) as they build.
+    """
+    members = b"".join(
+        pickle.dumps(k * M + 7, protocol=2)[2:-1] + (b"N\x86" if pairs else b"")
+        for k in range(1, n + 1)
+    )
+    return b"\x80\x02c" + constructor + b"](" + members + b"e\x85R."
+
+
+@pytest.mark.parametrize(
+    ("constructor", "pairs"),
+    [
+        (b"__builtin__\nset\n", False),
+        (b"collections\nOrderedDict\n", True),
+        (b"collections\nCounter\n", False),
+    ],
+    ids=["set", "OrderedDict", "Counter"],
+)
+def test_a_chunk_whose_data_pkl_calls_a_set_or_dict_on_keys_of_one_hash_is_refused(
+    tmp_path, constructor, pairs
+):
+    """Unpickled, 40000 of them take seconds (a larger tensor's chunk: hours); refused first.
+
+    The chunk declares a tensor as large as its blob, so the byte range a chunk may take
+    (its tensor's bytes and the serialization's slack) holds it.
+    """
+
+    def change(name: str, data: bytes) -> tuple[bytes, int]:
+        if name.endswith("data.pkl"):
+            return _called_with(40_000, constructor, pairs), zipfile.ZIP_STORED
+        return b"" if "/data/" in name else data, zipfile.ZIP_STORED
+
+    blob = tampering.with_records(tampering.saved_blob(torch.zeros(1)), change)
+    params = {"w": torch.zeros((len(blob) - 1024) // 4)}
+    plan = fs.plan(params, fs.Mesh({"fsdp": 1}))
+    ckpt = fs.checkpoint.save(tmp_path / "ckpt", {"params": fs.shard(params, plan)}, step=1)
+    tampering.replace_blobs(
+        ckpt, 0, {"params/w@0": (blob, torch.float32, tuple(params["w"].shape))}
+    )
+    _fast(
+        lambda: fs.checkpoint.load(ckpt, like={"params": fs.shard(params, plan)}, verify=False),
+        CorruptCheckpointError,
+        "data.pkl': it builds a set or dict by calling",
+    )
+
+
 def test_offsets_of_one_hash_cannot_slow_a_metadata_index():
     """MetadataIndex hashes its offsets as integers; SafeIndex as a keyed string."""
     a, b = SafeIndex("w", [7, 0]), SafeIndex("w", [7 + M, 0])

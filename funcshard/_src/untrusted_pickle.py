@@ -18,7 +18,10 @@ Two more refusals bound the work linear in the file. A dict key or set member mu
 string (its hash is keyed per process, so a file cannot choose keys that collide) or an
 instance of a class the caller names (DCP's ``MetadataIndex``, which the readers rebuild
 with a keyed hash): integers ``k * (2**61 - 1) + 7``, or tuples of them, all hash alike,
-and a dict of N of them takes N**2 comparisons to build. And a memo index (``PUT``)
+and a dict of N of them takes N**2 comparisons to build. That holds for the opcodes that
+fill a dict or set, and for a set or dict constructor a loader allows (``torch.load``'s
+``weights_only`` allows ``set``, ``OrderedDict`` and ``Counter``): called with members, it
+would hash them unseen, so it is refused unless called with none. And a memo index (``PUT``)
 must be below the count of opcodes read so far: the unpickler grows its memo to twice
 the largest index, so ``PUT 2**31`` in an 11-byte file would allocate 32 GiB.
 """
@@ -185,11 +188,19 @@ def _graph(data: bytes, key_classes: frozenset[str]) -> tuple[list[list[int]], i
                     name = ".".join(parts)
                     if op.name == "INST":
                         instances[node] = name
+                        if name in _HASHING and popped and bad_key is None:
+                            bad_key = _called_with_members(name)
                     else:
                         classes[node] = name
                 elif op.name in _INSTANCE:
                     cls = popped[0] if op.name == "OBJ" else popped[-1]
                     instances[node] = classes.get(cls, "?")
+                    if instances[node] in _HASHING and bad_key is None:
+                        # the arguments: OBJ's after its class; REDUCE's and NEWOBJ's tuple
+                        # (NEWOBJ_EX's and its keywords), which are its children
+                        given = popped[1:] if op.name == "OBJ" else popped[:-1]
+                        if any(n == 0 or children[n] for n in given):
+                            bad_key = _called_with_members(instances[node])
     return children, ops, bad_key
 
 
@@ -223,6 +234,15 @@ def _bad_key(
             f"one hash would make unpickling quadratic)"
         )
     return None
+
+
+def _called_with_members(name: str) -> str:
+    """Why a call of a set or dict constructor with arguments is refused."""
+    return (
+        f"it builds a set or dict by calling {name} with members (funcshard's files and "
+        f"torch's tensors build them empty and fill them with strings; members of one hash "
+        f"would make unpickling quadratic)"
+    )
 
 
 def _unfolded(children: list[list[int]], limit: int) -> str | None:
@@ -299,4 +319,12 @@ def _action(op: pickletools.OpcodeInfo) -> tuple[int, int, bool]:
 _STRINGS = {"UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
 _KEYED = {"SETITEM", "SETITEMS", "ADDITEMS", "DICT", "FROZENSET"}  # ops that hash keys
 _INSTANCE = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ"}
+# constructors that hash what they are called with: a pickle calls them (REDUCE, NEWOBJ)
+# with no members, and fills the result with the keyed opcodes above (torch.save's
+# OrderedDict); called with members, they would hash keys no check saw
+_HASHING = {
+    f"{module}.{name}"
+    for module in ("builtins", "__builtin__")
+    for name in ("set", "frozenset", "dict")
+} | {f"collections.{name}" for name in ("OrderedDict", "Counter", "defaultdict", "ChainMap")}
 _ACTIONS = {op: _action(op) for op in pickletools.opcodes}  # genops yields these objects
