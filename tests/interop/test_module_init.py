@@ -79,9 +79,11 @@ def test_the_module_initializes_as_its_own_code_says():
     """Norms are ones, linears N(0, initializer_range), buffers equal a CPU-built model's."""
     params, apply = functionalize(_meta_llama(), units=["LlamaDecoderLayer"])
     plan = fs.plan(params, fs.Mesh({"fsdp": 1}), units=apply.units)
-    before = torch.get_rng_state()
+    torch.manual_seed(1234)  # on a machine without a GPU, its seed waits for CUDA to start
+    before, queued = torch.get_rng_state(), torch.cuda._lazy_seed_tracker.get_calls()
     full = fs.unshard(apply.materialize(plan, seed=0))
     assert torch.equal(torch.get_rng_state(), before)  # the caller's RNG is untouched
+    assert torch.cuda._lazy_seed_tracker.get_calls() == queued  # and its GPUs' seed
     assert torch.equal(full["model"]["norm"]["weight"], torch.ones(32))
     weights = full["model"]["layers"][1]["mlp"]["down_proj"]["weight"]
     assert abs(float(weights.std()) - 0.02) < 0.003

@@ -9,16 +9,18 @@ shallow copy of the submodule gets fresh empty tensors on the target device,
 filled with NaN; the module's own initialization runs on that copy (a Hugging
 Face model's ``_init_weights(submodule)``, else the submodule's
 ``reset_parameters()``); this rank's slices of every owned leaf are copied into
-the unit's flat buffers, and the copy is dropped. The RNG is seeded from
-``(seed, submodule name)`` under ``torch.random.fork_rng``, so the values do not
-depend on the world size, the mesh, the strategy or the unit grouping, and the
-caller's RNG state is untouched. A tensor still NaN afterwards was not set by the
+the unit's flat buffers, and the copy is dropped. The generators it draws from (the
+CPU's, and the target GPU's) are seeded from ``(seed, submodule name)`` under
+``torch.random.fork_rng``, so the values do not depend on the world size, the mesh,
+the strategy or the unit grouping, and the caller's RNG state is untouched (no other
+GPU's generator is seeded, nor a seed queued for GPUs not yet started). A tensor still NaN afterwards was not set by the
 module's initialization (a parameter filled in ``__init__`` only): an error
 names it. Buffers are replicated: every rank builds all of them the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -222,14 +224,29 @@ def _initialize(
         k: None if v is None else _nan_like(v, device) for k, v in original._buffers.items()
     }
     sub.__dict__["_modules"] = dict(original._modules)  # shared children, never initialized here
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        torch.manual_seed(derived_seed(seed, owner))
+    with _seeded(derived_seed(seed, owner), device), torch.no_grad():
         init(owner, sub)
     values = {k: v.detach() for k, v in sub._parameters.items() if v is not None}
     values.update({k: v for k, v in sub._buffers.items() if v is not None})
     values.update(kept)
     return values
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device, /) -> Iterator[None]:
+    """The CPU's generator and ``device``'s seeded with ``seed`` inside, as they were after; mutates them.
+
+    Only those two: ``torch.manual_seed`` would seed every GPU's generator too (queued until
+    CUDA starts, where it has not), which the caller's state would keep.
+    """
+    index = None
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+    with torch.random.fork_rng(devices=[] if index is None else [index]):
+        torch.random.default_generator.manual_seed(seed)
+        if index is not None:
+            torch.cuda.default_generators[index].manual_seed(seed)
+        yield
 
 
 def unset(t: torch.Tensor, /) -> bool:
