@@ -192,6 +192,10 @@ BAD_ROWS: dict[str, tuple[Any, str]] = {
     ),
     "torch-seeded": (lambda c, p, n: _set(c, 2, 0), r"torch CPU RNG state: seeded=0"),
     "torch-flag": (lambda c, p, n: _set(c, 633, 7), r"a cached-normal flag is neither 0 nor 1"),
+    "torch-flag-negative": (  # the double's flag is a signed int
+        lambda c, p, n: _set(c, 631, -7),
+        r"a cached-normal flag is neither 0 nor 1",
+    ),
 }
 
 

@@ -219,7 +219,7 @@ def _check_torch_cpu(state: bytes) -> bytes:
     if any(w >= 1 << 32 for w in words):
         raise CorruptCheckpointError(f"{what}: an MT19937 word is not a 32-bit value")
     _check_not_degenerate(what, words)
-    if normal_valid > 1 or float_valid > 1:
+    if not (0 <= normal_valid <= 1 and 0 <= float_valid <= 1):  # normal_valid is signed
         raise CorruptCheckpointError(f"{what}: a cached-normal flag is neither 0 nor 1")
     if not all(math.isfinite(x) for x in (*normals, float_normal)):
         raise CorruptCheckpointError(
