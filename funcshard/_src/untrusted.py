@@ -1,10 +1,13 @@
 """Reading files that funcshard does not trust: strict JSON, no symlinks, tensors proven before use.
 
 [Note: reader discipline]
-Checkpoint manifests and metadata, plans, hardware files, Hugging Face configs and
-safetensors headers and indexes are untrusted input: a file may be damaged, or crafted
-by someone who recomputes every digest. Every reader goes through this module, or for
-pickles and ``torch.save`` blobs through ``untrusted_pickle.py``:
+Checkpoint manifests and metadata, plans, hardware files, Hugging Face configs,
+safetensors headers and indexes and Orbax ``_METADATA`` are untrusted input: a file may
+be damaged, or crafted by someone who recomputes every digest. Every reader goes through
+this module, or for pickles through ``untrusted_pickle.py`` and for ``torch.save`` blobs
+through ``untrusted_tensor.py``. Two libraries then open a checked file again by path
+to read its data: ``safetensors.safe_open`` (which checks the header itself again) and
+TensorStore (an Orbax checkpoint's arrays, under names its checked ``_METADATA`` gives).
 
 - **JSON** (:func:`loads_json`, :func:`read_json`): at most ``max_bytes``, nested at most
   ``max_depth`` deep, no ``NaN``/``Infinity`` literal, no number that overflows to
@@ -18,7 +21,8 @@ pickles and ``torch.save`` blobs through ``untrusted_pickle.py``:
   name read from a file (:func:`open_plain`) is relative, has no ``..``, and is walked
   one directory descriptor at a time: every component below the root a real directory,
   the last a regular file, no symlink anywhere, so nothing outside the root is read.
-- **Pickles and tensors** (``untrusted_pickle.py``: ``check_pickle``, ``load_tensor``):
+- **Pickles and tensors** (``check_pickle`` in ``untrusted_pickle.py``, ``load_tensor`` in
+  ``untrusted_tensor.py``):
   a pickle's opcodes are bounded before it is unpickled (no memo-reuse bomb that hashes
   for hours; see [Note: pickles checked before they are unpickled] in ``untrusted_pickle.py``); before
   ``torch.load``, the blob is a zip archive of stored entries whose sizes add up to at

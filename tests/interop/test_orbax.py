@@ -160,6 +160,61 @@ def test_metadata_keys_that_would_leave_the_checkpoint_are_refused(checkpoints, 
         load_orbax(crafted)
 
 
+def _crafted(checkpoints: dict[str, Path], tmp_path: Path) -> Path:
+    import shutil
+
+    crafted = tmp_path / "crafted"
+    shutil.copytree(checkpoints["folders"], crafted)
+    return crafted
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda m: m.update(tree_metadata=[1]), r"tree_metadata is not an object"),
+        (
+            lambda m: next(iter(m["tree_metadata"].values())).pop("key_metadata"),
+            r"no key_metadata list and value_metadata object",
+        ),
+        (
+            lambda m: next(iter(m["tree_metadata"].values())).update(
+                key_metadata=[{"key": None, "key_type": 2}]
+            ),
+            r"a key is not a string or an integer",
+        ),
+        (
+            lambda m: next(iter(m["tree_metadata"].values())).update(
+                key_metadata=[{"key": "x", "key_type": 1}]
+            ),
+            r"a sequence key 'x' is not an index",
+        ),
+    ],
+    ids=["tree-a-list", "no-keys", "key-none", "sequence-key-a-name"],
+)
+def test_metadata_of_the_wrong_shape_is_a_clear_error(checkpoints, tmp_path, change, message):
+    """_METADATA is untrusted: a wrong field is named, never a KeyError or TypeError."""
+    crafted = _crafted(checkpoints, tmp_path)
+    meta = json.loads((crafted / "_METADATA").read_text())
+    change(meta)
+    (crafted / "_METADATA").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=message + r".*this is not a checkpoint Orbax wrote"):
+        load_orbax(crafted)
+
+
+def test_metadata_is_strict_json_and_no_symlink(checkpoints, tmp_path):
+    """Read as every untrusted JSON file is ([Note: reader discipline] in ``untrusted.py``)."""
+    crafted = _crafted(checkpoints, tmp_path)
+    text = (crafted / "_METADATA").read_text()
+    (crafted / "_METADATA").write_text(text.replace("{", '{"x": NaN, ', 1))
+    with pytest.raises(ValueError, match=r"_METADATA: x is NaN, not a finite number"):
+        load_orbax(crafted)
+    (tmp_path / "elsewhere").write_text(text)
+    (crafted / "_METADATA").unlink()
+    (crafted / "_METADATA").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=r"_METADATA.*symlink"):
+        load_orbax(crafted)
+
+
 def _plan(want: Any, world: int, layout: Any) -> fs.Plan:
     return fs.plan(
         want,

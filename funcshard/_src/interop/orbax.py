@@ -11,7 +11,6 @@ rank of a sharded ``like`` reads only the slices it holds.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -25,9 +24,12 @@ from funcshard._src.comm import runtime
 from funcshard._src.interop.host import tensor_from_numpy, torch_dtype
 from funcshard._src.shard.flat import pieces
 from funcshard._src.shard.sharded import ShardedTensor, map_flats
+from funcshard._src.untrusted import read_json
 
 _ARRAY_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
 _SEQUENCE_KEY = 1  # orbax's KeyType.SEQUENCE; 2 is a dict key
+MAX_METADATA_BYTES = 256 << 20  # _METADATA: about 300 bytes a leaf, so a million leaves fit
+_NOT_ORBAX = "this is not a checkpoint Orbax wrote"
 
 
 @dataclass(frozen=True)
@@ -68,9 +70,10 @@ def load_orbax(directory: str | os.PathLike[str], /, like: Any = None, *, prefix
         >>> sparams = fs.interop.load_orbax("ckpt/100/default", sparams, prefix="params")  # doctest: +SKIP
     """
     root = Path(directory)
-    entries = _read_metadata(root)
+    meta = _metadata(root)
+    entries = _entries(root, meta)
     ts = tensorstore()
-    spec = _spec_for(root)
+    spec = _spec_for(root, meta)
     base = prefix.strip("/")
     if like is None:
         return _load_whole(ts, spec, _under_prefix(entries, base, root))
@@ -114,7 +117,9 @@ def tensorstore(what: str = "load_orbax reads Orbax checkpoints", /) -> Any:
         ) from None
 
 
-def _read_metadata(root: Path) -> list[_Entry]:
+def _metadata(root: Path) -> dict[str, Any]:
+    """``root/_METADATA``, untrusted: strict JSON read once, through no symlink ([Note: reader
+    discipline] in ``untrusted.py``)."""
     meta_file = root / "_METADATA"
     if not meta_file.is_file():
         inner = sorted(p.parent.name for p in root.glob("*/_METADATA"))
@@ -130,14 +135,36 @@ def _read_metadata(root: Path) -> list[_Entry]:
         raise ValueError(
             f"{root} is not an Orbax PyTree checkpoint: it has no _METADATA file{hint}"
         )
-    meta = json.loads(meta_file.read_text())
+    meta = read_json(meta_file, symlinks=False, max_bytes=MAX_METADATA_BYTES)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_file}: not a JSON object; {_NOT_ORBAX}")
+    return meta
+
+
+def _entries(root: Path, meta: dict[str, Any]) -> list[_Entry]:
+    """The checkpoint's leaves, as its ``_METADATA`` lists them (checked: [Note: reader
+    discipline] in ``untrusted.py``)."""
+    items = meta.get("tree_metadata", {})
+    if not isinstance(items, dict):
+        raise ValueError(f"{root}/_METADATA: tree_metadata is not an object; {_NOT_ORBAX}")
     entries: list[_Entry] = []
-    for item in meta.get("tree_metadata", {}).values():
-        keys: list[str | int] = [
-            int(k["key"]) if k["key_type"] == _SEQUENCE_KEY else str(k["key"])
-            for k in item["key_metadata"]
-        ]
-        value = item["value_metadata"]
+    for name, item in items.items():
+        where = f"{root}/_METADATA: tree_metadata[{name!r}]"
+        key_metadata = item.get("key_metadata") if isinstance(item, dict) else None
+        value = item.get("value_metadata") if isinstance(item, dict) else None
+        if not isinstance(key_metadata, list) or not isinstance(value, dict):
+            raise ValueError(
+                f"{where}: no key_metadata list and value_metadata object; {_NOT_ORBAX}"
+            )
+        keys: list[str | int] = []
+        for k in key_metadata:
+            key = k.get("key") if isinstance(k, dict) else None
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                raise ValueError(f"{where}: a key is not a string or an integer; {_NOT_ORBAX}")
+            sequence = k.get("key_type") == _SEQUENCE_KEY
+            if sequence and not (isinstance(key, int) or key.isdecimal()):
+                raise ValueError(f"{where}: a sequence key {key!r} is not an index; {_NOT_ORBAX}")
+            keys.append(int(key) if sequence else str(key))
         if value.get("skip_deserialize"):
             continue
         _check_keys(root, keys)
@@ -167,8 +194,7 @@ def _check_keys(root: Path, keys: Sequence[str | int]) -> None:
         )
 
 
-def _spec_for(root: Path) -> dict[str, Any]:
-    meta = json.loads((root / "_METADATA").read_text())
+def _spec_for(root: Path, meta: dict[str, Any]) -> dict[str, Any]:
     ocdbt = meta.get("use_ocdbt", (root / "manifest.ocdbt").is_file())
     return {
         "driver": "zarr3" if meta.get("use_zarr3", False) else "zarr",

@@ -24,7 +24,7 @@ from typing import Any, TypeAlias
 import torch
 
 from funcshard._src.dtypes import dtype_name
-from funcshard._src.untrusted import loads_json, open_file
+from funcshard._src.untrusted import loads_json, open_file, read_json
 
 Files: TypeAlias = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
@@ -177,9 +177,10 @@ def _from_files(files: Sequence[Path]) -> dict[str, Entry]:
 
 
 def _from_index(index: Path) -> dict[str, Entry]:
-    if not index.is_file() or index.stat().st_size > MAX_INDEX:
-        raise ValueError(f"{index}: not a file of at most {MAX_INDEX} bytes; pass an index file")
-    content = _strict_json(index.read_bytes(), str(index), MAX_INDEX)
+    if not index.is_file():
+        raise ValueError(f"{index}: not a file; pass an index file")
+    # opened once: [Note: reader discipline] in untrusted.py
+    content = read_json(index, max_bytes=MAX_INDEX)
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     metadata = content.get("metadata", {}) if isinstance(content, dict) else None
     if not isinstance(weight_map, dict) or not isinstance(metadata, dict):
