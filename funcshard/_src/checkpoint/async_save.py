@@ -14,13 +14,14 @@ The thread issues no collective: the control channel's sequence belongs to the
 thread that trains, so the ranks' threads exchange their reports through the
 process group's store instead; rank 0's thread commits and rotates exactly as a
 blocking save does (``save.finish``), and every rank's thread reads rank 0's outcome
-from the store. So every rank ends a save with the same outcome, and it surfaces on
-every rank at the next call: :meth:`SaveHandle.result`, the next save,
+from the store. So every rank ends a save with the same outcome (but a rank whose
+wait for rank 0's outcome times out, which reports that the save may or may not have
+committed), and it surfaces on every rank at the next call: :meth:`SaveHandle.result`, the next save,
 :meth:`AsyncCheckpointer.wait` or :meth:`AsyncCheckpointer.close`. At most one save
 is in flight: the next waits for it (and raises its error, if it failed and no one
 asked). A crash or SIGKILL in the middle of writing leaves the previous checkpoints
-as they were, and a staging directory that the run's next save with ``keep=``
-removes.
+as they were, and a staging directory that the run's next committed save removes
+(with ``keep=`` or not).
 """
 
 from __future__ import annotations

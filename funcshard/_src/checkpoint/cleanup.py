@@ -1,8 +1,8 @@
 """What ``keep=`` may delete: the files a save wrote, by their exact names, and nothing else.
 
 [Note: what cleanup deletes]
-Rotation (``save(..., keep=k)``) removes old checkpoints and interrupted saves of the
-saving run. No string read from a file reaches a path: the directories are the
+Rotation removes interrupted saves of the saving run after every committed save, and
+with ``save(..., keep=k)`` old checkpoints too. No string read from a file reaches a path: the directories are the
 entries of the checkpoint's parent as the operating system lists them, an
 interrupted save is recognised by the exact staging name this run gives its saves
 (:func:`staging_name`, whose run part follows the last ``@``, a character no run
@@ -11,9 +11,10 @@ name holds), and inside a directory only the names a save writes are deleted:
 missing), then ``rank<r>/.metadata``, ``rank<r>/.metadata.tmp`` and
 ``rank<r>/__0_0.distcp``, each only if it is a regular file. A ``rank<r>`` folder and
 the checkpoint's folder are removed only once empty: a file a user added (``NOTES.txt``)
-stays, in a folder that is no checkpoint any more (it has no manifest). Every step
-opens the directory it works in without following symlinks (``O_NOFOLLOW``) and
-deletes relative to it, so a symlink is never followed and nothing outside the
+stays, in a folder that is no checkpoint any more (it has no manifest). The parent
+directory is opened as given (it is the user's path); below it, every step opens the
+directory it works in without following symlinks (``O_NOFOLLOW``) and deletes relative
+to it, so a symlink is never followed and nothing outside the
 parent directory is touched: a symlinked checkpoint (a ``latest`` link) is neither
 counted nor deleted.
 """

@@ -6,8 +6,8 @@ leaves either nothing at the target or a complete checkpoint.
 
 [Note: runs]
 Every checkpoint records the *run* that wrote it. A process's run is, in
-order: the ``run=`` it passes; the run of the checkpoint it loaded last (a
-resumed job continues its run); ``FUNCSHARD_RUN``, or torchrun's
+order: the ``run=`` it passes; the run of the checkpoint it saved or loaded
+last (a resumed job continues its run); ``FUNCSHARD_RUN``, or torchrun's
 ``TORCHELASTIC_RUN_ID`` (the same for every restart of one job); otherwise a
 fresh id chosen by rank 0 at the first save. A run's name is a short name of
 ASCII letters, digits, ``-``, ``_`` and ``.`` (not first): :data:`RUN_NAME`, checked

@@ -190,7 +190,7 @@ def finish(prepared: Prepared, reports: list[dict[str, Any]], /) -> dict[str, An
     failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
     if failed:
         listing = "; ".join(f"rank {r}: {error}" for r, error in failed)
-        with contextlib.suppress(OSError):  # else the run's next save with keep= removes it
+        with contextlib.suppress(OSError):  # else the run's next committed save removes it
             remove_saved(prepared.staging.parent, prepared.staging.name)
         return {
             "error": f"saving {prepared.target} failed, nothing was committed: {listing}",

@@ -11,7 +11,8 @@
   kernel that transformers downloads and imports; planning builds on the meta device
   and needs none), ``use_kernels``/``kernel_config`` and ``quantization_config``
   (quantizers import their own packages);
-- refused a ``model_type`` that transformers does not implement itself;
+- refused a sub-config's ``model_type`` that transformers does not implement itself
+  (the config's own is refused before, by ``from_hf_config`` in ``model_source.py``);
 - checked every dimension it knows by name (:data:`DIMS`): an integer (not a bool or
   a float) in its range, and divisible where the model needs it (the hidden size by
   the heads when no ``head_dim`` is given; the heads by the key/value heads).

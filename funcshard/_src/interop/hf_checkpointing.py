@@ -9,7 +9,10 @@ turn ``use_cache`` off there). Either way HF recomputes a layer in backward by
 calling its forward again, after ``torch.func.functional_call`` has put the module's
 own parameters back: the recompute reads stale (or ``meta``) weights, and the
 gradients are silently wrong. So ``apply`` never lets HF checkpoint: every flag is
-``False`` while apply runs and while a unit recomputes, and restored exactly after.
+``False`` while apply runs in a step and while a unit recomputes, and restored exactly
+after. (``fs.testing``'s plain reference, outside any step, leaves the flags as they
+are: there a recompute re-enters the binding, [Note: activation checkpoints under
+apply] in ``recompute.py``.)
 funcshard's own remat (``fs.call(..., remat=True)``) recomputes a unit with its
 gathered parameters instead, so checkpointing is translated into ``remat=True``
 where every checkpointed layer is a unit or inside one, and refused where one is

@@ -23,9 +23,10 @@ are bound, and funcshard must know which keys it makes without reading values:
    parameters from the checkpoint's keys. Callers gather one scope's leaves at a
    time (``fs.checkpoint.save_dcp``/``load_dcp``), or already hold them all
    (``apply.state_dict``).
-3. **Errors name the hook.** A hook that raises in the probe or in a live run
-   raises :class:`StateDictHookError`, naming the module path, the hook's kind and
-   name, and a fix.
+3. **Errors name the hook.** A hook outside torch and funcshard that raises in the
+   probe or in a live run raises :class:`StateDictHookError`, naming the module
+   path, the hook's kind and name, and a fix; a hook of torch's own (where no frame
+   outside torch and funcshard is found) raises its own error.
 """
 
 from __future__ import annotations
