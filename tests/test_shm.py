@@ -305,33 +305,47 @@ def test_a_reduce_scatter_with_its_own_row_apart_gives_the_same_bits(pools, name
         assert r["wrong"] == [], f"rank {rank}: {r['wrong']}"
 
 
-def _trimmed_once_every_peer_has_read() -> tuple[list[bool], list[bool]]:
-    """Every region's `trimmed` after reductions, before and after Arena.trim behind a barrier."""
+def _trimmed_once_every_peer_has_read(large: bool) -> tuple[list[bool], list[bool]]:
+    """Every region's `trimmed` after reductions, before and after Arena.trim behind a barrier.
+
+    ``large``: every region counts as large (``LARGE_BYTES`` of 1).
+    """
     real = regions.LARGE_BYTES
-    regions.LARGE_BYTES = 1  # every region counts as large: given back once free
+    if large:
+        regions.LARGE_BYTES = 1
     try:
-        bound = groups.bind(fs.Mesh({"fsdp": 2}))
+        w = dist.get_world_size()
+        bound = groups.bind(fs.Mesh({"fsdp": w}))
         group = bound.group(("fsdp",))
         assert group is not None
         arena = shm.arena(group)
         assert arena is not None, "ranks of one host share memory"
+        first = arena.seq  # the worker's earlier tests may have left regions
         for n in (300, 500, 300):
             out = torch.empty(n)
-            rs.start("shm", torch.ones(2, n), out, group).wait()
-        before = [g.trimmed for g in arena.regions]
+            rs.start("shm", torch.ones(w, n), out, group).wait()
+        used = [g for g in arena.regions if g.last_seq >= first]
+        before = [g.trimmed for g in used]
         dist.barrier(group=group)  # every peer is past its reads, as at a step's start
         arena.trim()
-        return before, [g.trimmed for g in arena.regions]
+        return before, [g.trimmed for g in used]
     finally:
         regions.LARGE_BYTES = real
 
 
-def test_trim_gives_back_every_large_region_the_peers_are_done_with(pools):
+@pytest.mark.parametrize(
+    ("w", "large", "trimmed"),
+    [(2, True, True), (2, False, False), (4, False, True)],
+    ids=["large", "small-at-w2-kept", "small-at-w4"],
+)
+def test_trim_gives_back_every_large_region_the_peers_are_done_with(pools, w, large, trimmed):
     # a root unit's packed gradients are a large region used once a step; a step gives it
-    # back when it starts, once every rank has agreed to (value_and_grad's collectives.settle)
-    for _, after in pools.run(2, _trimmed_once_every_peer_has_read):
+    # back when it starts, once every rank has agreed to (value_and_grad's collectives.settle);
+    # at W > 2 every region, which would otherwise stay resident through the next forward
+    # ([Note: draining regions] in comm/shm/regions.py)
+    for _, after in pools.run(w, _trimmed_once_every_peer_has_read, large):
         assert after, "the reductions made regions"
-        assert all(after), after
+        assert after == [trimmed] * len(after), after
 
 
 def test_a_step_settles_the_transport_when_it_starts_and_ends(monkeypatch):

@@ -333,7 +333,15 @@ _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 # like a collective's past the timeout. The region of the reduction still in flight stays.
 # With one peer (W = 2) it does nothing, as measured before it (the early drop, [Note:
 # peers' pages], is likewise for more than one peer). Without a board the marks heard
-# lag, so nothing is waited for and what is known free is given back.
+# lag, so nothing is waited for and what is known free is given back. For the same
+# reason, at more than two ranks ``Arena.trim`` (at the end of a step and before the
+# next, ``settle``) gives back every free region, not only the large ones: the regions of
+# the last reductions would otherwise stay resident through the next step's forward to
+# its peak at the start of backward, where the socket path holds no staging (its pools
+# are drained). On a held-out GPT of 512 tokens a rank at W = 8 (width 512, 8 blocks;
+# bench/results/memory_shapes, stop 52) they were 24 MiB of a 962 MiB peak, and put it
+# 27 MiB over FSDP2's. Each step then faults those pages in again as it packs them, which
+# at W = 2, where steps are short, the speed bench would see; at W = 2 they stay.
 # [Note: read marks]
 # A descriptor carries its rank's read mark as of the collective's start, so a mark heard
 # that way lags: with a step's reductions all in flight, a region is known free only two
@@ -359,7 +367,7 @@ class Region:
     mapping: mmap.mmap
     data: torch.Tensor  # (nbytes,) uint8 over the mapping
     last_seq: int = -1
-    trimmed: bool = False  # its pages given back (a large region, free): see LARGE_BYTES
+    trimmed: bool = False  # its pages given back (free: a large one, any at W > 2): see trim
 
 
 @dataclass(eq=False)
@@ -513,10 +521,11 @@ class Arena:
         return chosen
 
     def trim(self) -> None:
-        """Gives back the pages of every large region that every peer has finished reading; mutates.
+        """Gives back the pages of every large region (at W > 2, every region) that every peer has finished reading; mutates.
 
         A large region (``LARGE_BYTES``: a root unit's packed gradients) is used once a
         step; kept resident, it would add to every peak until the next step reuses it.
+        At more than two ranks so is every region: see [Note: draining regions].
         ``settle`` calls this at the end of a step and before the next starts.
         """
         self._trim(self._free())
@@ -530,7 +539,7 @@ class Arena:
 
     def _trim(self, free: list[Region]) -> None:
         for g in free:
-            if g.nbytes >= LARGE_BYTES and not g.trimmed:
+            if (g.nbytes >= LARGE_BYTES or self.w > 2) and not g.trimmed:
                 _give_back(g.mapping, g.nbytes, _REMOVE)
                 g.trimmed = True
 
