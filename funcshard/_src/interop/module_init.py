@@ -13,9 +13,9 @@ the unit's flat buffers, and the copy is dropped. The generators it draws from (
 CPU's, and the target GPU's) are seeded from ``(seed, submodule name)`` under
 ``torch.random.fork_rng``, so the values do not depend on the world size, the mesh,
 the strategy or the unit grouping, and the caller's RNG state is untouched (no other
-GPU's generator is seeded, nor a seed queued for GPUs not yet started). A tensor still NaN afterwards was not set by the
-module's initialization (a parameter filled in ``__init__`` only): an error
-names it. Buffers are replicated: every rank builds all of them the same way.
+GPU's generator is seeded, nor a seed queued for GPUs not yet started). A tensor still
+NaN afterwards was not set by the module's initialization (a parameter filled in
+``__init__`` only): an error names it. Buffers are replicated: every rank builds all of them the same way.
 """
 
 from __future__ import annotations

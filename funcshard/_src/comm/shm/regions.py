@@ -308,11 +308,11 @@ _ALIGN = 4096
 # (MADV_DONTNEED) once read, whatever its size, and, with more than one peer, before it reads
 # the next peer's (the ``done`` of a shared-memory collective's finish, shm/__init__.py): while
 # a reduction adds W - 1 peers' rows, at most two peers' pages (the first addition's two
-# terms) count in its resident set at a time, not W - 1 (a root unit's at W = 8: 7/8 of its packed gradients; large_vocab in
-# bench/results/memory_shapes: 1.12x FSDP2's peak without it, 0.92x with it). With one peer the
-# view goes after the read mark is set, which the peer reads before it reuses the region
-# (else it makes another). The data stays in the peer's file, and the
-# next read maps it again, a minor fault per 64 KiB (the kernel's fault-around, which also
+# terms) count in its resident set at a time, not W - 1 (a root unit's at W = 8: 7/8 of
+# its packed gradients; large_vocab in bench/results/memory_shapes: 1.12x FSDP2's peak
+# without it, 0.92x with it). With one peer the view goes after the read mark is set,
+# which the peer reads before it reuses the region (else it makes another). The data
+# stays in the peer's file, and the next read maps it again, a minor fault per 64 KiB (the kernel's fault-around, which also
 # maps written pages beyond those read, hence the whole view), about 0.3 ms on an 8 MiB
 # read on the benchmark machine, where the copy itself takes about 1 ms.
 _REMOVE = getattr(mmap, "MADV_REMOVE", None)
