@@ -483,6 +483,23 @@ def all_reduce(
     return pending
 
 
+def sum_over_mesh(buf: torch.Tensor, bound: BoundMesh, what: str, /, **fields: Any) -> torch.Tensor:
+    """Sums ``buf`` over every axis of ``bound``'s mesh once every rank agrees it is at ``what``; mutates ``buf``.
+
+    An operation outside a step (clipping, a finiteness check, an optimizer's sums)
+    that reduces over the mesh agrees first ([Note: agreements] in ``comm/channel.py``)
+    on ``{"operation": what, **fields}``, so that a rank at another one raises
+    ``DesyncError`` naming both instead of pairing its all-reduce with theirs. Waits for
+    the sum.
+
+    Raises:
+        DesyncError: a rank is at another operation, or its ``fields`` differ.
+        CollectiveError: a peer did not come in time.
+    """
+    channel.agree_on(Kind.REDUCE, what, {"operation": what, **fields})
+    return all_reduce(buf, bound, bound.mesh.axis_names).wait()
+
+
 def gather_to_rank0(
     flat: torch.Tensor, bound: BoundMesh, /, *, ledger: Ledger | None = None, tag: str = ""
 ) -> torch.Tensor | None:

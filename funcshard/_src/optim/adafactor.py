@@ -27,8 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcshard._src import tree
-from funcshard._src.comm import channel, collectives, groups, runtime, settle
-from funcshard._src.comm.channel import Kind
+from funcshard._src.comm import collectives, groups, runtime, settle
 from funcshard._src.optim.adafactor_state import (
     Leaf,
     factor,
@@ -185,10 +184,9 @@ class _Adafactor:
 
         def over_mesh(partial: torch.Tensor) -> torch.Tensor:
             assert bound is not None
-            if runtime.world_size() > 1:  # [Note: agreements] in comm/channel.py
-                fields = {"operation": "adafactor", "sums": partial.numel()}
-                channel.agree_on(Kind.REDUCE, "adafactor", fields)
-            return collectives.all_reduce(partial, bound, bound.mesh.axis_names).wait()
+            if runtime.world_size() == 1:
+                return collectives.all_reduce(partial, bound, bound.mesh.axis_names).wait()
+            return collectives.sum_over_mesh(partial, bound, "adafactor", sums=partial.numel())
 
         with settle.operation("adafactor"):
             _run(self.steps(grads, state, sparams), over_mesh)

@@ -11,7 +11,6 @@ import torch
 
 from funcshard._src import tree
 from funcshard._src.comm import channel, collectives, groups, runtime, settle
-from funcshard._src.comm.channel import Kind
 from funcshard._src.optim.base import (
     Optimizer,
     Transform,
@@ -210,9 +209,9 @@ def _norm_and_scale(
         with settle.operation("clip_by_global_norm"):
             if _reduce_on_device(device):
                 # ranks agree on the operation on the host, and sum on the device: no read back
-                channel.agree_on(Kind.REDUCE, "clip_by_global_norm", _OPERATION)
-                axes = bound.mesh.axis_names
-                local = collectives.all_reduce(local.reshape(1), bound, axes).wait().reshape(())
+                local = collectives.sum_over_mesh(
+                    local.reshape(1), bound, "clip_by_global_norm"
+                ).reshape(())
             else:  # the CPU: the values travel in the agreement, added in rank order
                 (total,) = channel.sum_over_ranks([float(local)], "clip_by_global_norm")
                 local = torch.tensor(total, dtype=torch.float64)
@@ -222,9 +221,6 @@ def _norm_and_scale(
     else:  # optax's: as they are up to max_norm (so 0 / 0 never arises)
         coef = torch.where(norm <= max_norm, 1.0, max_norm / norm)
     return flats, coef, norm
-
-
-_OPERATION = {"operation": "clip_by_global_norm"}  # as sum_over_ranks's digest: a desync is named
 
 
 def _reduce_on_device(device: torch.device) -> bool:

@@ -9,7 +9,6 @@ import torch
 
 from funcshard._src import tree
 from funcshard._src.comm import channel, collectives, groups, runtime, settle
-from funcshard._src.comm.channel import Kind
 from funcshard._src.optim.base import (
     InitFn,
     Optimizer,
@@ -62,9 +61,7 @@ def nonfinite_flag(grads: Any, /) -> torch.Tensor:
     if runtime.world_size() > 1:
         with settle.operation("all_finite"):
             if bad.device.type != "cpu":  # as clip_by_global_norm: no read back
-                channel.agree_on(Kind.REDUCE, "all_finite", {"operation": "all_finite"})
-                axes = bound.mesh.axis_names
-                bad = collectives.all_reduce(bad.reshape(1), bound, axes).wait().reshape(())
+                bad = collectives.sum_over_mesh(bad.reshape(1), bound, "all_finite").reshape(())
             else:
                 (total,) = channel.sum_over_ranks([float(bad)], "all_finite")
                 bad = torch.tensor(total, dtype=torch.float32)
