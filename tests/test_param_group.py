@@ -147,16 +147,16 @@ def test_a_bucket_reduces_a_round_once_every_member_reported_and_early_when_one_
     units, fake, _ = built
     (group,) = make_groups(plan_groups(units, 1 << 20), BufferPool(), BufferPool())
     dtype = units[0].parts[0].grad_dtype
-    group.columns(units[0], 0, dtype, opened=0)
+    group.columns(units[0], 0, opened=0)
     assert not group.complete(0)
     assert group.open_rounds() == [(0, 0)]
-    group.columns(units[1], 0, dtype, opened=1)
+    group.columns(units[1], 0, opened=1)
     assert group.complete(0)
     group.flush(0)
     assert group.open_rounds() == []
     assert fake.issued == [("reduce_scatter", group.name)]
-    group.columns(units[0], 0, dtype, opened=2)
-    _, flushed = group.columns(units[0], 0, dtype, opened=3)  # reported twice: flushed first
+    group.columns(units[0], 0, opened=2)
+    _, _, flushed = group.columns(units[0], 0, opened=3)  # reported twice: flushed first
     assert flushed is not None
     assert group.open_rounds() == [(3, 0)]
 
@@ -168,14 +168,22 @@ def _full_grads(unit: UnitRuntime, scale: float) -> list[torch.Tensor]:
     return [by_path[slot.path] * scale for slot in unit.slots]
 
 
+def _reduce(group: ParamGroup, unit: UnitRuntime, rows: torch.Tensor) -> Any:
+    """Packs ``rows`` as ``unit``'s gradients of its first part and flushes the round: a group of one's."""
+    columns, _, _ = group.columns(unit, 0, opened=0)
+    assert group.complete(0)  # its one member reported
+    columns.copy_(rows)
+    return group.flush(0)
+
+
 def test_a_group_holds_each_reduction_it_starts_until_asked_for_its_oldest(built):
     units, fake, _ = built
     unit = next(u for u in units if u.name == "a")
     group = ParamGroup([unit], BufferPool(), BufferPool())
     part = unit.parts[0]
     rows = torch.arange(2.0 * part.layout.numel).view(2, -1)
-    first = group.reduce(unit, part, rows, rows, out=None, keep_rows=False)
-    second = group.reduce(unit, part, rows + 1, rows + 1, out=None, keep_rows=False)
+    first = _reduce(group, unit, rows)
+    second = _reduce(group, unit, rows + 1)
     assert group.reductions == [first, second]
     assert group.staged() == 2  # both hold packed gradients
     finished = group.finish_oldest(lambda _: None)
@@ -233,9 +241,9 @@ def test_an_error_drops_every_collective_a_group_has_in_flight_and_its_step_stat
     (group,) = make_groups(plan_groups(units, 1 << 20), BufferPool(), BufferPool())
     group.prefetch(units[0])
     dtype = units[0].parts[0].grad_dtype
-    columns, _ = group.columns(units[0], 0, dtype, opened=0)
+    columns, _, _ = group.columns(units[0], 0, opened=0)
     columns.zero_()
-    group.columns(units[1], 0, dtype, opened=1)
+    group.columns(units[1], 0, opened=1)
     group.flush(0)
     dropped = group.discard()
     # the reduce-scatter, then the shared all-gather of every part

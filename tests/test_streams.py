@@ -110,6 +110,10 @@ class RecordingCollectives:
 
     group_size = staticmethod(real_collectives.group_size)
 
+    @staticmethod
+    def input_rows(*args: Any, **kw: Any) -> None:
+        """No transport's own input buffers: the group packs into its pools."""
+
     def __init__(self, device: FakeDeviceModule, rows: int) -> None:
         self.device, self.rows = device, rows
 
@@ -132,6 +136,13 @@ class RecordingCollectives:
 
     def all_reduce(self, buf: torch.Tensor, bound: Any, axes: Any, /, **kw: Any) -> Pending:
         return self._pending("all_reduce", kw.get("tag", ""), buf)
+
+
+def _reduce(group: ParamGroup, unit: UnitRuntime, rows: torch.Tensor) -> Any:
+    """Packs ``rows`` as ``unit``'s gradients of its first part and flushes the round: a group of one's."""
+    columns, _, _ = group.columns(unit, 0, opened=0)
+    columns.copy_(rows)
+    return group.flush(0)
 
 
 def _units(mesh: dict[str, int], strategy: Any, mp: MixedPrecision) -> list[UnitRuntime]:
@@ -226,7 +237,7 @@ def test_a_full_shard_step_orders_copy_in_all_gather_compute_and_reduce_scatter_
         part = unit.parts[0]
         rows = torch.ones(2, part.layout.numel, dtype=part.grad_dtype)
         log.append(("backward", unit.name))
-        group.reduce(unit, part, rows, rows, out=None, keep_rows=True)
+        _reduce(group, unit, rows)
         log.append(("host asks", unit.name))
         ((_, reduced),) = group.finish_oldest(lambda _: None).results
         assert torch.equal(reduced, rows[0])
@@ -264,7 +275,7 @@ def test_hybrid_shard_all_reduces_right_after_the_reduce_scatter_on_its_stream(d
     group = ParamGroup([unit], BufferPool(), BufferPool())
     part = unit.parts[0]
     rows = torch.full((2, part.layout.numel), 3.0)
-    group.reduce(unit, part, rows, rows, out=None, keep_rows=False)
+    _reduce(group, unit, rows)
     log.append(("host asks", unit.name))
     rs = _at(log, ("issue", "reduce_scatter", "reduce_scatter", unit.name))
     ar = _at(log, ("issue", "all_reduce", "all_reduce", unit.name), rs)
@@ -289,7 +300,7 @@ def test_on_the_cpu_hybrid_shard_all_reduces_when_the_host_waits(monkeypatch):
     group = ParamGroup([unit], BufferPool(), BufferPool())
     part = unit.parts[0]
     rows = torch.full((2, part.layout.numel), 3.0)
-    reduction = group.reduce(unit, part, rows, rows, out=None, keep_rows=False)
+    reduction = _reduce(group, unit, rows)
     assert [e[1] for e in module.log if e[0] == "issue"] == ["reduce_scatter"]
     assert reduction.stage.event is None
     group.finish_oldest(lambda _: None)

@@ -3,8 +3,9 @@
 A :class:`ParamGroup` is one or more units whose parameters are all-gathered
 together, freed and whose gradients are reduced together. A unit alone is a
 group of one; consecutive small units form a bucket (:func:`make_groups`), a
-group whose members share their collectives, side by side in one buffer
-(:class:`Columns`).
+group of several. Every group runs the same code: its members' columns side by
+side (:class:`Columns`) in each all-gather and each round of gradients, a
+group of one's being the whole of its part.
 
 [Note: one owner per collective]
 Every all-gather, reduce-scatter and all-reduce of a step is issued and waited
@@ -16,18 +17,24 @@ of a collective in flight and by the unit transitions the group calls
 units (:meth:`ParamGroup.prefetch`, :meth:`~ParamGroup.acquire`,
 :meth:`~ParamGroup.release`, :meth:`~ParamGroup.drop_unused`); the group moves
 its members through their states (``unit_state.py``), which check each transition
-and never call back. The :class:`Reducer` (below) packs a call's gradients and
-hands them to :meth:`~ParamGroup.reduce` (a group of one) or into a round
-(:meth:`~ParamGroup.columns`, a bucket); the group holds each reduction it starts
-until the Reducer asks it to finish its oldest (:meth:`~ParamGroup.finish_oldest`).
-A bucket's open rounds are the group's alone (:meth:`~ParamGroup.open_rounds`).
+and never call back. The :class:`Reducer` (below) packs a call's gradients into
+its unit's columns of a round (:meth:`~ParamGroup.columns`) and has the group
+reduce the round once every member reported (:meth:`~ParamGroup.flush`: at once,
+for a group of one); the group holds each reduction it starts until the Reducer
+asks it to finish its oldest (:meth:`~ParamGroup.finish_oldest`). Open rounds are
+the group's alone (:meth:`~ParamGroup.open_rounds`).
 
-Sharing is per collective, state is per unit: a bucket's first member that needs
+Sharing is per collective, state is per unit: a group's first member that needs
 its parameters gathers every member still SHARDED in one all-gather per part, and
 each member unpacks its own columns when acquired; members are freed one by one as
 their calls end. Gradients are packed side by side and reduced once every member
 has reported; a member that reports twice (a unit called twice) first flushes the
-round with the columns not yet reported left at zero.
+round with the columns not yet reported left at zero. What only a unit alone can
+have (a partial copy, a part gathered in place, quantized collectives, two-hop
+or chunked reductions) follows from its part and unit, which :func:`plan_groups`
+keeps out of buckets; no code asks whether a group is a bucket. The one thing
+asked of a round is whether it holds one part alone, as a group of one's does:
+then a donated buffer can be its result and its own row can be left out.
 
 [Note: bucket order]
 Which members join a collective depends only on unit states and the order of
@@ -40,13 +47,13 @@ the cost model (which counts per unit) for every bucket size.
 A step makes its groups afresh (:func:`make_groups`) from the membership decided
 once with the units (:func:`plan_groups`), and drops them at its end: everything a
 group holds is that step's, the all-gathers in flight (:attr:`ParamGroup.inflight`,
-by part), a bucket's shared gathers and open rounds, the reductions in flight
+by part, and the collectives behind them), the open rounds, the reductions in flight
 (:attr:`ParamGroup.reductions`, oldest first) and two-hop partial gradients
 (:attr:`ParamGroup.partial_sums`). What outlives a step is the units' (their shards'
 bindings, gathered storage and state, ``unit_state.py``) and the staging pools'.
 The :class:`Reducer` (per step too) keeps the order in which groups started
 their reductions, to wait for the oldest first across groups, the gradients, and
-which units deferred theirs, which buckets hold open rounds and which groups hold
+which units deferred theirs, which groups hold open rounds and which hold
 partial gradients (with the bytes of those alive).
 
 Buckets: a collective over a few hundred kilobytes costs its latency, not its
@@ -146,7 +153,7 @@ from dataclasses import dataclass, field
 import torch
 
 from funcshard._src.comm import collectives, quantized
-from funcshard._src.comm.collectives import Pending
+from funcshard._src.comm.collectives import Ledger, Pending
 from funcshard._src.comm.transport import ALL_GATHER, LARGE_BYTES
 from funcshard._src.execute.gradients import Gradients, PartKey
 from funcshard._src.execute.streams import Streams, streams_for
@@ -310,56 +317,63 @@ class Columns:
 
 
 @dataclass(eq=False)
-class SharedGathering:
-    """One part's shared all-gather, and the members whose share is not yet unpacked."""
+class GatherOp:
+    """One part's all-gather in flight for the members that joined it, and the staging it holds.
 
-    pending: Pending
-    staging: tuple[torch.Tensor, torch.Tensor]  # input, output: for the pool
+    ``pendings`` are the collectives behind it, in the order issued: one, or one per
+    leaf where a part is gathered leaf by leaf (:attr:`Part.by_leaf`). ``staging``
+    (the output rows and, where it was packed, the input) goes back to the pool once
+    the op was waited for and every member in ``open`` unpacked its columns.
+    """
+
+    pendings: list[Pending]
+    staging: tuple[torch.Tensor, ...]
     open: set[int]
     waited: bool = False
 
     def wait(self) -> None:
-        """Waits for the all-gather (once)."""
-        if not self.waited:
-            self.pending.wait()
-            self.waited = True
+        """Waits for the collectives (once: a failed wait is not waited for again)."""
+        if self.waited:
+            return
+        self.waited = True
+        for pending in self.pendings:
+            pending.wait()
 
 
 @dataclass(eq=False)
 class Gathering:
-    """One part's all-gather in flight, however it is carried; its group issued it and finishes it.
+    """A member's part in an all-gather in flight: what :meth:`ParamGroup._finish` fills its leaves from.
 
-    ``pendings`` are the collectives behind it, in the order issued: one; one per
-    leaf where a part is gathered leaf by leaf (:attr:`Part.by_leaf`); or a bucket's
-    all-gather, ``shared`` by its members. ``result`` is what they fill: the gathered
-    ``(group_size, numel)`` rows (a bucket member's own columns of the shared rows),
-    or, ``in_place``, the part's full storage itself, written by the collectives.
+    ``result`` is the member's columns of the op's ``(group_size, numel)`` rows, or,
+    ``in_place``, the part's full storage itself, written by the collectives.
     """
 
-    pendings: list[Pending]
+    op: GatherOp
     result: torch.Tensor
     in_place: bool = False
-    shared: SharedGathering | None = None
     # in_place: the storage's version counter, put back once the collectives have written
     version: torch.autograd._unsafe_preserve_version_counter | None = None
 
     def wait(self) -> torch.Tensor:
         """Blocks until ``result`` is filled; returns it."""
-        if self.shared is not None:
-            self.shared.wait()
-            return self.result
-        out = self.result
-        for pending in self.pendings:
-            out = pending.wait()
-        return self.result if self.in_place else out
+        self.op.wait()
+        return self.result
 
 
 @dataclass(eq=False)
 class Round:
-    """One part's packed gradients of the members that reported so far."""
+    """One part's packed gradients of the members that reported so far, and where they go.
 
-    rows: torch.Tensor  # (group_size, numel)
+    ``rows`` ``(group_size, numel)`` are what the round's reduction reduces;
+    ``packed``, where the members pack their columns: ``rows``, or for ``no_shard``
+    the transport's input of the all-reduce that sums them into ``rows``.
+    """
+
+    rows: torch.Tensor
+    packed: torch.Tensor
     opened: int  # when the round opened, in the step's count of rounds: the order to flush in
+    in_region: bool  # ``rows`` are the transport's own input buffer (shared memory)
+    out: torch.Tensor | None  # where the reduce-scatter writes, a donated buffer, or None
     reported: set[int] = field(default_factory=set)
 
 
@@ -368,12 +382,11 @@ class Round:
 
 @dataclass(eq=False)
 class Reduction:
-    """One part's reduction in flight (or a bucket's round of it).
+    """One part's reduction in flight: a round of the members' gradients, or a second hop.
 
     ``pieces`` says whose gradient each ``[start, stop)`` of the result is: one
-    piece for one unit's part, one per member for a bucket. With ``per_piece``
-    (a bucket), the all-reduce across replicas is counted in the ledger per
-    piece, as the cost model counts it per unit.
+    per member that reported in the round. The all-reduce across replicas is
+    counted in the ledger per piece, as the cost model counts it per unit.
     """
 
     pieces: tuple[tuple[Part, int, int], ...]
@@ -381,7 +394,6 @@ class Reduction:
     then_all_reduce: tuple[str, ...]
     tag: str
     staging: torch.Tensor | None  # the packed input, for the pool once the stage is done
-    per_piece: bool = False
     packed: bool = True  # holds packed gradients beside its result (not an all-reduce in place)
     # the first hop of a two-hop reduction: its result is summed into a partial gradient,
     # see [Note: two-hop reductions] in param_group.py
@@ -421,15 +433,14 @@ class ParamGroup:
         self.pool = gather_pool  # all-gather staging (and the root unit's packed gradients)
         self.reduce_pool = reduce_pool  # a bucket's rounds
         self.index = {m.name: i for i, m in enumerate(self.members)}
-        # several members share each collective: their columns side by side
-        # (plan_groups made them gather packed)
-        self.shared = len(self.members) > 1
+        # the members' columns side by side in each collective (plan_groups made a
+        # bucket's members gather packed)
         self.columns_of = Columns(self.members)
         # -- the step's state: [Note: a group lives for one step]
         self.inflight: dict[Part, Gathering] = {}  # each GATHERING member's parts' all-gathers
-        # shared all-gathers with shares not yet unpacked: a later one may start for members
+        # all-gathers with members not yet unpacked: a later one may start for members
         # freed while others still wait on an earlier one (a unit called again)
-        self._gathering: list[SharedGathering] = []
+        self._gathering: list[GatherOp] = []
         self.rounds: dict[int, Round] = {}  # a bucket's open reduction rounds, by part
         self.reductions: list[Reduction] = []  # in flight, oldest first
         # two-hop parts' partial gradients: [Note: two-hop reductions] in param_group.py
@@ -438,124 +449,81 @@ class ParamGroup:
     @property
     def name(self) -> str:
         """The unit's name, or ``first..last`` for a bucket: for errors and traces."""
-        if not self.shared:
-            return self.members[0].name
-        return f"{self.members[0].name}..{self.members[-1].name}"
+        first, last = self.members[0].name, self.members[-1].name
+        return first if first == last else f"{first}..{last}"
 
     # -- reducing: what the Reducer asks for ----------------------------------------
 
-    def gradient_rows(
-        self, unit: UnitRuntime, part: Part, /, *, defer: bool, into: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Where a group of one packs ``unit``'s gradients of ``part``: ``(rows, packed, shared)``; takes staging.
+    def columns(
+        self,
+        unit: UnitRuntime,
+        j: int,
+        /,
+        *,
+        opened: int,
+        into: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, bool, Reduction | None]:
+        """Where ``unit`` packs its gradients of part ``j`` in this round: ``(columns, in_region, flushed)``; takes staging.
 
-        ``rows`` ``(group_size, numel)`` are what :meth:`reduce` reduces: over one
-        rank ``into`` where given (reduced in place, it becomes the gradient); where
-        the transport sends a reduce-scatter's input as it is (shared memory) its own
-        buffer (``shared``); else a buffer of the reduce pool (the root's of its
-        group's own pool of depth 0: not kept for the next step, [Note: staging
-        lifetimes]).
-        ``packed`` is where the gradients are packed: ``rows``, or for ``no_shard``
-        the transport's input of the all-reduce that sums them into ``rows``.
+        ``columns`` are the unit's ``(group_size, numel)`` of the round's packed
+        rows; ``in_region``: the rows are the transport's own input buffer (shared
+        memory), so the rank's own row may be left out ([Note: the own row from the
+        leaves] in ``shard/flat.py``). A round opened here records ``opened``
+        (:meth:`open_rounds` orders by it); ``into`` is a donated buffer for a
+        round that is ``unit``'s part alone: over one rank its rows, else the
+        reduce-scatter's result. A member that already reported in this round
+        flushes it first: that reduction is returned as ``flushed``.
         """
-        layout, dtype = part.layout, part.grad_dtype
-        numel, device = layout.numel, unit.device(part)
+        member = self.index[unit.name]
+        flushed = None
+        round_ = self.rounds.get(j)
+        if round_ is not None and member in round_.reported:
+            flushed = self.flush(j)
+            round_ = None
+        if round_ is None:
+            round_ = self.rounds[j] = self._open_round(unit, j, opened, into)
+        round_.reported.add(member)
+        a, b = self.columns_of.span(member, j)
+        return round_.packed[:, a:b], round_.in_region, flushed
+
+    def _open_round(
+        self, unit: UnitRuntime, j: int, opened: int, into: torch.Tensor | None, /
+    ) -> Round:
+        """A round of part ``j``, its rows in the transport's input buffer where it has one, else staging.
+
+        Over one rank a donated ``into`` is the rows (reduced in place, they become the
+        gradient); else rows of the reduce pool (the root's keeps nothing: [Note:
+        staging lifetimes]). Only a round that its first report completes (a group of
+        one's) packs into the transport's input: a bucket's stays open while other
+        collectives run on the group.
+        """
+        part = unit.parts[j]
+        numel, dtype, device = self.columns_of.numels[j], part.grad_dtype, unit.device(part)
         cpu = device.type == "cpu"
-        shared = None
-        if into is not None and self.group_size == 1:
+        out = into if self.group_size > 1 else None
+        # the transport's input is for the next collective on the group alone
+        # (collectives.input_rows): a round one report completes, reduced at once
+        at_once = len(self.members) == 1
+        region = None
+        if into is not None and out is None:
             rows = into.view(1, -1)
         else:
-            if (
-                self.group_size > 1
-                and not defer
-                and cpu
-                and not unit.grad_block
-                and not unit.two_hop
-            ):
-                shared = collectives.input_rows(self.bound, self.axes, numel, dtype)
-            if shared is not None:
-                rows = shared
-            else:
-                pool = self.pool if unit.is_root else self.reduce_pool
-                rows = pool.take(self.group_size * numel, dtype, device).view(
+            if at_once and self.group_size > 1 and cpu and not unit.grad_block and not unit.two_hop:
+                region = collectives.input_rows(self.bound, self.axes, numel, dtype)
+            rows = (
+                region
+                if region is not None
+                else self.reduce_pool.take(self.group_size * numel, dtype, device).view(
                     self.group_size, numel
                 )
+            )
         packed = rows
-        if self.group_size == 1 and self.all_reduce_axes and not defer and cpu:
+        if at_once and self.group_size == 1 and self.all_reduce_axes and cpu:
             summed = collectives.input_rows(
                 self.bound, self.all_reduce_axes, numel, dtype, all_reduce=True
             )
             packed = rows if summed is None else summed.view(1, -1)
-        return rows, packed, shared is not None
-
-    def reduce(
-        self,
-        unit: UnitRuntime,
-        part: Part,
-        rows: torch.Tensor,
-        packed: torch.Tensor,
-        /,
-        *,
-        out: torch.Tensor | None,
-        keep_rows: bool,
-        own: OwnRow | None = None,
-        final: bool = False,
-    ) -> Reduction:
-        """Starts reducing one part of a group of one, packed in ``packed`` (``rows``, or shared memory).
-
-        ``no_shard``: all-reduces ``packed`` into ``rows``, which become the gradient.
-        Otherwise reduce-scatters ``rows`` (into ``out`` where given), and then, for
-        ``hybrid_shard``, :meth:`finish_oldest` all-reduces across replicas. With
-        ``keep_rows`` the rows go back to the reduce pool once reduced. With ``own``,
-        ``rows`` (shared memory) lack this rank's row, which ``own`` adds when summed
-        ([Note: the own row from the leaves] in ``shard/flat.py``). ``final``: a two-hop
-        unit's last reduction of the step, whose finish starts the second hop.
-        """
-        layout = part.layout
-        replica = self.all_reduce_axes
-        if self.group_size == 1 and replica:  # no_shard: in place, overlapped
-            stage = _on_side(
-                rows.device,
-                "all_reduce",
-                lambda: collectives.all_reduce(
-                    packed.view(-1),
-                    self.bound,
-                    replica,
-                    ledger=self.ledger,
-                    tag=unit.name,
-                    out=None if packed is rows else rows.view(-1),
-                ),
-                (packed, rows),
-            )
-            then: tuple[str, ...] = ()
-            staging = None  # reduced in place: it becomes the gradient
-        elif unit.two_hop:  # over the last axis: [Note: two-hop reductions] in param_group.py
-            copy = unit.partial
-            stage = self._reduce_scatter(
-                unit, rows.view(copy.regather_size, -1), copy.regather_axes, out=None
-            )
-            then = ()
-            staging = rows if keep_rows else None
-        else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter
-            stage = self._reduce_scatter(unit, rows, self.axes, out=out, own=own)
-            then = replica
-            staging = rows if keep_rows else None
-        self.memory.log("reduce", unit.name)
-        reduction = Reduction(
-            ((part, 0, layout.numel),),
-            stage,
-            then,
-            unit.name,
-            staging,
-            # an all-reduce in place through shared memory holds a copy of its input
-            packed=self.group_size > 1 or stage.holds_copy,
-            first_hop=unit.two_hop,
-            then_across=unit.two_hop and final,
-        )
-        if then:
-            self._all_reduce_now(reduction)
-        self.reductions.append(reduction)
-        return reduction
+        return Round(rows, packed, opened, region is not None, out)
 
     def reduce_across(self, part: Part, /, *, out: torch.Tensor | None) -> None:
         """Starts the second hop of ``part``'s partial gradient over the other axes.
@@ -572,7 +540,9 @@ class ParamGroup:
             sums = sums.to(part.grad_dtype)
         copy = unit.partial
         replicated = tuple(a for a in self.axes if a not in copy.regather_axes)
-        stage = self._reduce_scatter(unit, sums.view(copy.rows, -1), replicated, out=out)
+        stage = self._reduce_scatter(
+            unit, sums.view(copy.rows, -1), replicated, out=out, ledger=self.ledger
+        )
         self.memory.log("reduce", unit.name)
         layout = part.layout
         # its input is the partial gradient, not packed rows: it does not count against
@@ -606,7 +576,7 @@ class ParamGroup:
         """
         if first:
             self.memory.log("reduce", unit.name)
-        return self._reduce_scatter(unit, rows, self.axes, out=out, own=own)
+        return self._reduce_scatter(unit, rows, self.axes, out=out, own=own, ledger=self.ledger)
 
     @staticmethod
     def wait_columns(pending: Pending, /) -> torch.Tensor:
@@ -626,16 +596,18 @@ class ParamGroup:
         *,
         out: torch.Tensor | None,
         own: OwnRow | None = None,
+        ledger: Ledger | None = None,
     ) -> Pending:
         """Starts a reduce-scatter of ``rows`` over ``axes``, quantized where the unit's gradients are.
 
         Issued on the reduce-scatter stream once it has waited for the compute stream
         that made ``rows``; see [Note: streams and buffer lifetimes] in ``execute/streams.py``.
+        ``ledger`` counts it (quantized: always the group's, in the bytes it sends).
         """
         return _on_side(
             rows.device,
             "reduce_scatter",
-            lambda: self._reduce_scatter_now(unit, rows, axes, out=out, own=own),
+            lambda: self._reduce_scatter_now(unit, rows, axes, out=out, own=own, ledger=ledger),
             (rows,),
         )
 
@@ -647,7 +619,8 @@ class ParamGroup:
         /,
         *,
         out: torch.Tensor | None,
-        own: OwnRow | None = None,
+        own: OwnRow | None,
+        ledger: Ledger | None,
     ) -> Pending:
         if unit.grad_format:  # [Note: quantized collectives] in plan/quantize.py
             return quantized.reduce_scatter(
@@ -658,38 +631,14 @@ class ParamGroup:
                 format=unit.grad_format,
                 out=out,
                 ledger=self.ledger,
-                tag=unit.name,
+                tag=self.name,
             )
         return collectives.reduce_scatter(
-            rows, self.bound, axes, out=out, ledger=self.ledger, tag=unit.name, own=own
+            rows, self.bound, axes, out=out, ledger=ledger, tag=self.name, own=own
         )
 
-    def columns(
-        self, unit: UnitRuntime, j: int, grad_dtype: torch.dtype, /, *, opened: int
-    ) -> tuple[torch.Tensor, Reduction | None]:
-        """A bucket: ``unit``'s columns of this round's rows of part ``j``, for its gradients.
-
-        A member that already reported in this round flushes it first: that
-        reduction is returned beside the columns of the next round. A round
-        opened here records ``opened`` (:meth:`open_rounds` orders by it).
-        """
-        member = self.index[unit.name]
-        flushed = None
-        round_ = self.rounds.get(j)
-        if round_ is not None and member in round_.reported:
-            flushed = self.flush(j)
-            round_ = None
-        if round_ is None:
-            numel = self.columns_of.numels[j]
-            device = unit.device(unit.parts[j])
-            rows = self.reduce_pool.take(self.group_size * numel, grad_dtype, device)
-            round_ = self.rounds[j] = Round(rows.view(self.group_size, numel), opened)
-        round_.reported.add(member)
-        a, b = self.columns_of.span(member, j)
-        return round_.rows[:, a:b], flushed
-
     def open_rounds(self) -> list[tuple[int, int]]:
-        """This bucket's rounds not yet reduced, as ``(opened, part)``."""
+        """This group's rounds not yet reduced, as ``(opened, part)``."""
         return [(r.opened, j) for j, r in self.rounds.items()]
 
     def complete(self, j: int, /) -> bool:
@@ -697,44 +646,61 @@ class ParamGroup:
         round_ = self.rounds.get(j)
         return round_ is not None and len(round_.reported) == len(self.members)
 
-    def flush(self, j: int, /) -> Reduction:
-        """Starts reducing this round of part ``j``; columns not reported are zero. The ledger counts each member."""
+    def flush(self, j: int, /, *, own: OwnRow | None = None, final: bool = False) -> Reduction:
+        """Starts reducing this round of part ``j``; columns not reported are zero. The ledger counts each member.
+
+        ``no_shard``: all-reduces the packed columns into the rows, which become the
+        gradient. Otherwise reduce-scatters the rows (into the round's donated buffer
+        where it has one), and then, for ``hybrid_shard``, :meth:`finish_oldest`
+        all-reduces across replicas; a two-hop unit's go over its last axis alone
+        ([Note: two-hop reductions] in ``param_group.py``), and ``final`` (its last
+        reduction of the step) has its finish start the second hop. With ``own``, the
+        rows (shared memory) lack this rank's row, which ``own`` adds when summed
+        ([Note: the own row from the leaves] in ``shard/flat.py``).
+        """
         round_ = self.rounds.pop(j)
-        rows = round_.rows
+        rows, packed = round_.rows, round_.packed
         pieces = []
         for i, member in enumerate(self.members):
             a, b = self.columns_of.span(i, j)
             if i in round_.reported:
                 pieces.append((member, member.parts[j], a, b))
             else:
-                rows[:, a:b].zero_()
+                packed[:, a:b].zero_()
+        unit = pieces[0][0]
         replica = self.all_reduce_axes
-        if self.group_size == 1:  # no_shard: all-reduced in place, the rows become the gradients
+        # the rows go back to the reduce pool once reduced, unless they become the
+        # gradient (over one rank) or are the transport's (shared memory)
+        staging = None if self.group_size == 1 or round_.in_region else rows
+        then: tuple[str, ...] = ()
+        if self.group_size == 1:  # no_shard: in place, overlapped
             stage = _on_side(
                 rows.device,
                 "all_reduce",
-                lambda: collectives.all_reduce(rows.view(-1), self.bound, replica, tag=self.name),
-                (rows,),
+                lambda: collectives.all_reduce(
+                    packed.view(-1),
+                    self.bound,
+                    replica,
+                    tag=self.name,
+                    out=None if packed is rows else rows.view(-1),
+                ),
+                (packed, rows),
             )
-            op, axes, size, then, staging = "all_reduce", replica, self.replica_size, (), None
-        else:
-            stage = _on_side(
-                rows.device,
-                "reduce_scatter",
-                lambda: collectives.reduce_scatter(rows, self.bound, self.axes, tag=self.name),
-                (rows,),
-            )
-            op, axes, size, then, staging = (
-                "reduce_scatter",
-                self.axes,
-                self.group_size,
-                replica,
-                rows,
-            )
+            op, axes = "all_reduce", replica
+        elif unit.two_hop:  # over the last axis: [Note: two-hop reductions] in param_group.py
+            copy = unit.partial
+            axes = copy.regather_axes
+            stage = self._reduce_scatter(unit, rows.view(copy.regather_size, -1), axes, out=None)
+            op = "reduce_scatter"
+        else:  # the all-reduce across replicas (hybrid_shard) waits for the reduce-scatter
+            stage = self._reduce_scatter(unit, rows, self.axes, out=round_.out, own=own)
+            op, axes, then = "reduce_scatter", self.axes, replica
+        size = collectives.group_size(self.bound, axes)
         itemsize = rows.element_size()
         for member, _, a, b in pieces:
-            if self.ledger is not None:
-                full = rows.shape[0] * (b - a) * itemsize
+            # quantized gradients are counted by their collective, in the bytes it sends
+            if self.ledger is not None and size > 1 and not unit.grad_format:
+                full = self.group_size * (b - a) * itemsize
                 self.ledger.record(op, axes, group_size=size, full_bytes=full)
             self.memory.log("reduce", member.name)
         reduction = Reduction(
@@ -743,8 +709,10 @@ class ParamGroup:
             then,
             self.name,
             staging,
-            per_piece=True,
-            packed=self.group_size > 1,
+            # an all-reduce in place through shared memory holds a copy of its input
+            packed=self.group_size > 1 or stage.holds_copy,
+            first_hop=unit.two_hop,
+            then_across=unit.two_hop and final,
         )
         if then:
             self._all_reduce_now(reduction)
@@ -776,11 +744,9 @@ class ParamGroup:
     def _issue_all_reduce(self, reduction: Reduction, out: torch.Tensor, /) -> Pending:
         """Starts ``reduction``'s all-reduce across replicas of ``out``; counts it in the ledger."""
         then = reduction.then_all_reduce
-        per_piece = reduction.per_piece
-        ledger = None if per_piece else self.ledger
-        pending = collectives.all_reduce(out, self.bound, then, ledger=ledger, tag=reduction.tag)
-        if per_piece and self.ledger is not None:
-            size = collectives.group_size(self.bound, then)
+        pending = collectives.all_reduce(out, self.bound, then, tag=reduction.tag)
+        size = collectives.group_size(self.bound, then)
+        if self.ledger is not None and size > 1:
             for _, a, b in reduction.pieces:
                 nbytes = (b - a) * out.element_size()
                 self.ledger.record("all_reduce", then, group_size=size, full_bytes=nbytes)
@@ -843,14 +809,12 @@ class ParamGroup:
     # -- gathering: what Run asks for ------------------------------------------------
 
     def prefetch(self, unit: UnitRuntime, /) -> None:
-        """SHARDED -> GATHERING: issues ``unit``'s all-gathers (a bucket's: of every member still SHARDED)."""
+        """SHARDED -> GATHERING: issues the all-gathers of ``unit`` and every other member still SHARDED."""
         unit.expect(UnitState.SHARDED, "prefetch")
-        if not unit.collective:
-            unit.mark_gathering()
-        elif self.shared:
-            self._start_shared()
+        if unit.collective:
+            self._start()
         else:
-            self._start(unit)
+            unit.mark_gathering()
 
     def acquire(self, unit: UnitRuntime, /) -> None:
         """-> GATHERED, held once more: waits for a prefetch, or gathers now."""
@@ -901,7 +865,7 @@ class ParamGroup:
     def discard(self) -> list[Pending]:
         """After an error: drops collectives in flight without waiting (returns them), frees storage, forgets the step's state."""
         dropped = [r.stage for r in self.reductions]
-        dropped.extend(g.pending for g in self._gathering if not g.waited)
+        dropped.extend(p for op in self._gathering if not op.waited for p in op.pendings)
         self.reductions.clear()
         self._gathering.clear()
         self.rounds.clear()
@@ -913,89 +877,131 @@ class ParamGroup:
                     continue
                 if inflight.in_place:
                     # the collectives write into the part's storage: forget it, free nothing
-                    dropped.extend(inflight.pendings)
                     unit.forget(part)
                     continue
                 self.memory.sub(inflight.result.numel() * inflight.result.element_size())
-                if inflight.shared is None:  # a shared one is dropped above, once
-                    dropped.extend(inflight.pendings)
             unit.reset_after_error()
         return dropped
 
     # -- gathering: the collectives -----------------------------------------------------
 
-    def _start(self, unit: UnitRuntime) -> None:
-        """SHARDED -> GATHERING for a group of one: one all-gather per part (or per leaf).
+    def _start(self) -> None:
+        """SHARDED -> GATHERING for every member still SHARDED: one all-gather per part (or per leaf).
 
-        A unit holding its partial copy all-gathers the copy over its regather axes
-        instead of its shard over every shard axis: the same rows, fewer ranks (see
-        [Note: partial copies] in ``plan/strategy.py``).
+        The members' shards of a part go side by side into the all-gather's input
+        (:meth:`_input`) and each member unpacks its own columns of the rows it fills
+        (:meth:`_finish`); a group of one's part of one leaf, or a flat one, may be
+        gathered straight into its storage (:attr:`Part.in_place`). A unit holding its
+        partial copy all-gathers the copy over its regather axes instead of its shard
+        over every shard axis: the same rows, fewer ranks (see [Note: partial copies]
+        in ``plan/strategy.py``; a partial copy, an in-place part and quantized
+        gathers are a group of one's: :func:`plan_groups`).
         """
-        partial = unit.partial.held
-        axes = unit.partial.regather_axes if partial else self.axes
-        for part, flat in zip(unit.parts, unit.flats):
+        # who joins depends on unit states alone, the same on every rank: [Note: bucket order]
+        joining = [i for i, m in enumerate(self.members) if m.state is UnitState.SHARDED]
+        first = self.members[joining[0]]
+        partial = first.partial.held
+        axes = first.partial.regather_axes if partial else self.axes
+        for j, part in enumerate(first.parts):
             if part.aliased:
                 continue
-            side = _side(flat.data.device)
-            if partial:
-                assert part.partial is not None
-                local = part.partial
-            else:
-                data = flat.data
-                if data.dtype == part.compute_dtype:
-                    local = data
-                elif side is None:
-                    local = data.to(part.compute_dtype)
-                else:  # cast on the copy-in stream; [Note: streams and buffer lifetimes] in ``execute/streams.py``
-                    side.after_compute(side.copy_in)
-                    with side.use(side.copy_in):
-                        local = data.to(part.compute_dtype)
+            local, packed = self._input(j, partial)
             if part.in_place and not partial:
-                full = unit.materialize(part)
+                full = first.materialize(part)
                 # the refill is not an in-place change of tensors autograd saved: the
                 # version is put back once the collective has written (after its wait)
                 version = torch.autograd._unsafe_preserve_version_counter(full)
-                pendings = self._gather_in_place(unit, part, local, axes)
-                self.inflight[part] = Gathering(pendings, full, in_place=True, version=version)
+                pendings = self._gather_in_place(first, part, local, axes)
+                op = GatherOp(pendings, (), set(joining))
+                self._gathering.append(op)
+                self.inflight[part] = Gathering(op, full, in_place=True, version=version)
                 continue
-            out = self.pool.take(  # (group_size * numel,); see [Note: staging lifetimes]
-                self.group_size * part.layout.numel, local.dtype, local.device
-            )
-            self.memory.add(out.numel() * out.element_size())
-            if unit.weight_format and not partial and local.dtype.is_floating_point:
+            numel = self.columns_of.numels[j]
+            # (group_size * numel,); see [Note: staging lifetimes]
+            out = self.pool.take(self.group_size * numel, local.dtype, local.device)
+            if first.weight_format and not partial and local.dtype.is_floating_point:
                 # blocks of a low-bit format: [Note: quantized collectives] in plan/quantize.py
-                # (on the compute stream: its quantizing is compute)
+                # (on the compute stream: its quantizing is compute); counted by the collective
                 pending = quantized.all_gather(
                     local,
                     self.bound,
                     axes,
-                    block=unit.weight_block,
-                    format=unit.weight_format,
+                    block=first.weight_block,
+                    format=first.weight_format,
                     out=out,
                     ledger=self.ledger,
-                    tag=unit.name,
+                    tag=self.name,
                 )
-                self.inflight[part] = Gathering([pending], pending.result)
-                continue
-            # a shard (or its cast) is stable until the evaluation settles; a partial copy
-            # is freed by its unit ([Note: shards read in place] in comm/shm/regions.py)
-            pending = _on_side(
-                local.device,
-                "all_gather",
-                functools.partial(
-                    collectives.all_gather,
-                    local,
-                    self.bound,
-                    axes,
-                    out=out,
-                    ledger=self.ledger,
-                    tag=unit.name,
-                    stable=not partial,
-                ),
-                (local,),
-            )
-            self.inflight[part] = Gathering([pending], pending.result)
-        unit.mark_gathering(from_partial=partial)
+            else:
+                # a shard (or its cast) is stable until the evaluation settles; packed
+                # staging goes back to the pool and a partial copy is freed by its unit
+                # ([Note: shards read in place] in comm/shm/regions.py)
+                pending = _on_side(
+                    local.device,
+                    "all_gather",
+                    functools.partial(
+                        collectives.all_gather,
+                        local,
+                        self.bound,
+                        axes,
+                        out=out,
+                        tag=self.name,
+                        stable=not (partial or packed),
+                    ),
+                    (local,),
+                )
+                self._count_gather(joining, j, axes, out.element_size())
+            op = GatherOp([pending], (out, local) if packed else (out,), set(joining))
+            self._gathering.append(op)
+            gathered = pending.result.view(self.group_size, numel)  # a partial copy's too
+            for i in joining:
+                a, b = self.columns_of.span(i, j)
+                self.memory.add(self.group_size * (b - a) * out.element_size())
+                self.inflight[self.members[i].parts[j]] = Gathering(op, gathered[:, a:b])
+        for i in joining:
+            self.members[i].mark_gathering(from_partial=partial)
+
+    def _input(self, j: int, partial: bool, /) -> tuple[torch.Tensor, bool]:
+        """Part ``j``'s all-gather input, and whether it was packed into staging (the pool's).
+
+        The members' shards side by side in the compute dtype: a group of one's shard
+        as it is (or its cast), several packed into one buffer (each member's, joining
+        or not: the columns are fixed, :class:`Columns`); or a held partial copy.
+        Casts and packs on the copy-in stream where there are streams
+        ([Note: streams and buffer lifetimes] in ``execute/streams.py``).
+        """
+        first = self.members[0]
+        part = first.parts[j]
+        if partial:
+            assert part.partial is not None
+            return part.partial, False
+        dtype, device = part.compute_dtype, first.device(part)
+        side = _side(device)
+        shards = [m.flats[j].data for m in self.members]
+        if len(shards) == 1 and shards[0].dtype == dtype:
+            return shards[0], False
+        if side is not None:
+            side.after_compute(side.copy_in)
+        with _NULL if side is None else side.use(side.copy_in):
+            if len(shards) == 1:
+                return shards[0].to(dtype), False
+            local = self.pool.take(self.columns_of.numels[j], dtype, device)
+            for i, shard in enumerate(shards):
+                a, b = self.columns_of.span(i, j)
+                local[a:b].copy_(shard)  # casts to the compute dtype
+        return local, True
+
+    def _count_gather(
+        self, joining: Sequence[int], j: int, axes: tuple[str, ...], itemsize: int
+    ) -> None:
+        """Counts part ``j``'s all-gather in the ledger as one per joining member: [Note: bucket order]."""
+        size = collectives.group_size(self.bound, axes)
+        if self.ledger is None or size == 1:
+            return
+        for i in joining:
+            a, b = self.columns_of.span(i, j)
+            full = self.group_size * (b - a) * itemsize
+            self.ledger.record("all_gather", axes, group_size=size, full_bytes=full)
 
     def _gather_in_place(
         self, unit: UnitRuntime, part: Part, local: torch.Tensor, axes: tuple[str, ...]
@@ -1037,53 +1043,6 @@ class ParamGroup:
         )
         return [pending]
 
-    def _start_shared(self) -> None:
-        """SHARDED -> GATHERING for every member still SHARDED: one all-gather per part."""
-        # who joins depends on unit states alone, the same on every rank: [Note: bucket order]
-        joining = [i for i, m in enumerate(self.members) if m.state is UnitState.SHARDED]
-        first = self.members[joining[0]]
-        for j, part in enumerate(first.parts):
-            if part.aliased:
-                continue
-            numel = self.columns_of.numels[j]
-            device = first.device(part)
-            side = _side(device)
-            local = self.pool.take(numel, part.compute_dtype, device)
-            # on the copy-in stream where there are streams: [Note: streams and buffer
-            # lifetimes] in ``execute/streams.py``
-            if side is not None:
-                side.after_compute(side.copy_in)
-            with _NULL if side is None else side.use(side.copy_in):
-                for i, member in enumerate(self.members):
-                    a, b = self.columns_of.span(i, j)
-                    local[a:b].copy_(member.flats[j].data)  # casts to the compute dtype
-            out = self.pool.take(self.group_size * numel, part.compute_dtype, device)
-            pending = _on_side(
-                device,
-                "all_gather",
-                functools.partial(
-                    collectives.all_gather, local, self.bound, self.axes, out=out, tag=self.name
-                ),
-                (local,),
-            )
-            gathered = pending.result  # (group_size, numel)
-            gathering = SharedGathering(pending, (local, out), set(joining))
-            self._gathering.append(gathering)
-            for i in joining:
-                member = self.members[i]
-                a, b = self.columns_of.span(i, j)
-                full_bytes = self.group_size * (b - a) * part.compute_dtype.itemsize
-                self.inflight[member.parts[j]] = Gathering(
-                    [pending], gathered[:, a:b], shared=gathering
-                )
-                self.memory.add(full_bytes)
-                if self.ledger is not None:
-                    self.ledger.record(
-                        "all_gather", self.axes, group_size=self.group_size, full_bytes=full_bytes
-                    )
-        for i in joining:
-            self.members[i].mark_gathering()
-
     def _finish(self, unit: UnitRuntime) -> None:
         """GATHERING -> GATHERED: waits, then fills every full leaf; see [Note: persistent gathered storage] in ``execute/unit_state.py``."""
         unit.expect(UnitState.GATHERING, "finish gathering")
@@ -1097,7 +1056,8 @@ class ParamGroup:
                 if inflight.in_place:  # the collectives may still write into its storage
                     unit.forget(part)
                 raise
-            for pending in inflight.pendings:  # the compute stream waits on its event
+            member = self.index[unit.name]
+            for pending in inflight.op.pendings:  # the compute stream waits on its event
                 if pending.event is not None:
                     _wait_on_device(pending)
             if unit.partial.lifetime is not None and not unit.partial.in_flight:
@@ -1108,6 +1068,7 @@ class ParamGroup:
             if inflight.in_place:  # the collective filled part.full
                 assert inflight.version is not None
                 inflight.version.__exit__(None, None, None)
+                self._unpacked(inflight.op, member)
                 continue
             full = unit.materialize(part)
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
@@ -1117,19 +1078,16 @@ class ParamGroup:
                 else:  # [Note: a partial copy on the executor] in ``execute/unit_state.py``
                     _unpack_regathered(unit, part, full, gathered)
             self.memory.sub(gathered.numel() * gathered.element_size())
-            if inflight.shared is not None:
-                self._unpacked(inflight.shared, self.index[unit.name])
-            else:
-                self.pool.give(gathered)
+            self._unpacked(inflight.op, member)
         unit.mark_gathered()
 
-    def _unpacked(self, gathering: SharedGathering, member: int, /) -> None:
-        """Member ``member`` is done with its columns of ``gathering``: the last one gives the shared buffers back."""
-        gathering.open.discard(member)
-        if not gathering.open and gathering in self._gathering:
-            self._gathering.remove(gathering)
-            if gathering.waited:
-                for t in gathering.staging:
+    def _unpacked(self, op: GatherOp, member: int, /) -> None:
+        """Member ``member`` is done with its columns of ``op``: the last one gives its staging back."""
+        op.open.discard(member)
+        if not op.open and op in self._gathering:
+            self._gathering.remove(op)
+            if op.waited:
+                for t in op.staging:
                     self.pool.give(t)
 
 
@@ -1268,15 +1226,17 @@ def make_groups(
 ) -> list[ParamGroup]:
     """One step's parameter groups of :func:`plan_groups`' ``members``, with the pools they stage through.
 
-    The root unit's staging is as large as the embeddings and used once a step: a
-    pool that keeps nothing, so it is not held from its gather to its reduction.
+    The root unit's staging is as large as the embeddings and used once a step:
+    pools that keep nothing, so it is not held from its gather to its reduction.
 
     Example:
         >>> make_groups([], BufferPool(), BufferPool())
         []
     """
     return [
-        ParamGroup(m, BufferPool(depth=0) if m[0].is_root else gather_pool, reduce_pool)
+        ParamGroup(m, BufferPool(depth=0), BufferPool(depth=0))
+        if m[0].is_root
+        else ParamGroup(m, gather_pool, reduce_pool)
         for m in members
     ]
 
@@ -1336,15 +1296,15 @@ class Reducer:
     ) -> None:
         self.world_size = world_size
         self.chunk_bytes = chunk_bytes  # see [Note: reductions in chunks]
-        # the staging the gradients are packed into is the groups' (ParamGroup.gradient_rows)
+        # the staging the gradients are packed into is the groups' (ParamGroup.columns)
         # the result, what is kept across micro-batches, donated buffers: gradients.py
         self.gradients = Gradients(spares=spares, hold_leaves=hold_leaves)
         self.deferring: dict[str, tuple[ParamGroup, UnitRuntime]] = {}  # units that deferred
         # the group of each reduction in flight, in the order they started: the oldest is
         # waited for first (each group holds its own, oldest first)
         self.order: list[ParamGroup] = []
-        # buckets this call packed gradients into: their groups hold the rounds
-        self.bucketed: dict[ParamGroup, None] = {}
+        # groups this call packed gradients into: they hold the rounds
+        self.rounding: dict[ParamGroup, None] = {}
         self.rounds_opened = 0  # rounds opened so far: their order
         # groups holding two-hop partial gradients, in the order the first began:
         # [Note: two-hop reductions] in ``execute/param_group.py``
@@ -1375,10 +1335,7 @@ class Reducer:
             if part.layout.dtype.is_floating_point and not part.layout.frozen:
                 while self._staged() >= MAX_PENDING:  # before packing: bounded memory
                     self._finish_oldest()
-                if group.shared and not defer:
-                    self._reduce_in_round(group, unit, j, part, mine)
-                else:
-                    self._reduce_part(group, unit, part, mine, defer=defer, final=final)
+                self._reduce_part(group, unit, j, mine, defer=defer, final=final)
 
     def reduce_deferred(self) -> None:
         """After the last micro-batch's calls: reduces what units kept and did not reduce since; mutates.
@@ -1424,42 +1381,14 @@ class Reducer:
         self.gradients.clear()
         self.deferring.clear()
         self.two_hop.clear()
-        self.bucketed.clear()
+        self.rounding.clear()
 
-    def _reduce_in_round(
-        self,
-        group: ParamGroup,
-        unit: UnitRuntime,
-        j: int,
-        part: Part,
-        mine: Sequence[torch.Tensor | None],
+    def _flush(
+        self, group: ParamGroup, j: int, /, *, own: OwnRow | None = None, final: bool = False
     ) -> None:
-        """Packs ``unit``'s gradients of part ``j`` into its bucket's round; the last member reduces it."""
-        layout = part.layout
-        self.gradients.drop_spare(part)  # a bucket's result is one buffer: no donated one fits
-        self.bucketed[group] = None
-        columns, flushed = group.columns(unit, j, part.grad_dtype, opened=self.rounds_opened)
-        self.rounds_opened += 1
-        if flushed is not None:  # a unit reported twice in this round: that round is reducing
-            self.order.append(group)
-        kept = self.gradients.take_kept(part)
-        pack_into(  # casts to the reduce dtype: [Note: cast while packing] in ``shard/flat.py``
-            layout,
-            mine,
-            columns,
-            unit.axes,
-            scale=1.0 if kept is not None else 1.0 / self.world_size,
-        )
-        if kept is not None:
-            columns.add_(kept)
-            group.reduce_pool.give(kept)
-            columns.div_(self.world_size)
-        if group.complete(j):
-            self._flush(group, j)
-
-    def _flush(self, group: ParamGroup, j: int) -> None:
         """Has ``group`` start reducing its open round of part ``j``."""
-        group.flush(j)
+        if group.flush(j, own=own, final=final).first_hop:
+            self.two_hop[group] = None
         self.order.append(group)
 
     def _spare(self, part: Part, /) -> torch.Tensor | None:
@@ -1467,21 +1396,23 @@ class Reducer:
         return self.gradients.spare(part, part.grad_dtype)
 
     def _open_rounds(self) -> list[tuple[ParamGroup, int]]:
-        """The buckets' rounds not yet reduced, in the order they opened: (group, part)."""
-        rounds = [(opened, g, j) for g in self.bucketed for opened, j in g.open_rounds()]
+        """The groups' rounds not yet reduced, in the order they opened: (group, part)."""
+        rounds = [(opened, g, j) for g in self.rounding for opened, j in g.open_rounds()]
         return [(g, j) for _, g, j in sorted(rounds, key=lambda r: r[0])]
 
     def _reduce_part(
         self,
         group: ParamGroup,
         unit: UnitRuntime,
-        part: Part,
+        j: int,
         mine: Sequence[torch.Tensor | None],
+        /,
         *,
         defer: bool,
         final: bool,
     ) -> None:
-        """Packs one part of a group of one (or keeps it, deferred) and has ``group`` reduce it."""
+        """Packs ``unit``'s gradients of part ``j`` into its group's round (or keeps them, deferred); a complete round is reduced."""
+        part = unit.parts[j]
         layout = part.layout
         device = unit.device(part)
         if (
@@ -1492,11 +1423,26 @@ class Reducer:
             and self.gradients.keep_as_leaves(part, mine, device)
         ):
             return
-        # a two-hop unit's donated buffer receives its second hop ([Note: two-hop reductions] in ``execute/param_group.py``)
-        spare = None if defer or unit.two_hop else self.gradients.spare(part, part.grad_dtype)
         kept = self.gradients.take_kept(part)  # packed by earlier micro-batches' calls
         dtype = part.grad_dtype
-        ranges = chunk_ranges(unit, part, self.chunk_bytes, defer=defer)
+        # a two-hop unit's rows come last axis major ([Note: two-hop reductions] in ``execute/param_group.py``)
+        order = unit.partial.order if unit.two_hop else unit.axes
+        if defer:  # packed whole and kept, to add to the next call's
+            rows = group.reduce_pool.take(unit.group_size * layout.numel, dtype, device)
+            rows = rows.view(unit.group_size, layout.numel)
+            pack_rows(unit, layout, mine, rows, order, scale=1.0, shared=False)
+            if kept is not None:
+                rows.add_(kept)
+                group.reduce_pool.give(kept)
+            self.gradients.keep(part, rows)
+            return
+        # a donated buffer fits a round of this part alone; a two-hop unit's receives its
+        # second hop ([Note: two-hop reductions] in ``execute/param_group.py``)
+        alone = group.columns_of.numels[j] == layout.numel
+        spare = self._spare(part) if alone and not unit.two_hop else None
+        if not alone:
+            self.gradients.drop_spare(part)  # the result is the round's: no donated one fits
+        ranges = chunk_ranges(unit, part, self.chunk_bytes, defer=False)
         if ranges:  # [Note: reductions in chunks]
             while self.order:  # the ranges reuse the regions these hold
                 self._finish_oldest()
@@ -1516,42 +1462,25 @@ class Reducer:
                 group.reduce_pool.give(kept)
             self.gradients.add(part, reduced)
             return
-        in_place = (
-            spare is not None and unit.group_size == 1
-        )  # no_shard: spare becomes the gradient
-        rows, packed, shared = group.gradient_rows(
-            unit, part, defer=defer, into=spare if in_place else None
-        )
-        if in_place:
-            spare = None
+        self.rounding[group] = None
+        columns, in_region, flushed = group.columns(unit, j, opened=self.rounds_opened, into=spare)
+        self.rounds_opened += 1
+        if flushed is not None:  # a unit reported twice in this round: that round is reducing
+            self.order.append(group)
         # the mean over every data-parallel rank: divide while packing, unless gradients
         # kept from earlier micro-batches are still to be added
-        direct = kept is None and not defer
-        # a two-hop unit's rows come last axis major ([Note: two-hop reductions] in ``execute/param_group.py``)
-        order = unit.partial.order if unit.two_hop else unit.axes
-        scale = 1.0 / self.world_size if direct else 1.0
-        own_row = direct and shared
+        scale = 1.0 / self.world_size if kept is None else 1.0
+        own_row = kept is None and in_region and alone
         # the packing casts ([Note: cast while packing] in ``shard/flat.py``), but the own
         # row sums from leaves in the reduce dtype
         leaves = _cast(mine, dtype) if own_row else mine
-        own = pack_rows(unit, layout, leaves, packed, order, scale=scale, shared=own_row)
+        own = pack_rows(unit, layout, leaves, columns, order, scale=scale, shared=own_row)
         if kept is not None:
-            packed.add_(kept)
+            columns.add_(kept)
             group.reduce_pool.give(kept)
-        if defer:
-            self.gradients.keep(part, rows)
-            return
-        if not direct:
-            packed.div_(self.world_size)
-        # over one rank, rows is the result; the root's rows are not kept for the next
-        # step; shared rows belong to the group's regions
-        keep = unit.group_size > 1 and not unit.is_root and not shared
-        reduction = group.reduce(
-            unit, part, rows, packed, out=spare, keep_rows=keep, own=own, final=final
-        )
-        if reduction.first_hop:
-            self.two_hop[group] = None
-        self.order.append(group)
+            columns.div_(self.world_size)
+        if group.complete(j):
+            self._flush(group, j, own=own, final=final)
 
     def _staged(self) -> int:
         """Reductions in flight that hold packed gradients beside their result."""
