@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from bench import collective_timing
 
-ALGORITHMS = ("native", "ring", "ring_overlapped", "shm")
+ALGORITHMS = ("native", "ring", "ring_overlapped", "direct", "shm")
 SIZES_KIB = (256, 1024, 4096, 12288, 49152)  # per rank
 
 

@@ -61,10 +61,11 @@ def _gather_everywhere(
     group = bound.group(axes)
     assert group is not None
     me = _members(mesh, axes, bound.rank).index(bound.rank)
-    rows = torch.full((g, n), -1, dtype=getattr(torch, dtype))
-    rows[me] = _flat(bound.rank, n, dtype)  # the input is this rank's row of the output
-    ag.start("ring", rows[me], rows, group).wait()
-    results["ring/in place"] = (rows, True, None)
+    for algorithm in ("ring", "direct"):
+        rows = torch.full((g, n), -1, dtype=getattr(torch, dtype))
+        rows[me] = _flat(bound.rank, n, dtype)  # the input is this rank's row of the output
+        ag.start(algorithm, rows[me], rows, group).wait()
+        results[f"{algorithm}/in place"] = (rows, True, None)
     return results
 
 
@@ -96,19 +97,24 @@ def test_every_algorithm_equals_native_and_every_members_input(pools, name, n, d
 
 
 def _rings_in_flight_together(world: int) -> list[bool]:
-    """Two ring gathers of different sizes and a ring reduce-scatter in flight at once, waited
-    out of order: point-to-point messages pair by order (see [Note: all-gather steps] in ``comm/transport.py``)."""
+    """Two ring gathers of different sizes, a direct one and a ring reduce-scatter in flight at
+    once, waited out of order: point-to-point messages pair by order (see [Note: all-gather
+    steps] in ``comm/transport.py``)."""
     bound = groups.bind(fs.Mesh({"fsdp": world}))
     a = collectives.all_gather(_flat(bound.rank, 7, "float32"), bound, ("fsdp",), algorithm="ring")
     rows = torch.ones(world, 5) * (bound.rank + 1)
     summed = collectives.reduce_scatter(rows, bound, ("fsdp",), algorithm="ring")
+    c = collectives.all_gather(
+        _flat(bound.rank, 33, "float32"), bound, ("fsdp",), algorithm="direct"
+    )
     b = collectives.all_gather(
         _flat(bound.rank, 1001, "float32"), bound, ("fsdp",), algorithm="ring_overlapped"
     )
-    got_b, got_summed, got_a = b.wait(), summed.wait(), a.wait()
+    got_b, got_summed, got_c, got_a = b.wait(), summed.wait(), c.wait(), a.wait()
     return [
         torch.equal(got_a, torch.stack([_flat(m, 7, "float32") for m in range(world)])),
         torch.equal(got_b, torch.stack([_flat(m, 1001, "float32") for m in range(world)])),
+        torch.equal(got_c, torch.stack([_flat(m, 33, "float32") for m in range(world)])),
         torch.equal(got_summed, torch.full((5,), world * (world + 1) / 2)),
     ]
 
@@ -116,27 +122,31 @@ def _rings_in_flight_together(world: int) -> list[bool]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_rings_in_flight_together_pair_their_messages(pools, world):
     for rank, ok in enumerate(pools.run(world, _rings_in_flight_together, world)):
-        assert ok == [True, True, True], f"rank {rank}: (gather a, gather b, reduce-scatter) {ok}"
+        assert ok == [True] * 4, f"rank {rank}: (gather a, gather b, direct c, reduce-scatter) {ok}"
 
 
-def test_a_ring_that_a_peer_never_joins_fails_in_time_and_leaves_the_rank_out_of_step(pools):
-    check_a_ring_that_a_peer_never_joins(pools, "all_gather")
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+def test_a_gather_that_a_peer_never_joins_fails_in_time_and_leaves_the_rank_out_of_step(
+    pools, algorithm
+):
+    check_a_ring_that_a_peer_never_joins(pools, "all_gather", algorithm)
 
 
-def _overlapping_output() -> str:
+def _overlapping_output(algorithm: str) -> str:
     bound = groups.bind(fs.Mesh({"fsdp": 2}))
     group = bound.group(("fsdp",))
     assert group is not None
     rows = torch.zeros(2, 4)
     try:
-        ag.start("ring", rows[0, 1:], rows[:, :3], group)  # the input straddles two rows
+        ag.start(algorithm, rows[0, 1:], rows[:, :3], group)  # the input straddles two rows
     except ValueError as e:
         return str(e)
     return ""
 
 
-def test_a_ring_refuses_an_output_that_overlaps_its_input(pools):
-    for error in pools.run(2, _overlapping_output):
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+def test_a_point_to_point_gather_refuses_an_output_that_overlaps_its_input(pools, algorithm):
+    for error in pools.run(2, _overlapping_output, algorithm):
         assert "overlaps its input other than as this rank's row" in error
 
 
@@ -148,7 +158,7 @@ def test_auto_picks_shared_memory_on_gloo_and_never_off_it():
     assert ag.fallback("shm", 2, 64) == "ring_overlapped"
 
 
-def test_auto_keeps_native_off_gloo_and_picks_the_ring_for_large_buffers_on_two_gloo_ranks(
+def test_auto_keeps_native_off_gloo_and_picks_point_to_point_for_large_buffers_on_gloo(
     monkeypatch,
 ):
     monkeypatch.setenv("FUNCSHARD_SHM", "0")  # the socket algorithms, as without shared memory
@@ -156,7 +166,9 @@ def test_auto_keeps_native_off_gloo_and_picks_the_ring_for_large_buffers_on_two_
     assert ag.resolve("ring", "nccl", 2, 1 << 30) == "native"  # never change CUDA behaviour
     assert ag.resolve("auto", "gloo", 2, ag.RING_MIN_BYTES) == "ring_overlapped"
     assert ag.resolve("auto", "gloo", 2, ag.RING_MIN_BYTES - 1) == "native"
-    assert ag.resolve("auto", "gloo", 4, 1 << 30) == "native"  # no clear gain measured
+    # more ranks: every send at once, with no staging of the whole output (docs/performance.md)
+    assert ag.resolve("auto", "gloo", 4, ag.RING_MIN_BYTES) == "direct"
+    assert ag.resolve("auto", "gloo", 8, ag.RING_MIN_BYTES - 1) == "native"
     assert ag.resolve("ring", "gloo", 4, 10) == "ring"
 
 

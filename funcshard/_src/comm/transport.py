@@ -57,12 +57,18 @@ algorithms here, over a group of ``W`` ranks, gather ``flat`` ``(n,)`` into
   pairwise exchange: send ``flat``, receive the other rank's row.
 - ``"ring_overlapped"``: the ring, with the copy of this rank's row made after
   the first step is issued, while it runs.
+- ``"direct"``: send ``flat`` to every other rank and receive each one's row
+  straight into it, all issued at once (rank ``r`` sends to ``r + k`` and
+  receives from ``r - k``, ``k = 1 .. W - 1``), then copy this rank's row: no
+  buffer of its own, and no step waits for another, so at any ``W`` the whole
+  transfer runs in gloo's background threads. At ``W = 2`` it is the ring.
 - ``"shm"``: ranks on one host read each other's shards from shared memory
   (the plug-in of ``transport.py``, [Note: transports]); where the group's ranks
   cannot share memory it runs :meth:`Algorithms.fallback`'s choice.
 
-Both rings send exactly ``(W - 1) / W`` of the gathered bytes per rank, the
-count the ledger records (see ``collectives.py``) and the cost model assumes.
+Both rings and ``direct`` send exactly ``(W - 1) / W`` of the gathered bytes per
+rank, the count the ledger records (see ``collectives.py``) and the cost model
+assumes.
 
 Reduce-scatter. gloo's own reduce-scatter all-reduces the whole input and keeps one chunk,
 sending about ``2 (W - 1) / W`` of the input per rank where a bandwidth-optimal
@@ -94,7 +100,9 @@ A ring's steps depend on each other (step ``s + 1`` forwards the row that
 step ``s`` received), so only the first step, which sends ``flat``, is issued
 when the gather starts; ``wait()`` drives the rest: it waits for each receive
 and issues the next step's send and receive. At ``W = 2`` there is one step,
-so the whole transfer runs in the background. A step's send and receive are
+so the whole transfer runs in the background, as ``"direct"``'s does at any
+``W``: it issues every send and receive when it starts, since none forwards what
+another received. A step's send and receive are
 issued together, never a receive ahead of its send: point-to-point messages
 between two ranks pair up by order, so with other point-to-point operations in
 flight on the group (another gather, a ring reduce-scatter) a receive issued
@@ -358,7 +366,7 @@ class Algorithms:
         ALGORITHM_ENV: the environment variable that names the default.
         ring: the pairwise exchange, chosen for two ranks and at least ``RING_MIN_BYTES``.
         socket: the socket algorithm chosen otherwise.
-        RING_MIN_BYTES: bytes of the whole collective from which ``ring`` is chosen.
+        RING_MIN_BYTES: bytes of the whole collective from which ``ring`` (``spread``) is chosen.
         shm_fallback: what ``"shm"`` runs where the ranks cannot share memory (``None``:
             what ``"auto"`` would).
     """
@@ -370,6 +378,8 @@ class Algorithms:
     socket: str
     RING_MIN_BYTES: int
     shm_fallback: str | None = None
+    # chosen for more than two ranks and at least RING_MIN_BYTES (None: socket)
+    spread: str | None = None
 
     def resolve(self, algorithm: str, backend: str, world_size: int, nbytes: int, /) -> str:
         """The algorithm that runs for ``algorithm`` on ``backend`` over ``world_size`` ranks (never ``"auto"``).
@@ -410,12 +420,14 @@ class Algorithms:
         """The socket algorithm that runs on gloo for ``algorithm`` where the ranks cannot share memory.
 
         ``"auto"`` (and ``"shm"`` without a ``shm_fallback`` of its own) runs ``ring``
-        for two ranks and at least ``RING_MIN_BYTES``, ``socket`` otherwise; any other
-        algorithm runs as itself.
+        for two ranks and at least ``RING_MIN_BYTES`` (``spread``, where there is one,
+        for more ranks), ``socket`` otherwise; any other algorithm runs as itself.
 
         Example:
             >>> ALL_GATHER.fallback("auto", 2, 64 << 20), ALL_GATHER.fallback("auto", 2, 1024)
             ('ring_overlapped', 'native')
+            >>> ALL_GATHER.fallback("auto", 8, 64 << 20), REDUCE_SCATTER.fallback("auto", 8, 64 << 20)
+            ('direct', 'all_reduce')
             >>> ALL_GATHER.fallback("shm", 2, 1024), REDUCE_SCATTER.fallback("shm", 2, 64 << 20)
             ('ring_overlapped', 'ring')
             >>> REDUCE_SCATTER.fallback("auto", 2, 1024), REDUCE_SCATTER.fallback("all_to_all", 4, 8)
@@ -425,7 +437,11 @@ class Algorithms:
             return self.shm_fallback
         if algorithm not in ("auto", "shm"):
             return algorithm
-        return self.ring if world_size == 2 and nbytes >= self.RING_MIN_BYTES else self.socket
+        if nbytes < self.RING_MIN_BYTES:
+            return self.socket
+        if world_size == 2:
+            return self.ring
+        return self.socket if self.spread is None else self.spread
 
     def default_algorithm(self) -> str:
         """The algorithm when none is given: :attr:`ALGORITHM_ENV`, else ``"auto"``.
@@ -511,6 +527,9 @@ class _AllGatherAlgorithms(Algorithms):
             return _GatherRing(
                 flat.view(-1), rows, group, me, overlap=algorithm == "ring_overlapped"
             )
+        if algorithm == "direct":
+            me = dist.get_group_rank(group, dist.get_rank())
+            return _GatherDirect(flat.view(-1), rows, group, me)
         raise ValueError(f"all-gather algorithm {algorithm!r} cannot start; resolve() it first")
 
 
@@ -581,12 +600,13 @@ class _ReduceScatterAlgorithms(Algorithms):
 # 0.29-0.48x at 12 MiB, too few runs on an oversubscribed machine to rely on: auto keeps native.
 ALL_GATHER = _AllGatherAlgorithms(
     "all-gather",
-    ("auto", "native", "ring", "ring_overlapped", "shm"),
+    ("auto", "native", "ring", "ring_overlapped", "direct", "shm"),
     "FUNCSHARD_ALL_GATHER",
     ring="ring_overlapped",
     socket="native",
     RING_MIN_BYTES=16 << 20,  # of the whole output
     shm_fallback="ring_overlapped",  # writes its output in place, as "shm" does
+    spread="direct",
 )
 # "auto" on gloo (python -m bench.reduce_scatter on a loaded 2-core machine, median of 9 rounds): at
 # W = 2 the ring took 0.4-0.7x the time of all_reduce from 4 MiB to 64 MiB in every run, 1.0x
@@ -616,6 +636,48 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + t.numel() * t.element_size()
 
 
+def _own_row(flat: torch.Tensor, rows: torch.Tensor, me: int, /) -> bool:
+    """Whether ``flat`` is this rank's row of ``rows`` (else it must not overlap them)."""
+    own = rows[me]
+    if flat.data_ptr() == own.data_ptr() and flat.numel() == own.numel():
+        return True
+    (f_lo, f_hi), (r_lo, r_hi) = _span(flat), _span(rows)
+    if f_lo < r_hi and r_lo < f_hi:
+        raise ValueError(
+            "a point-to-point all-gather's output overlaps its input other than as this "
+            "rank's row; pass an out= buffer of its own"
+        )
+    return False
+
+
+class _GatherDirect:
+    """A direct all-gather: every send and receive issued at once; see [Note: all-gather steps].
+
+    Group rank ``r`` sends ``flat`` to rank ``r + k`` and receives rank ``r - k``'s
+    row into that row of ``rows``, for ``k = 1 .. W - 1``; the copy of its own row
+    is made while they run.
+    """
+
+    def __init__(
+        self, flat: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup, me: int
+    ) -> None:
+        w = rows.shape[0]
+        in_place = _own_row(flat, rows, me)
+        self.works: list[Any] = []
+        for k in range(1, w):
+            src = (me - k) % w
+            self.works.append(dist.isend(flat, group=group, group_dst=(me + k) % w))
+            self.works.append(dist.irecv(rows[src], group=group, group_src=src))
+        if not in_place:
+            rows[me].copy_(flat)
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        for work in self.works:
+            wait_work(work, timeout)
+        self.works = []
+        return True
+
+
 class _GatherRing:
     """A ring all-gather; see [Note: all-gather steps].
 
@@ -637,13 +699,7 @@ class _GatherRing:
         self.rows, self.group, self.me, self.w = rows, group, me, w
         self.next, self.prev = (me + 1) % w, (me - 1) % w
         own = rows[me]
-        in_place = flat.data_ptr() == own.data_ptr() and flat.numel() == own.numel()
-        (f_lo, f_hi), (r_lo, r_hi) = _span(flat), _span(rows)
-        if not in_place and f_lo < r_hi and r_lo < f_hi:
-            raise ValueError(
-                "a ring all-gather's output overlaps its input other than as this rank's row; "
-                "pass an out= buffer of its own"
-            )
+        in_place = _own_row(flat, rows, me)
         if not (overlap or in_place):
             own.copy_(flat)
         self.sends: list[Any] = []
