@@ -146,7 +146,6 @@ def test_a_bucket_reduces_a_round_once_every_member_reported_and_early_when_one_
 ):
     units, fake, _ = built
     (group,) = make_groups(plan_groups(units, 1 << 20), BufferPool(), BufferPool())
-    dtype = units[0].parts[0].grad_dtype
     group.columns(units[0], 0, opened=0)
     assert not group.complete(0)
     assert group.open_rounds() == [(0, 0)]
@@ -240,7 +239,6 @@ def test_an_error_drops_every_collective_a_group_has_in_flight_and_its_step_stat
     units, _, memory = built
     (group,) = make_groups(plan_groups(units, 1 << 20), BufferPool(), BufferPool())
     group.prefetch(units[0])
-    dtype = units[0].parts[0].grad_dtype
     columns, _, _ = group.columns(units[0], 0, opened=0)
     columns.zero_()
     group.columns(units[1], 0, opened=1)
