@@ -506,9 +506,9 @@ class _AllGatherAlgorithms(Algorithms):
         ``collectives.all_gather``.
 
         Raises:
-            ValueError: ``algorithm`` is not resolved, or a ring's ``rows`` overlaps
-                ``flat`` other than as exactly this rank's row (a receive would
-                overwrite ``flat`` before it is sent).
+            ValueError: ``algorithm`` is not resolved, or a ring's (or ``"direct"``'s)
+                ``rows`` overlaps ``flat`` other than as exactly this rank's row (a
+                receive would overwrite ``flat`` before it is sent).
         """
         if algorithm == "shm":
             plugin = shared_memory()
@@ -597,7 +597,10 @@ class _ReduceScatterAlgorithms(Algorithms):
 # 16 MiB output) in every run (0.25-0.29x at 48 MiB), but 0.68-1.16x at 4 MiB, up to 1.25x at
 # 2 MiB and 1.4-1.9x at 256 KiB (latency); the plain ring took 0.70-1.01x at 8 MiB. At W = 4
 # (4 ranks on 2 cores, three runs of 5 rounds) both rings took 0.64-0.79x at 4 MiB and
-# 0.29-0.48x at 12 MiB, too few runs on an oversubscribed machine to rely on: auto keeps native.
+# 0.29-0.48x at 12 MiB, too few runs on an oversubscribed machine to rely on. Over more than two
+# ranks auto runs direct from RING_MIN_BYTES (stop 53, W = 4, 7 rounds: 1.26-2.37x less time than
+# native from 1 to 12 MiB a rank, and none of native's staging of the whole output, which
+# was the held-out GPT's extra peak over sockets at W = 8: bench/results/memory_shapes/).
 ALL_GATHER = _AllGatherAlgorithms(
     "all-gather",
     ("auto", "native", "ring", "ring_overlapped", "direct", "shm"),
