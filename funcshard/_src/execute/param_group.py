@@ -917,11 +917,16 @@ class ParamGroup:
                 self.inflight[part] = Gathering(op, full, in_place=True, version=version)
                 continue
             numel = self.columns_of.numels[j]
+            size = collectives.group_size(self.bound, axes)
+            # counted here, once per joining member ([Note: bucket order]), unless the
+            # collective counts its own bytes (quantized)
+            counted = self.ledger is not None and size > 1
             # (group_size * numel,); see [Note: staging lifetimes]
             out = self.pool.take(self.group_size * numel, local.dtype, local.device)
             if first.weight_format and not partial and local.dtype.is_floating_point:
                 # blocks of a low-bit format: [Note: quantized collectives] in plan/quantize.py
-                # (on the compute stream: its quantizing is compute); counted by the collective
+                # (on the compute stream: its quantizing is compute), in the bytes it sends
+                counted = False
                 pending = quantized.all_gather(
                     local,
                     self.bound,
@@ -950,13 +955,16 @@ class ParamGroup:
                     ),
                     (local,),
                 )
-                self._count_gather(joining, j, axes, out.element_size())
             op = GatherOp([pending], (out, local) if packed else (out,), set(joining))
             self._gathering.append(op)
             gathered = pending.result.view(self.group_size, numel)  # a partial copy's too
             for i in joining:
                 a, b = self.columns_of.span(i, j)
-                self.memory.add(self.group_size * (b - a) * out.element_size())
+                full = self.group_size * (b - a) * out.element_size()
+                self.memory.add(full)
+                if counted:
+                    assert self.ledger is not None
+                    self.ledger.record("all_gather", axes, group_size=size, full_bytes=full)
                 self.inflight[self.members[i].parts[j]] = Gathering(op, gathered[:, a:b])
         for i in joining:
             self.members[i].mark_gathering(from_partial=partial)
@@ -990,18 +998,6 @@ class ParamGroup:
                 a, b = self.columns_of.span(i, j)
                 local[a:b].copy_(shard)  # casts to the compute dtype
         return local, True
-
-    def _count_gather(
-        self, joining: Sequence[int], j: int, axes: tuple[str, ...], itemsize: int
-    ) -> None:
-        """Counts part ``j``'s all-gather in the ledger as one per joining member: [Note: bucket order]."""
-        size = collectives.group_size(self.bound, axes)
-        if self.ledger is None or size == 1:
-            return
-        for i in joining:
-            a, b = self.columns_of.span(i, j)
-            full = self.group_size * (b - a) * itemsize
-            self.ledger.record("all_gather", axes, group_size=size, full_bytes=full)
 
     def _gather_in_place(
         self, unit: UnitRuntime, part: Part, local: torch.Tensor, axes: tuple[str, ...]
