@@ -902,6 +902,7 @@ class ParamGroup:
         first = self.members[joining[0]]
         partial = first.partial.held
         axes = first.partial.regather_axes if partial else self.axes
+        size = collectives.group_size(self.bound, axes)
         for j, part in enumerate(first.parts):
             if part.aliased:
                 continue
@@ -917,7 +918,6 @@ class ParamGroup:
                 self.inflight[part] = Gathering(op, full, in_place=True, version=version)
                 continue
             numel = self.columns_of.numels[j]
-            size = collectives.group_size(self.bound, axes)
             # counted here, once per joining member ([Note: bucket order]), unless the
             # collective counts its own bytes (quantized)
             counted = self.ledger is not None and size > 1
@@ -1438,7 +1438,7 @@ class Reducer:
         spare = self._spare(part) if alone and not unit.two_hop else None
         if not alone:
             self.gradients.drop_spare(part)  # the result is the round's: no donated one fits
-        ranges = chunk_ranges(unit, part, self.chunk_bytes, defer=False)
+        ranges = chunk_ranges(unit, part, self.chunk_bytes)
         if ranges:  # [Note: reductions in chunks]
             while self.order:  # the ranges reuse the regions these hold
                 self._finish_oldest()
@@ -1567,20 +1567,18 @@ def chunk_bytes_for(units: Iterable[UnitRuntime], /) -> int:
     return min(max(sizes, default=0), LARGE_BYTES // 2)
 
 
-def chunk_ranges(
-    unit: UnitRuntime, part: Part, chunk_bytes: int, /, *, defer: bool
-) -> Sequence[tuple[int, int]]:
+def chunk_ranges(unit: UnitRuntime, part: Part, chunk_bytes: int, /) -> Sequence[tuple[int, int]]:
     """The ranges ``[start, stop)`` of columns ``part``'s reduction goes in, one at a time; none where it goes whole.
 
-    A flat part's ranges are ``chunk_bytes`` of packed gradients each; a root unit's
-    part of the leaf layout has its :func:`~funcshard._src.shard.flat.leaf_column_ranges`
+    Asked of a reduction, never of deferred gradients (packed whole and kept). A flat
+    part's ranges are ``chunk_bytes`` of packed gradients each; a root unit's part of
+    the leaf layout has its :func:`~funcshard._src.shard.flat.leaf_column_ranges`
     (whole slots, or whole rows of one slot's chunk), where it has them. See
     [Note: reductions in chunks] in ``execute/param_group.py``.
     """
     layout = part.layout
     if (
-        defer
-        or unit.group_size == 1
+        unit.group_size == 1
         or unit.all_reduce_axes
         or unit.grad_format
         or unit.two_hop
